@@ -1,0 +1,49 @@
+"""Torch Memory-adaptive Algorithms: code that adapts to the (CUDA) memory it has.
+
+Functions wrapped by toma retry with a smaller batch or step after an out-of-memory error, and a cache
+remembers the size that worked. A drop-in successor of toma 1.1.0.
+"""
+import sys
+
+from toma import stacktrace as tst
+from toma.batchsize_cache import (
+    CONTEXT_CACHE_SIZE,
+    GlobalBatchsizeCache,
+    NoBatchsizeCache,
+    StacktraceMemoryBatchsizeCache,
+    get_cache_for_context,
+)
+from toma.cpu_memory import is_out_of_cpu_memory
+from toma.forms import PackageModule, explicit, simple, toma
+from toma.oom import register_oom_predicate, release_memory, should_reduce_batch_size, unregister_oom_predicate
+from toma.policy import Halving, ShrinkByFactor, SizePolicy
+from toma.torch_cuda_memory import gc_cuda, is_cuda_out_of_memory, is_cudnn_snafu
+from toma.version import __version__
+
+__all__ = [
+    "toma",
+    "explicit",
+    "simple",
+    "DEFAULT_CACHE_TYPE",
+    "NoBatchsizeCache",
+    "GlobalBatchsizeCache",
+    "StacktraceMemoryBatchsizeCache",
+    "get_cache_for_context",
+    "CONTEXT_CACHE_SIZE",
+    "should_reduce_batch_size",
+    "register_oom_predicate",
+    "unregister_oom_predicate",
+    "release_memory",
+    "SizePolicy",
+    "ShrinkByFactor",
+    "Halving",
+    "is_out_of_cpu_memory",
+    "is_cuda_out_of_memory",
+    "is_cudnn_snafu",
+    "gc_cuda",
+    "tst",
+    "__version__",
+]
+
+# Makes `toma.DEFAULT_CACHE_TYPE` a live setting that assignments reach.
+sys.modules[__name__].__class__ = PackageModule

@@ -1,0 +1,183 @@
+"""Caches that remember which batch size worked, so a call does not fail over again every time.
+
+A cache hands out `Batchsize` entries: thread-safe cells that only ever shrink and never go below 1.
+Which entry a call gets decides what is shared: none (`NoBatchsizeCache`), one per function
+(`GlobalBatchsizeCache`), or one per call site and free-memory level (`StacktraceMemoryBatchsizeCache`).
+"""
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Dict, Hashable, Optional, Tuple, Type
+
+from toma import stacktrace
+from toma.free_memory import GAUGE, FreeMemoryGauge
+
+__all__ = [
+    "Batchsize",
+    "BatchsizeCache",
+    "NoBatchsizeCache",
+    "GlobalBatchsizeCache",
+    "StacktraceMemoryBatchsizeCache",
+    "get_default_cache_type",
+    "set_default_cache_type",
+    "get_cache_for_context",
+    "CONTEXT_CACHE_SIZE",
+    "BoundedDict",
+]
+
+
+@dataclass
+class Batchsize:
+    """A remembered batch (or step) size. Shrinks only, never below 1, safe to share between threads."""
+
+    value: Optional[int] = None
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
+
+    def set_initial_batchsize(self, initial_batchsize: int) -> None:
+        """Set the value unless one is already remembered."""
+        with self._lock:
+            if not self.value:
+                self.value = initial_batchsize
+
+    def get(self) -> Optional[int]:
+        return self.value
+
+    def start(self, initial_batchsize: int) -> int:
+        """The size a call asking for `initial_batchsize` begins with: the remembered one, capped by the ask."""
+        value = self.value
+        if not value:
+            self.set_initial_batchsize(initial_batchsize)
+            value = self.value
+        return value if value < initial_batchsize else initial_batchsize
+
+    def shrink_to(self, size: int) -> None:
+        """Remember `size` if it is smaller than the current value (another thread may have gone lower)."""
+        if size < 1:
+            raise ValueError(f"size must be at least 1, got {size!r}")
+        with self._lock:
+            if self.value is None or size < self.value:
+                self.value = size
+
+    def decrease_batchsize(self) -> None:
+        """Halve the value, as toma 1.1.0 did; stays at 1 once there."""
+        value = self.value
+        if value is None:
+            raise ValueError("decrease_batchsize: no batch size has been set yet")
+        self.shrink_to(max(1, value // 2))
+
+
+class BatchsizeCache:
+    """Base class: `get_batchsize(initial_batchsize)` returns the `Batchsize` entry a call should use."""
+
+    all_instances: "weakref.WeakValueDictionary[Hashable, BatchsizeCache]" = weakref.WeakValueDictionary()
+
+    def __init__(self) -> None:
+        BatchsizeCache.all_instances[stacktrace.call_site_key()] = self
+
+    def get_batchsize(self, initial_batchsize: int) -> Batchsize:
+        raise NotImplementedError
+
+
+class NoBatchsizeCache(BatchsizeCache):
+    """Remembers nothing: every call starts at its initial size."""
+
+    def get_batchsize(self, initial_batchsize: int) -> Batchsize:
+        return Batchsize(initial_batchsize)
+
+
+class GlobalBatchsizeCache(BatchsizeCache):
+    """One size per function (or context), wherever it is called from."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batchsize: Optional[Batchsize] = None
+        self._lock = threading.Lock()
+
+    def get_batchsize(self, initial_batchsize: int) -> Batchsize:
+        batchsize = self.batchsize
+        if batchsize is None:
+            with self._lock:
+                if self.batchsize is None:
+                    self.batchsize = Batchsize(initial_batchsize)
+                batchsize = self.batchsize
+        return batchsize
+
+
+class BoundedDict:
+    """A dict that forgets its oldest entries beyond `max_size`; lookups lock-free, inserts locked."""
+
+    def __init__(self, max_size: int) -> None:
+        self.max_size = max_size
+        self.entries: Dict[Hashable, Any] = {}
+        self._lock = threading.Lock()
+
+    def get_or_create(self, key: Hashable, create: Any) -> Any:
+        value = self.entries.get(key)
+        if value is not None:
+            return value
+        with self._lock:
+            value = self.entries.get(key)
+            if value is None:
+                value = self.entries[key] = create()
+                while len(self.entries) > self.max_size:
+                    del self.entries[next(iter(self.entries))]
+        return value
+
+
+class StacktraceMemoryBatchsizeCache(BatchsizeCache):
+    """One size per call site (the innermost `STACK_DEPTH` frames) and free CPU/GPU memory level.
+
+    Free memory is counted in `MEMORY_GRANULARITY` buckets (256 MiB) and read through a throttled gauge,
+    so a cached call costs a few microseconds. The assumption, as in toma 1.1.0, is that memory use
+    settles after a few iterations, after which each call site finds its size in the cache.
+    """
+
+    LRU_CACHE_SIZE: int = 2**16
+    MEMORY_GRANULARITY: int = 2**28
+    TRACK_RAM: bool = True
+    STACK_DEPTH: int = 16
+    gauge: FreeMemoryGauge = GAUGE
+
+    def __init__(self, lru_cache_size: Optional[int] = None) -> None:
+        super().__init__()
+        self._entries = BoundedDict(lru_cache_size or self.LRU_CACHE_SIZE)
+
+    def memory_key(self) -> Tuple[int, int]:
+        cpu, gpu = self.gauge.read()
+        granularity = self.MEMORY_GRANULARITY
+        return (cpu // granularity if self.TRACK_RAM else -1, -1 if gpu is None else gpu // granularity)
+
+    def get_batchsize(self, initial_batchsize: int) -> Batchsize:
+        key = (stacktrace.call_site_key(self.STACK_DEPTH), self.memory_key())
+        entry: Batchsize = self._entries.get_or_create(key, Batchsize)
+        return entry
+
+
+_default_cache_type: Type[BatchsizeCache] = StacktraceMemoryBatchsizeCache
+
+
+def get_default_cache_type() -> Type[BatchsizeCache]:
+    """The cache type used where none is given (what `toma.DEFAULT_CACHE_TYPE` reads)."""
+    return _default_cache_type
+
+
+def check_cache_type(cache_type: Any, name: str = "cache_type") -> Type[BatchsizeCache]:
+    """Raise early unless `cache_type` is a cache class (something whose instances have `get_batchsize`)."""
+    if not (isinstance(cache_type, type) and callable(getattr(cache_type, "get_batchsize", None))):
+        raise TypeError(f"{name} must be a cache class such as toma.GlobalBatchsizeCache, got {cache_type!r}")
+    return cache_type
+
+
+def set_default_cache_type(cache_type: Type[BatchsizeCache]) -> None:
+    """Change the cache type used where none is given (what assigning `toma.DEFAULT_CACHE_TYPE` does)."""
+    global _default_cache_type
+    _default_cache_type = check_cache_type(cache_type, "DEFAULT_CACHE_TYPE")
+
+
+CONTEXT_CACHE_SIZE = 2**14
+_caches_by_context = BoundedDict(CONTEXT_CACHE_SIZE)
+
+
+def get_cache_for_context(batchsize_cache_type: Type[BatchsizeCache], context: Hashable) -> BatchsizeCache:
+    """The one cache instance of `batchsize_cache_type` for `context`, created on first use."""
+    return _caches_by_context.get_or_create((batchsize_cache_type, context), batchsize_cache_type)

@@ -1,0 +1,79 @@
+"""CPU memory: what is available to this process, a cap on it, and whether an error means it ran out."""
+import logging
+import sys
+from typing import Optional
+
+import psutil
+
+__all__ = ["get_available_cpu_memory", "set_cpu_memory_limit", "is_out_of_cpu_memory"]
+
+log = logging.getLogger("toma")
+
+try:
+    import resource
+except ImportError:  # Windows has no rlimits.
+    resource = None  # type: ignore[assignment]
+
+CPU_OOM_MARKERS = (
+    "DefaultCPUAllocator: can't allocate memory",
+    "DefaultCPUAllocator: not enough memory",
+)
+
+_process: Optional[psutil.Process] = None
+
+
+def _address_space_limit() -> Optional[int]:
+    """The enforced RLIMIT_AS in bytes, or None when there is none."""
+    if resource is None:
+        return None
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    limits = [limit for limit in (soft, hard) if limit != resource.RLIM_INFINITY]
+    return min(limits) if limits else None
+
+
+def get_available_cpu_memory() -> int:
+    """Bytes this process can still allocate: free system memory, or less under an address-space limit."""
+    global _process
+    available = psutil.virtual_memory().available
+    limit = _address_space_limit()
+    if limit is not None:
+        if _process is None:
+            _process = psutil.Process()
+        available = min(available, limit - _process.memory_info().vms)
+    return int(available)
+
+
+def set_cpu_memory_limit(num_gigabytes: float) -> None:
+    """Cap this process's address space (RLIMIT_AS) at `num_gigabytes` GiB, soft and hard limit alike.
+
+    Allocations beyond it fail with an error toma recognises instead of swapping or waking the OOM
+    killer. The cap counts virtual memory, not resident memory, and a process cannot raise it again.
+    A CUDA process reserves a very large virtual range when CUDA starts, so under a cap CUDA may fail
+    to initialise, and once CUDA is up a cap below its reservation makes every allocation fail: use it in
+    CPU-only processes, or set it well above the address space the process already has.
+    """
+    if isinstance(num_gigabytes, bool) or not isinstance(num_gigabytes, (int, float)):
+        raise TypeError(f"num_gigabytes must be a number of GiB, got {num_gigabytes!r}")
+    if not num_gigabytes > 0:
+        raise ValueError(f"num_gigabytes must be positive, got {num_gigabytes!r}")
+    if resource is None:
+        log.warning("toma: set_cpu_memory_limit is not supported on %s; no limit set", sys.platform)
+        return
+    num_bytes = int(num_gigabytes * 2**30)
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if hard != resource.RLIM_INFINITY:
+        num_bytes = min(num_bytes, hard)
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        log.warning("toma: set_cpu_memory_limit in a process that uses CUDA; CUDA's address space counts too")
+    resource.setrlimit(resource.RLIMIT_AS, (num_bytes, num_bytes))
+
+
+def is_out_of_cpu_memory(exception: BaseException) -> bool:
+    """True for PyTorch's CPU allocator failures and Python's MemoryError."""
+    if isinstance(exception, MemoryError):
+        return True
+    if not isinstance(exception, RuntimeError):
+        return False
+    message = str(exception)
+    return any(marker in message for marker in CPU_OOM_MARKERS)

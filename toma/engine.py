@@ -1,0 +1,149 @@
+"""The one retry loop every form drives: attempt, classify, shrink, release, retry.
+
+A form hands the engine a *step*: a callable that does one unit of work at a given size and returns
+True once all work is done (a batch call is one step; a range is one step per chunk). When a step
+runs out of memory the engine shrinks the size with the policy, remembers it in the cache entry,
+releases memory once the failed attempt is unreachable, and runs the same step again. Completed
+steps are never repeated. A call that never runs out of memory pays for nothing but the loop itself.
+"""
+import logging
+import sys
+from typing import Any, Callable, Dict, Optional, Protocol, Tuple
+
+from toma import stacktrace
+from toma.batchsize_cache import Batchsize
+from toma.free_memory import GAUGE
+from toma.oom import release_memory, should_reduce_batch_size
+from toma.policy import SizePolicy
+
+__all__ = ["Step", "run", "BatchStep", "RangeStep", "ChunkStep"]
+
+log = logging.getLogger("toma")
+
+
+class Step(Protocol):
+    """One unit of work at a given size; True when there is nothing left to do."""
+
+    func: Callable[..., Any]
+    size_name: str
+
+    def __call__(self, size: int) -> bool: ...
+
+
+def _add_note(exception: BaseException, note: str) -> None:
+    if hasattr(exception, "add_note"):
+        exception.add_note(note)
+    else:  # Python 3.10: keep the note where 3.11's traceback printer would look.
+        exception.__notes__ = [*getattr(exception, "__notes__", ()), note]  # type: ignore[attr-defined]
+
+
+def _name(func: Callable[..., Any]) -> str:
+    return getattr(func, "__qualname__", None) or repr(func)
+
+
+def _first_line(exception: BaseException) -> str:
+    text = str(exception).strip()
+    return f"{type(exception).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def run(step: Step, entry: Batchsize, initial_size: int, policy: SizePolicy) -> None:
+    """Run `step` to completion, shrinking its size on out-of-memory errors.
+
+    Errors that are not out-of-memory pass through untouched; KeyboardInterrupt is never caught. An
+    out-of-memory error at the smallest size the policy allows is re-raised with a note saying so.
+    """
+    size = entry.start(initial_size)
+    while True:
+        try:
+            while not step(size):
+                pass
+            return
+        except Exception as exception:
+            if not should_reduce_batch_size(exception):
+                raise
+            smaller = policy.shrink(size)
+            if smaller is None:
+                _add_note(
+                    exception,
+                    f"toma: {_name(step.func)} ran out of memory at the smallest {step.size_name} ({size}); "
+                    f"there is nothing left to reduce. Called from {stacktrace.describe_call_site()}.",
+                )
+                raise
+            reason = _first_line(exception)
+        # Only here, with the except block left, is the failed attempt's traceback (and so its frames
+        # and tensors) unreachable; collecting inside the block would free nothing.
+        entry.shrink_to(smaller)
+        log.info(
+            "toma: %s ran out of memory at %s %d; retrying with %d (called from %s): %s",
+            _name(step.func),
+            step.size_name,
+            size,
+            smaller,
+            stacktrace.describe_call_site(),
+            reason,
+        )
+        release_memory()
+        GAUGE.invalidate()
+        size = smaller
+
+
+class BatchStep:
+    """`func(batchsize, *args, **kwargs)` once; keeps the result."""
+
+    size_name = "batch size"
+    __slots__ = ("func", "args", "kwargs", "result")
+
+    def __init__(self, func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+        self.func, self.args, self.kwargs = func, args, kwargs
+        self.result: Any = None
+
+    def __call__(self, size: int) -> bool:
+        self.result = self.func(size, *self.args, **self.kwargs)
+        return True
+
+
+class RangeStep:
+    """`func(start, stop, *args, **kwargs)` for consecutive chunks of `[start, end)`; resumes after an OOM."""
+
+    size_name = "step"
+    __slots__ = ("func", "args", "kwargs", "current", "end")
+
+    def __init__(
+        self, func: Callable[..., Any], start: int, end: int, args: Tuple[Any, ...], kwargs: Dict[str, Any]
+    ) -> None:
+        self.func, self.args, self.kwargs = func, args, kwargs
+        self.current, self.end = start, end
+
+    @property
+    def finished(self) -> bool:
+        return self.current >= self.end
+
+    def call(self, start: int, stop: int) -> None:
+        self.func(start, stop, *self.args, **self.kwargs)
+
+    def __call__(self, size: int) -> bool:
+        start = self.current
+        stop = min(start + size, self.end)
+        self.call(start, stop)
+        self.current = stop
+        return stop >= self.end
+
+
+class ChunkStep(RangeStep):
+    """`func(tensor.narrow(dimension, start, length), start, stop, *args, **kwargs)` chunk by chunk."""
+
+    __slots__ = ("tensor", "dimension")
+
+    def __init__(
+        self,
+        func: Callable[..., Any],
+        tensor: Any,
+        dimension: int,
+        args: Tuple[Any, ...],
+        kwargs: Dict[str, Any],
+    ) -> None:
+        super().__init__(func, 0, tensor.shape[dimension], args, kwargs)
+        self.tensor, self.dimension = tensor, dimension
+
+    def call(self, start: int, stop: int) -> None:
+        self.func(self.tensor.narrow(self.dimension, start, stop - start), start, stop, *self.args, **self.kwargs)

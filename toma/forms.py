@@ -1,0 +1,386 @@
+"""The public forms, thin drivers of the one engine.
+
+- `toma.batch` / `toma.range` / `toma.chunked`: decorators with a per-function cache.
+- `toma.execute.*`: run the decorated block at once, cached per call site.
+- `explicit.*`: the same as plain calls, with `toma_*` keyword options.
+- `simple.*`: plain calls without a cache.
+"""
+import functools
+import types
+from typing import Any, Callable, Hashable, Optional, Type, TypeVar
+
+import torch
+
+from toma import engine
+from toma.arguments import check_dimension, check_index, check_policy, check_size, check_tensor_dimension
+from toma.batchsize_cache import (
+    BatchsizeCache,
+    BoundedDict,
+    GlobalBatchsizeCache,
+    NoBatchsizeCache,
+    StacktraceMemoryBatchsizeCache,
+    check_cache_type,
+    get_cache_for_context,
+    get_default_cache_type,
+    set_default_cache_type,
+)
+from toma.policy import DEFAULT_POLICY, SizePolicy
+from toma.stacktrace import call_site_key
+
+__all__ = ["toma", "explicit", "simple", "PackageModule"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+CacheType = Optional[Type[BatchsizeCache]]
+
+_NO_CACHE = NoBatchsizeCache()
+
+
+# --- the three drivers every form ends in ------------------------------------------------------------
+
+
+def _run_batch(func: Callable[..., Any], initial: int, args: tuple, kwargs: dict, cache: BatchsizeCache,
+               policy: SizePolicy) -> Any:
+    step = engine.BatchStep(func, args, kwargs)
+    engine.run(step, cache.get_batchsize(initial), initial, policy)
+    return step.result
+
+
+def _run_range(func: Callable[..., Any], start: int, end: int, initial: int, args: tuple, kwargs: dict,
+               cache: BatchsizeCache, policy: SizePolicy) -> None:
+    step = engine.RangeStep(func, start, end, args, kwargs)
+    if not step.finished:
+        engine.run(step, cache.get_batchsize(initial), initial, policy)
+
+
+def _run_chunked(func: Callable[..., Any], tensor: torch.Tensor, dimension: int, initial: int, args: tuple,
+                 kwargs: dict, cache: BatchsizeCache, policy: SizePolicy) -> None:
+    step = engine.ChunkStep(func, tensor, dimension, args, kwargs)
+    if not step.finished:
+        engine.run(step, cache.get_batchsize(initial), initial, policy)
+
+
+# --- choosing the cache --------------------------------------------------------------------------------
+
+
+def _function_context(func: Callable[..., Any]) -> Hashable:
+    """Identify a function by its code, so that closures, lambdas and bound methods created anew share
+    one cache entry and the cache keeps none of them (nor what they capture) alive."""
+    target: Any = func
+    while True:
+        inner = getattr(target, "__func__", None)
+        if inner is None and isinstance(target, functools.partial):
+            inner = target.func
+        if inner is None:
+            break
+        target = inner
+    code = getattr(target, "__code__", None)
+    if code is None:
+        code = getattr(getattr(type(target), "__call__", None), "__code__", None)
+    return code if code is not None else target
+
+
+def _cache_for(cache_type: CacheType, context: Optional[Hashable], own_caches: Optional[BoundedDict],
+               func: Callable[..., Any]) -> BatchsizeCache:
+    """The cache for a call: by context if one is given, else the decorated function's own."""
+    resolved = cache_type if cache_type is not None else get_default_cache_type()
+    if context is None:
+        if own_caches is not None:
+            cache: BatchsizeCache = own_caches.get_or_create(resolved, resolved)
+            return cache
+        context = _function_context(func)
+    return get_cache_for_context(resolved, context)
+
+
+def _optional_cache_type(cache_type: CacheType, name: str) -> CacheType:
+    return None if cache_type is None else check_cache_type(cache_type, name)
+
+
+def _initial(default: Optional[int], override: Any, name: str, override_name: str) -> int:
+    if override is not None:
+        return check_size(override, override_name)
+    if default is None:
+        raise TypeError(f"{name} is required: give it to the decorator or pass {override_name}= to the call")
+    return default
+
+
+def _check_decorated(func: Any, form: str, size_name: str) -> None:
+    if not callable(func):
+        raise TypeError(
+            f"{form} decorates a function; got {func!r}. Did you mean @{form}({size_name}={func!r})?"
+        )
+
+
+def _describe(wrapped: Callable[..., Any], form: str, extra: str) -> None:
+    wrapped.__doc__ = f"Wrapped in {form}: also takes {extra}.\n\n{wrapped.__doc__ or ''}"
+
+
+# --- simple --------------------------------------------------------------------------------------------
+
+
+class simple:
+    """Plain calls without a cache: each call starts at its initial size."""
+
+    @staticmethod
+    def batch(func: Callable[..., Any], initial_batchsize: int, *args: Any, **kwargs: Any) -> Any:
+        """`func(batchsize, *args, **kwargs)`, halving `batchsize` on out-of-memory errors; returns its result."""
+        initial = check_size(initial_batchsize, "initial_batchsize")
+        return _run_batch(func, initial, args, kwargs, _NO_CACHE, DEFAULT_POLICY)
+
+    @staticmethod
+    def range(func: Callable[..., Any], start: int, end: int, initial_step: int, *args: Any, **kwargs: Any) -> None:
+        """`func(chunk_start, chunk_end, *args, **kwargs)` over `[start, end)`, halving the step on OOM."""
+        start, end = check_index(start, "start"), check_index(end, "end")
+        initial = check_size(initial_step, "initial_step")
+        _run_range(func, start, end, initial, args, kwargs, _NO_CACHE, DEFAULT_POLICY)
+
+    @staticmethod
+    def chunked(func: Callable[..., Any], tensor: torch.Tensor, initial_step: int, dimension: int = 0) -> None:
+        """`func(chunk, chunk_start, chunk_end)` over chunks of `tensor` along `dimension`, halving on OOM."""
+        initial = check_size(initial_step, "initial_step")
+        dim = check_tensor_dimension(tensor, check_dimension(dimension, "dimension"), "tensor", "dimension")
+        _run_chunked(func, tensor, dim, initial, (), {}, _NO_CACHE, DEFAULT_POLICY)
+
+
+# --- explicit ------------------------------------------------------------------------------------------
+
+
+class explicit:
+    """Plain calls with a cache (`toma_cache_type`, keyed by `toma_context` or the function)."""
+
+    @staticmethod
+    def batch(
+        func: Callable[..., Any],
+        initial_batchsize: int,
+        *args: Any,
+        toma_context: Optional[Hashable] = None,
+        toma_cache_type: CacheType = None,
+        toma_policy: Optional[SizePolicy] = None,
+        **kwargs: Any,
+    ) -> Any:
+        """`func(batchsize, *args, **kwargs)`, shrinking `batchsize` on out-of-memory errors; returns its result."""
+        initial = check_size(initial_batchsize, "initial_batchsize")
+        cache = _cache_for(_optional_cache_type(toma_cache_type, "toma_cache_type"), toma_context, None, func)
+        return _run_batch(func, initial, args, kwargs, cache, check_policy(toma_policy, "toma_policy"))
+
+    @staticmethod
+    def range(
+        func: Callable[..., Any],
+        start: int,
+        end: int,
+        initial_step: int,
+        *args: Any,
+        toma_context: Optional[Hashable] = None,
+        toma_cache_type: CacheType = None,
+        toma_policy: Optional[SizePolicy] = None,
+        **kwargs: Any,
+    ) -> None:
+        """`func(chunk_start, chunk_end, *args, **kwargs)` over `[start, end)`, shrinking the step on OOM."""
+        start, end = check_index(start, "start"), check_index(end, "end")
+        initial = check_size(initial_step, "initial_step")
+        cache = _cache_for(_optional_cache_type(toma_cache_type, "toma_cache_type"), toma_context, None, func)
+        _run_range(func, start, end, initial, args, kwargs, cache, check_policy(toma_policy, "toma_policy"))
+
+    @staticmethod
+    def chunked(
+        func: Callable[..., Any],
+        tensor: torch.Tensor,
+        initial_step: int,
+        *args: Any,
+        toma_dimension: Optional[int] = None,
+        toma_context: Optional[Hashable] = None,
+        toma_cache_type: CacheType = None,
+        toma_policy: Optional[SizePolicy] = None,
+        **kwargs: Any,
+    ) -> None:
+        """`func(chunk, chunk_start, chunk_end, *args, **kwargs)` over chunks of `tensor`, shrinking on OOM."""
+        initial = check_size(initial_step, "initial_step")
+        dim = check_tensor_dimension(
+            tensor, check_dimension(toma_dimension, "toma_dimension"), "tensor", "toma_dimension"
+        )
+        cache = _cache_for(_optional_cache_type(toma_cache_type, "toma_cache_type"), toma_context, None, func)
+        _run_chunked(func, tensor, dim, initial, args, kwargs, cache, check_policy(toma_policy, "toma_policy"))
+
+
+# --- toma ----------------------------------------------------------------------------------------------
+
+
+class _DefaultCacheType:
+    """`DEFAULT_CACHE_TYPE` as a live attribute: reading and assigning it go to one shared setting."""
+
+    def __get__(self, instance: Any, owner: Any = None) -> Type[BatchsizeCache]:
+        return get_default_cache_type()
+
+    def __set__(self, instance: Any, value: Type[BatchsizeCache]) -> None:
+        set_default_cache_type(value)
+
+
+class _TomaNamespace(type):
+    DEFAULT_CACHE_TYPE = _DefaultCacheType()
+
+
+class PackageModule(types.ModuleType):
+    """The class of the `toma` package module, so that `toma.DEFAULT_CACHE_TYPE = ...` takes effect."""
+
+    DEFAULT_CACHE_TYPE = _DefaultCacheType()
+
+
+class toma(metaclass=_TomaNamespace):
+    """Decorators that retry a function with a smaller batch or step after an out-of-memory error."""
+
+    NoBatchsizeCache = NoBatchsizeCache
+    GlobalBatchsizeCache = GlobalBatchsizeCache
+    StacktraceMemoryBatchsizeCache = StacktraceMemoryBatchsizeCache
+    explicit = explicit
+    simple = simple
+
+    @staticmethod
+    def batch(
+        func: Optional[F] = None,
+        *,
+        initial_batchsize: Optional[int] = None,
+        cache_type: CacheType = None,
+        context: Optional[Hashable] = None,
+        policy: Optional[SizePolicy] = None,
+    ) -> Any:
+        """`@toma.batch(initial_batchsize=512)`: the function's first argument becomes the batch size."""
+        default = None if initial_batchsize is None else check_size(initial_batchsize, "initial_batchsize")
+        cache_type = _optional_cache_type(cache_type, "cache_type")
+        policy = check_policy(policy, "policy")
+        if func is None:
+            return functools.partial(
+                toma.batch, initial_batchsize=default, cache_type=cache_type, context=context, policy=policy
+            )
+        _check_decorated(func, "toma.batch", "initial_batchsize")
+        own_caches = BoundedDict(16)
+
+        @functools.wraps(func)
+        def wrapped(*args: Any, toma_initial_batchsize: Optional[int] = None,
+                    toma_context: Optional[Hashable] = None, **kwargs: Any) -> Any:
+            initial = _initial(default, toma_initial_batchsize, "initial_batchsize", "toma_initial_batchsize")
+            cache = _cache_for(cache_type, context if toma_context is None else toma_context, own_caches, func)
+            return _run_batch(func, initial, args, kwargs, cache, policy)
+
+        _describe(wrapped, "toma.batch", "toma_initial_batchsize= and toma_context=")
+        return wrapped
+
+    @staticmethod
+    def range(
+        func: Optional[F] = None,
+        *,
+        initial_step: Optional[int] = None,
+        cache_type: CacheType = None,
+        context: Optional[Hashable] = None,
+        policy: Optional[SizePolicy] = None,
+    ) -> Any:
+        """`@toma.range(initial_step=32)`: `f(start, end, ...)` runs over `[start, end)` chunk by chunk."""
+        default = None if initial_step is None else check_size(initial_step, "initial_step")
+        cache_type = _optional_cache_type(cache_type, "cache_type")
+        policy = check_policy(policy, "policy")
+        if func is None:
+            return functools.partial(
+                toma.range, initial_step=default, cache_type=cache_type, context=context, policy=policy
+            )
+        _check_decorated(func, "toma.range", "initial_step")
+        own_caches = BoundedDict(16)
+
+        @functools.wraps(func)
+        def wrapped(start: int, end: int, *args: Any, toma_initial_step: Optional[int] = None,
+                    toma_context: Optional[Hashable] = None, **kwargs: Any) -> None:
+            start, end = check_index(start, "start"), check_index(end, "end")
+            initial = _initial(default, toma_initial_step, "initial_step", "toma_initial_step")
+            cache = _cache_for(cache_type, context if toma_context is None else toma_context, own_caches, func)
+            _run_range(func, start, end, initial, args, kwargs, cache, policy)
+
+        _describe(wrapped, "toma.range", "toma_initial_step= and toma_context=")
+        return wrapped
+
+    @staticmethod
+    def chunked(
+        func: Optional[F] = None,
+        *,
+        initial_step: Optional[int] = None,
+        dimension: Optional[int] = None,
+        cache_type: CacheType = None,
+        context: Optional[Hashable] = None,
+        policy: Optional[SizePolicy] = None,
+    ) -> Any:
+        """`@toma.chunked(initial_step=512)`: `f(chunk, start, end, ...)` runs over chunks of a tensor."""
+        default = None if initial_step is None else check_size(initial_step, "initial_step")
+        default_dimension = check_dimension(dimension, "dimension")
+        cache_type = _optional_cache_type(cache_type, "cache_type")
+        policy = check_policy(policy, "policy")
+        if func is None:
+            return functools.partial(
+                toma.chunked,
+                initial_step=default,
+                dimension=default_dimension,
+                cache_type=cache_type,
+                context=context,
+                policy=policy,
+            )
+        _check_decorated(func, "toma.chunked", "initial_step")
+        own_caches = BoundedDict(16)
+
+        @functools.wraps(func)
+        def wrapped(tensor: torch.Tensor, *args: Any, toma_initial_step: Optional[int] = None,
+                    toma_dimension: Optional[int] = None, toma_context: Optional[Hashable] = None,
+                    **kwargs: Any) -> None:
+            initial = _initial(default, toma_initial_step, "initial_step", "toma_initial_step")
+            if toma_dimension is None:
+                dim = check_tensor_dimension(tensor, default_dimension, "tensor", "dimension")
+            else:
+                dim = check_tensor_dimension(
+                    tensor, check_index(toma_dimension, "toma_dimension"), "tensor", "toma_dimension"
+                )
+            cache = _cache_for(cache_type, context if toma_context is None else toma_context, own_caches, func)
+            _run_chunked(func, tensor, dim, initial, args, kwargs, cache, policy)
+
+        _describe(wrapped, "toma.chunked", "toma_initial_step=, toma_dimension= and toma_context=")
+        return wrapped
+
+    class execute:
+        """Run the decorated block at once (`@toma.execute.batch(512)` above a `def`); cached per call site."""
+
+        @staticmethod
+        def batch(initial_batchsize: int, cache_type: CacheType = None, context: Optional[Hashable] = None,
+                  policy: Optional[SizePolicy] = None) -> Callable[[Callable[..., Any]], Any]:
+            initial = check_size(initial_batchsize, "initial_batchsize")
+            cache_type = _optional_cache_type(cache_type, "cache_type")
+            policy = check_policy(policy, "policy")
+            context = call_site_key() if context is None else context
+
+            def execute_batch(func: Callable[..., Any]) -> Any:
+                return _run_batch(func, initial, (), {}, _cache_for(cache_type, context, None, func), policy)
+
+            return execute_batch
+
+        @staticmethod
+        def range(start: int, end: int, initial_step: int, cache_type: CacheType = None,
+                  context: Optional[Hashable] = None,
+                  policy: Optional[SizePolicy] = None) -> Callable[[Callable[..., Any]], None]:
+            start, end = check_index(start, "start"), check_index(end, "end")
+            initial = check_size(initial_step, "initial_step")
+            cache_type = _optional_cache_type(cache_type, "cache_type")
+            policy = check_policy(policy, "policy")
+            context = call_site_key() if context is None else context
+
+            def execute_range(func: Callable[..., Any]) -> None:
+                _run_range(func, start, end, initial, (), {}, _cache_for(cache_type, context, None, func), policy)
+
+            return execute_range
+
+        @staticmethod
+        def chunked(tensor: torch.Tensor, initial_step: Optional[int] = None, dimension: Optional[int] = None,
+                    cache_type: CacheType = None, context: Optional[Hashable] = None,
+                    policy: Optional[SizePolicy] = None) -> Callable[[Callable[..., Any]], None]:
+            initial = check_size(initial_step, "initial_step")
+            dim = check_tensor_dimension(tensor, check_dimension(dimension, "dimension"), "tensor", "dimension")
+            cache_type = _optional_cache_type(cache_type, "cache_type")
+            policy = check_policy(policy, "policy")
+            context = call_site_key() if context is None else context
+
+            def execute_chunked(func: Callable[..., Any]) -> None:
+                cache = _cache_for(cache_type, context, None, func)
+                _run_chunked(func, tensor, dim, initial, (), {}, cache, policy)
+
+            return execute_chunked

@@ -1,0 +1,78 @@
+"""Is this error an out-of-memory error (any backend)? And freeing memory once the failed attempt is gone."""
+import gc
+import threading
+from typing import Callable, Tuple
+
+import torch
+
+from toma.cpu_memory import is_out_of_cpu_memory
+from toma.torch_cuda_memory import is_cuda_out_of_memory, is_cudnn_snafu
+
+__all__ = [
+    "should_reduce_batch_size",
+    "register_oom_predicate",
+    "unregister_oom_predicate",
+    "release_memory",
+]
+
+OomPredicate = Callable[[BaseException], bool]
+
+# Lower-case text that marks an out-of-memory error from any backend (MPS, XPU, cudaMallocAsync, ...).
+_GENERIC_MARKER = "out of memory"
+
+_extra_predicates: Tuple[OomPredicate, ...] = ()
+_predicates_lock = threading.Lock()
+
+
+def should_reduce_batch_size(exception: BaseException) -> bool:
+    """True when `exception` means memory ran out, so retrying with less work may succeed."""
+    if isinstance(exception, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    if isinstance(exception, RuntimeError):  # torch.AcceleratorError included
+        if (
+            _GENERIC_MARKER in str(exception).lower()
+            or is_cuda_out_of_memory(exception)
+            or is_cudnn_snafu(exception)
+            or is_out_of_cpu_memory(exception)
+        ):
+            return True
+    return any(predicate(exception) for predicate in _extra_predicates)
+
+
+def register_oom_predicate(predicate: OomPredicate) -> OomPredicate:
+    """Also treat errors for which `predicate(exception)` is true as out-of-memory. Usable as a decorator."""
+    global _extra_predicates
+    if not callable(predicate):
+        raise TypeError(f"predicate must be callable, got {predicate!r}")
+    with _predicates_lock:
+        if predicate not in _extra_predicates:
+            _extra_predicates = _extra_predicates + (predicate,)
+    return predicate
+
+
+def unregister_oom_predicate(predicate: OomPredicate) -> None:
+    """Undo `register_oom_predicate`; unknown predicates are ignored."""
+    global _extra_predicates
+    with _predicates_lock:
+        _extra_predicates = tuple(p for p in _extra_predicates if p is not predicate)
+
+
+def _empty_accelerator_caches() -> None:
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+    xpu = getattr(torch, "xpu", None)
+    if xpu is not None and xpu.is_available() and xpu.is_initialized():
+        xpu.empty_cache()
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        torch.mps.empty_cache()
+
+
+def release_memory() -> None:
+    """Collect garbage, then return cached accelerator blocks to the device.
+
+    Call it only after the failed attempt's exception is gone: while its traceback lives, the attempt's
+    frames and tensors are still reachable and nothing can be freed.
+    """
+    gc.collect()
+    _empty_accelerator_caches()

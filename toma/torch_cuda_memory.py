@@ -1,0 +1,126 @@
+"""CUDA memory: freeing the caching allocator, memory queries, and whether an error means CUDA ran out."""
+import gc
+import logging
+from typing import Optional
+
+import torch
+
+__all__ = [
+    "gc_cuda",
+    "get_cuda_total_memory",
+    "get_cuda_assumed_available_memory",
+    "get_cuda_available_memory",
+    "get_cuda_blocked_memory",
+    "get_cuda_free_memory_if_initialized",
+    "is_cuda_out_of_memory",
+    "is_cudnn_snafu",
+    "cuda_meminfo",
+]
+
+log = logging.getLogger("toma")
+
+CUDA_OOM_MARKERS = (
+    "CUDA out of memory",
+    "CUDA error: out of memory",
+    "HIP out of memory",
+    "CUBLAS_STATUS_ALLOC_FAILED",
+    "CUDNN_STATUS_ALLOC_FAILED",
+)
+CUDNN_SNAFU_MARKER = "CUDNN_STATUS_NOT_SUPPORTED"
+
+_GiB = 2**30
+_PROBE_MARGIN = 2**28
+
+
+def gc_cuda() -> None:
+    """Collect Python garbage, then hand PyTorch's cached but unused CUDA blocks back to the driver."""
+    gc.collect()
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def get_cuda_total_memory() -> int:
+    """Total memory of the current CUDA device in bytes (0 without CUDA)."""
+    if not torch.cuda.is_available():
+        return 0
+    return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+
+
+def get_cuda_assumed_available_memory() -> int:
+    """Total device memory minus what PyTorch has reserved; ignores other processes (0 without CUDA)."""
+    if not torch.cuda.is_available():
+        return 0
+    return get_cuda_total_memory() - int(torch.cuda.memory_reserved())
+
+
+def get_cuda_blocked_memory() -> int:
+    """Memory that is neither reserved by PyTorch nor allocatable: other processes, CUDA contexts.
+
+    Found by allocating ever smaller blocks until one fits, so it is slow and empties the cache.
+    """
+    if not torch.cuda.is_available():
+        return 0
+    available = get_cuda_assumed_available_memory()
+    size = available - _PROBE_MARGIN
+    while size > 0:
+        try:
+            block = torch.empty((size,), dtype=torch.uint8, device="cuda")
+        except RuntimeError as exception:
+            if not is_cuda_out_of_memory(exception):
+                raise
+            size -= _GiB
+            continue
+        del block
+        gc_cuda()
+        return available - size
+    gc_cuda()
+    return available
+
+
+def get_cuda_available_memory() -> int:
+    """Memory a new tensor could really get on the current device, by probing (0 without CUDA)."""
+    if not torch.cuda.is_available():
+        return 0
+    return get_cuda_assumed_available_memory() - get_cuda_blocked_memory()
+
+
+def get_cuda_free_memory_if_initialized() -> Optional[int]:
+    """Free device memory plus PyTorch's cached but unused blocks; None while CUDA is not initialised.
+
+    Never initialises CUDA itself (that would cost a context and break later forks).
+    """
+    if not torch.cuda.is_initialized():
+        return None
+    free, _total = torch.cuda.mem_get_info()
+    return int(free + torch.cuda.memory_reserved() - torch.cuda.memory_allocated())
+
+
+def _message(exception: BaseException) -> str:
+    return str(exception) if isinstance(exception, RuntimeError) else ""
+
+
+def is_cuda_out_of_memory(exception: BaseException) -> bool:
+    """True for out-of-memory errors of CUDA or ROCm, their allocator, cuBLAS and cuDNN."""
+    if isinstance(exception, torch.OutOfMemoryError):
+        return True
+    message = _message(exception)
+    return any(marker in message for marker in CUDA_OOM_MARKERS)
+
+
+def is_cudnn_snafu(exception: BaseException) -> bool:
+    """cuDNN's NOT_SUPPORTED, which in practice often means the input was too large."""
+    return CUDNN_SNAFU_MARKER in _message(exception)
+
+
+def cuda_meminfo() -> str:
+    """A one-line summary of PyTorch's CUDA memory use, logged at INFO on the "toma" logger and returned."""
+    if not torch.cuda.is_available():
+        return "CUDA not available"
+    summary = (
+        f"allocated {torch.cuda.memory_allocated() / _GiB:.3f} GiB, "
+        f"reserved {torch.cuda.memory_reserved() / _GiB:.3f} GiB, "
+        f"max allocated {torch.cuda.max_memory_allocated() / _GiB:.3f} GiB, "
+        f"max reserved {torch.cuda.max_memory_reserved() / _GiB:.3f} GiB"
+    )
+    log.info("toma: CUDA memory: %s", summary)
+    return summary
