@@ -1,0 +1,50 @@
+"""Shared test helpers: fake OOMs, a fixed free-memory gauge, subprocesses, the CUDA marker."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+CUDA_OOM_MESSAGE = "CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 15.78 GiB total capacity)"
+
+
+def raise_fake_oom(message: str = CUDA_OOM_MESSAGE) -> None:
+    """What PyTorch's CUDA caching allocator raises, without needing a GPU."""
+    raise torch.OutOfMemoryError(message)
+
+
+class FixedGauge:
+    """A free-memory gauge that reads whatever the test sets, so cache keys are deterministic."""
+
+    def __init__(self, cpu: int = 8 * 2**30, gpu=None) -> None:
+        self.cpu, self.gpu = cpu, gpu
+        self.reads = 0
+
+    def read(self):
+        self.reads += 1
+        return self.cpu, self.gpu
+
+    def invalidate(self) -> None:
+        pass
+
+
+def run_python(code: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    """Run `code` in a fresh interpreter with the repository importable; fail the test on a non-zero exit."""
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=REPO,
+    )
+    assert result.returncode == 0, f"subprocess failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
+    return result
+
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
