@@ -1,0 +1,156 @@
+"""CPU memory: the cap, what is available under it, and real out-of-memory errors under it."""
+import json
+
+import pytest
+
+from helpers import run_python
+from toma.cpu_memory import get_available_cpu_memory, is_out_of_cpu_memory, set_cpu_memory_limit
+
+
+@pytest.mark.parametrize("value, error", [(0, ValueError), (-1, ValueError), ("8", TypeError), (True, TypeError)])
+def test_limit_rejects_bad_values(value, error):
+    with pytest.raises(error, match="num_gigabytes"):
+        set_cpu_memory_limit(value)
+
+
+def test_available_memory_is_positive():
+    assert get_available_cpu_memory() > 0
+
+
+def test_is_out_of_cpu_memory_messages():
+    assert is_out_of_cpu_memory(RuntimeError("DefaultCPUAllocator: not enough memory: you tried to allocate 8"))
+    assert not is_out_of_cpu_memory(RuntimeError("DefaultCPUAllocator"))
+
+
+@pytest.mark.slow
+def test_limit_caps_the_address_space_and_available_memory():
+    out = run_python(
+        """
+        import json, resource, psutil
+        from toma.cpu_memory import set_cpu_memory_limit, get_available_cpu_memory
+        vms = psutil.Process().memory_info().vms
+        set_cpu_memory_limit((vms + 2**30) / 2**30)
+        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+        available = get_available_cpu_memory()
+        try:
+            bytearray(2 * 2**30)
+            failed = False
+        except MemoryError:
+            failed = True
+        print(json.dumps(dict(vms=vms, soft=soft, hard=hard, available=available, failed=failed)))
+        """
+    )
+    result = json.loads(out.stdout)
+    assert result["soft"] == result["hard"] == result["vms"] + 2**30
+    assert 0 < result["available"] <= 2**30
+    assert result["failed"], "a 2 GiB allocation must fail under a 1 GiB headroom"
+
+
+# One process, capped at its current address space plus HEADROOM, runs every form on a computation whose
+# first attempt needs several times HEADROOM. Each form must end with the reference result after real
+# allocator failures, and no tensor of a failed attempt may be alive when the next attempt starts.
+REAL_OOM_SCENARIOS = """
+import gc, json, logging, weakref
+import psutil, torch
+torch.set_num_threads(1)
+from toma import toma, explicit, simple
+from toma.cpu_memory import set_cpu_memory_limit
+
+HEADROOM = 160 * 2**20
+N, D = 8192, 8
+x = torch.randn(N, D, generator=torch.Generator().manual_seed(0))
+
+def kernel_rows(start, end):
+    # (end - start) x N floats: 256 MiB per buffer at the full step of N rows.
+    return torch.cdist(x[start:end], x).neg_().exp_().sum(1)
+
+reference = torch.cat([kernel_rows(s, min(s + 256, N)) for s in range(0, N, 256)])
+
+messages = []
+class Collect(logging.Handler):
+    def emit(self, record):
+        messages.append(record.getMessage())
+logging.getLogger("toma").addHandler(Collect())
+logging.getLogger("toma").setLevel(logging.INFO)
+
+refs, leaked = [], []
+def attempt_starts():
+    # Every tensor of earlier attempts (failed ones, or finished chunks) must be gone by now.
+    leaked.append(sum(r() is not None for r in refs))
+    refs.clear()
+
+def watch(tensor):
+    refs.append(weakref.ref(tensor))
+
+gc.collect()
+set_cpu_memory_limit((psutil.Process().memory_info().vms + HEADROOM) / 2**30)
+
+def run_batch(batchsize):
+    attempt_starts()
+    rows = []
+    for start in range(0, N, batchsize):
+        rows.append(kernel_rows(start, min(start + batchsize, N)))
+        watch(rows[-1])
+    return torch.cat(rows)
+
+def rows_into(out):
+    def body(start, end):
+        attempt_starts()
+        part = kernel_rows(start, end)
+        watch(part)
+        out[start:end] = part
+    return body
+
+def chunk_into(chunk, start, end):
+    attempt_starts()
+    part = kernel_rows(start, end)
+    watch(part)
+    chunk.copy_(part)
+
+results = {}
+def record(name, result, sizes_from):
+    results[name] = dict(
+        ok=bool(torch.allclose(result, reference, rtol=1e-4, atol=1e-3)),
+        messages=messages[sizes_from:],
+        leaked=list(leaked),
+    )
+    refs.clear(); leaked.clear()
+
+mark = len(messages); record("toma.batch", toma.batch(initial_batchsize=N)(run_batch)(), mark)
+mark = len(messages); record("simple.batch", simple.batch(run_batch, N), mark)
+mark = len(messages)
+@toma.execute.batch(N)
+def executed(batchsize):
+    return run_batch(batchsize)
+record("toma.execute.batch", executed, mark)
+
+out = torch.empty(N); mark = len(messages)
+toma.range(initial_step=N)(rows_into(out))(0, N); record("toma.range", out, mark)
+out = torch.empty(N); mark = len(messages)
+explicit.range(rows_into(out), 0, N, N); record("explicit.range", out, mark)
+out = torch.empty(N); mark = len(messages)
+toma.chunked(initial_step=N)(chunk_into)(out); record("toma.chunked", out, mark)
+out = torch.empty(N); mark = len(messages)
+explicit.chunked(chunk_into, out, N); record("explicit.chunked", out, mark)
+out = torch.empty(N); mark = len(messages)
+simple.chunked(chunk_into, out, N); record("simple.chunked", out, mark)
+
+def python_lists(batchsize):
+    return [bytearray(batchsize * 2**20) for _ in range(2)][0][:1]
+mark = len(messages); simple.batch(python_lists, 4096)
+results["MemoryError"] = dict(ok=True, messages=messages[mark:], leaked=[])
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.slow
+def test_every_form_survives_a_real_cpu_out_of_memory():
+    results = json.loads(run_python(REAL_OOM_SCENARIOS, timeout=300).stdout)
+    assert len(results) == 9
+    for name, result in results.items():
+        assert result["ok"], f"{name}: wrong result"
+        assert result["messages"], f"{name}: never ran out of memory, so nothing was tested"
+        expected = "MemoryError" if name == "MemoryError" else "DefaultCPUAllocator: can't allocate memory"
+        assert all(expected in message for message in result["messages"]), result["messages"]
+        assert all("retrying with" in message for message in result["messages"])
+        assert set(result["leaked"]) <= {0}, f"{name}: a failed attempt's tensor outlived it: {result['leaked']}"

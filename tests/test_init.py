@@ -1,0 +1,65 @@
+"""The package namespace: every public name of toma 1.1.0 at its old import path, plus the new ones."""
+import importlib
+import os
+
+import toma as toma_package
+from toma import NoBatchsizeCache, StacktraceMemoryBatchsizeCache
+
+TOMA_1_1_NAMES = {
+    "toma": [
+        "toma", "simple", "explicit", "DEFAULT_CACHE_TYPE", "should_reduce_batch_size", "NoBatchsizeCache",
+        "GlobalBatchsizeCache", "StacktraceMemoryBatchsizeCache", "is_out_of_cpu_memory", "is_cuda_out_of_memory",
+        "is_cudnn_snafu", "gc_cuda", "tst", "get_cache_for_context", "CONTEXT_CACHE_SIZE",
+    ],
+    "toma.batchsize_cache": [
+        "Batchsize", "BatchsizeCache", "NoBatchsizeCache", "GlobalBatchsizeCache", "StacktraceMemoryBatchsizeCache",
+    ],
+    "toma.stacktrace": ["get_simple_traceback", "watermark", "set_watermark"],
+    "toma.cpu_memory": ["get_available_cpu_memory", "set_cpu_memory_limit", "is_out_of_cpu_memory"],
+    "toma.torch_cuda_memory": [
+        "gc_cuda", "get_cuda_total_memory", "get_cuda_assumed_available_memory", "get_cuda_available_memory",
+        "get_cuda_blocked_memory", "is_cuda_out_of_memory", "is_cudnn_snafu", "cuda_meminfo",
+    ],
+}
+
+
+def test_every_toma_1_1_name_is_importable_from_its_old_path():
+    missing = [
+        f"{module}.{name}"
+        for module, names in TOMA_1_1_NAMES.items()
+        for name in names
+        if not hasattr(importlib.import_module(module), name)
+    ]
+    assert missing == []
+    from toma import toma
+
+    for form in ("batch", "range", "chunked"):
+        for namespace in (toma, toma.execute, toma_package.explicit, toma_package.simple):
+            assert callable(getattr(namespace, form))
+
+
+def test_version_and_type_marker():
+    assert toma_package.__version__.count(".") == 2
+    assert os.path.exists(os.path.join(os.path.dirname(toma_package.__file__), "py.typed"))
+
+
+def test_default_cache_type_reads_and_writes_one_setting():
+    assert toma_package.DEFAULT_CACHE_TYPE is StacktraceMemoryBatchsizeCache
+    toma_package.DEFAULT_CACHE_TYPE = NoBatchsizeCache
+    from toma import DEFAULT_CACHE_TYPE
+
+    assert DEFAULT_CACHE_TYPE is NoBatchsizeCache
+    assert toma_package.toma.DEFAULT_CACHE_TYPE is NoBatchsizeCache
+    assert "DEFAULT_CACHE_TYPE" not in vars(toma_package), "an instance attribute would shadow the setting"
+
+
+def test_decorated_functions_keep_their_identity():
+    from toma import toma
+
+    def run_inference(batchsize, model):
+        """Runs the model."""
+        return batchsize
+
+    wrapped = toma.batch(initial_batchsize=8)(run_inference)
+    assert wrapped.__name__ == "run_inference" and wrapped.__wrapped__ is run_inference
+    assert "Runs the model." in wrapped.__doc__ and "toma_initial_batchsize" in wrapped.__doc__

@@ -1,0 +1,103 @@
+"""CUDA memory helpers; real CUDA out-of-memory under a per-process memory fraction (marked `cuda`)."""
+import json
+
+import pytest
+import torch
+
+from helpers import requires_cuda, run_python
+from toma import torch_cuda_memory as tcm
+
+
+def test_queries_without_cuda_do_not_initialise_it():
+    if torch.cuda.is_available():
+        pytest.skip("checks the no-GPU answers")
+    assert tcm.get_cuda_total_memory() == 0
+    assert tcm.get_cuda_assumed_available_memory() == 0
+    assert tcm.get_cuda_available_memory() == 0
+    assert tcm.get_cuda_blocked_memory() == 0
+    assert tcm.get_cuda_free_memory_if_initialized() is None
+    assert tcm.cuda_meminfo() == "CUDA not available"
+    tcm.gc_cuda()
+    assert not torch.cuda.is_initialized()
+
+
+CUDA_PREAMBLE = """
+import gc, json, logging, weakref
+import torch
+from toma import toma, explicit, simple, NoBatchsizeCache
+from toma.torch_cuda_memory import get_cuda_free_memory_if_initialized, cuda_meminfo
+
+LIMIT = 2 * 2**30
+torch.cuda.init()
+torch.cuda.set_per_process_memory_fraction(LIMIT / torch.cuda.get_device_properties(0).total_memory)
+messages = []
+class Collect(logging.Handler):
+    def emit(self, record):
+        messages.append(record.getMessage())
+logging.getLogger("toma").addHandler(Collect())
+logging.getLogger("toma").setLevel(logging.INFO)
+"""
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_real_cuda_oom_under_a_memory_fraction_is_survived():
+    code = CUDA_PREAMBLE + """
+x = torch.randn(16384, 64, device="cuda")
+reference = torch.cat([torch.cdist(x[s:s + 512], x).sum(1) for s in range(0, 16384, 512)])
+torch.cuda.synchronize()
+
+@toma.batch(initial_batchsize=16384)
+def kernel(batchsize):
+    # 16384 x 16384 floats is 1 GiB per buffer; cdist needs several at the full batch.
+    parts = [torch.cdist(x[s:s + batchsize], x).sum(1) for s in range(0, 16384, batchsize)]
+    return torch.cat(parts)
+
+out = torch.empty(16384, device="cuda")
+@toma.chunked(initial_step=16384)
+def chunks(chunk, start, end):
+    chunk.copy_(torch.cdist(x[start:end], x).sum(1))
+
+result = kernel()
+chunks(out)
+print(json.dumps(dict(
+    batch_ok=bool(torch.allclose(result, reference, rtol=1e-4, atol=1e-2)),
+    chunk_ok=bool(torch.allclose(out, reference, rtol=1e-4, atol=1e-2)),
+    messages=messages, free=get_cuda_free_memory_if_initialized(), info=cuda_meminfo())))
+"""
+    result = json.loads(run_python(code).stdout.splitlines()[-1])
+    assert result["batch_ok"] and result["chunk_ok"]
+    assert len(result["messages"]) >= 2, "both forms must have hit a real CUDA OOM"
+    assert all("CUDA out of memory" in message for message in result["messages"]), result["messages"]
+    assert result["free"] > 0
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_memory_returns_to_baseline_after_100_oom_retries():
+    code = CUDA_PREAMBLE + """
+keep = torch.ones(64 * 2**20, device="cuda")  # something that stays, to see it is not freed by mistake
+torch.cuda.synchronize(); torch.cuda.empty_cache()
+baseline_allocated = torch.cuda.memory_allocated()
+baseline_reserved = torch.cuda.memory_reserved()
+at_attempt_start = []
+
+@toma.batch(initial_batchsize=4 * 2**30, cache_type=NoBatchsizeCache)
+def grab(batchsize):
+    at_attempt_start.append(torch.cuda.memory_allocated() - baseline_allocated)
+    first = torch.empty(batchsize // 8, dtype=torch.uint8, device="cuda")  # held by the failing frame
+    second = torch.empty(batchsize, dtype=torch.uint8, device="cuda")
+    return int(second.numel())
+
+sizes = [grab() for _ in range(100)]
+gc.collect(); torch.cuda.empty_cache()
+print(json.dumps(dict(
+    sizes=sorted(set(sizes)), retries=len(messages), starts=sorted(set(at_attempt_start)),
+    allocated=torch.cuda.memory_allocated() - baseline_allocated,
+    reserved=torch.cuda.memory_reserved() - baseline_reserved, keep=float(keep.sum()))))
+"""
+    result = json.loads(run_python(code, timeout=500).stdout.splitlines()[-1])
+    assert result["retries"] >= 100, "every call must have run out of memory at least once"
+    assert result["starts"] == [0], "a failed attempt's tensors were still allocated when the next one began"
+    assert result["allocated"] == 0 and result["reserved"] == 0
+    assert result["keep"] == 64 * 2**20
