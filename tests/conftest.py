@@ -1,6 +1,6 @@
 import pytest
-
 from helpers import FixedGauge
+
 from toma import batchsize_cache, oom
 from toma.batchsize_cache import StacktraceMemoryBatchsizeCache
 

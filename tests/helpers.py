@@ -1,4 +1,5 @@
 """Shared test helpers: fake OOMs, a fixed free-memory gauge, subprocesses, the CUDA marker."""
+
 import os
 import subprocess
 import sys

@@ -1,12 +1,13 @@
 """Cache entries and caches: semantics, keys, bounds and thread safety."""
+
 import random
 import sys
 import threading
 
 import pytest
 import torch
-
 from helpers import raise_fake_oom
+
 from toma import GlobalBatchsizeCache, NoBatchsizeCache, StacktraceMemoryBatchsizeCache, get_cache_for_context, toma
 from toma.batchsize_cache import Batchsize, BatchsizeCache, BoundedDict
 

@@ -1,9 +1,10 @@
 """CPU memory: the cap, what is available under it, and real out-of-memory errors under it."""
+
 import json
 
 import pytest
-
 from helpers import run_python
+
 from toma.cpu_memory import get_available_cpu_memory, is_out_of_cpu_memory, set_cpu_memory_limit
 
 
@@ -50,19 +51,20 @@ def test_limit_caps_the_address_space_and_available_memory():
 # first attempt needs several times HEADROOM. Each form must end with the reference result after real
 # allocator failures, and no tensor of a failed attempt may be alive when the next attempt starts.
 REAL_OOM_SCENARIOS = """
-import gc, json, logging, weakref
+import gc, json, logging, time, weakref
 import psutil, torch
 torch.set_num_threads(1)
 from toma import toma, explicit, simple
 from toma.cpu_memory import set_cpu_memory_limit
 
 HEADROOM = 160 * 2**20
-N, D = 8192, 8
+N, D = 4096, 8
 x = torch.randn(N, D, generator=torch.Generator().manual_seed(0))
 
 def kernel_rows(start, end):
-    # (end - start) x N floats: 256 MiB per buffer at the full step of N rows.
-    return torch.cdist(x[start:end], x).neg_().exp_().sum(1)
+    # (end - start) x N x D floats, twice: 1 GiB at the full step of N rows, 64 MiB at 256 rows.
+    differences = x[start:end, None, :] - x[None, :, :]
+    return differences.square_().sum(-1).neg_().exp_().sum(1)
 
 reference = torch.cat([kernel_rows(s, min(s + 256, N)) for s in range(0, N, 256)])
 
@@ -82,8 +84,18 @@ def attempt_starts():
 def watch(tensor):
     refs.append(weakref.ref(tensor))
 
-gc.collect()
-set_cpu_memory_limit((psutil.Process().memory_info().vms + HEADROOM) / 2**30)
+def settled_vms():
+    # Freed memory leaves the address space with a delay; cap only what is really in use.
+    process, last = psutil.Process(), -1
+    while True:
+        gc.collect()
+        vms = process.memory_info().vms
+        if vms == last:
+            return vms
+        last = vms
+        time.sleep(0.3)
+
+set_cpu_memory_limit((settled_vms() + HEADROOM) / 2**30)
 
 def run_batch(batchsize):
     attempt_starts()

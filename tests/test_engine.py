@@ -1,4 +1,5 @@
 """The retry engine: what it frees, what it lets through, and what a call that fits costs it."""
+
 import gc
 import inspect
 import traceback
@@ -6,8 +7,8 @@ import weakref
 
 import pytest
 import torch
-
 from helpers import raise_fake_oom
+
 from toma import GlobalBatchsizeCache, NoBatchsizeCache, engine, explicit, simple, toma
 from toma.batchsize_cache import Batchsize
 from toma.policy import Halving

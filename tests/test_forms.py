@@ -1,11 +1,12 @@
 """The public forms against toma 1.1.0's contract: sequences, caching, return values, and its fixed bugs."""
+
 import logging
 
 import pytest
 import torch
+from helpers import raise_fake_oom
 
 import toma as toma_package
-from helpers import raise_fake_oom
 from toma import GlobalBatchsizeCache, NoBatchsizeCache, StacktraceMemoryBatchsizeCache, explicit, simple, toma
 from toma.policy import ShrinkByFactor
 

@@ -1,4 +1,5 @@
 """The throttled free-memory gauge."""
+
 from toma import free_memory
 from toma.free_memory import FreeMemoryGauge
 

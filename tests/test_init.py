@@ -1,4 +1,5 @@
 """The package namespace: every public name of toma 1.1.0 at its old import path, plus the new ones."""
+
 import importlib
 import os
 
@@ -7,18 +8,40 @@ from toma import NoBatchsizeCache, StacktraceMemoryBatchsizeCache
 
 TOMA_1_1_NAMES = {
     "toma": [
-        "toma", "simple", "explicit", "DEFAULT_CACHE_TYPE", "should_reduce_batch_size", "NoBatchsizeCache",
-        "GlobalBatchsizeCache", "StacktraceMemoryBatchsizeCache", "is_out_of_cpu_memory", "is_cuda_out_of_memory",
-        "is_cudnn_snafu", "gc_cuda", "tst", "get_cache_for_context", "CONTEXT_CACHE_SIZE",
+        "toma",
+        "simple",
+        "explicit",
+        "DEFAULT_CACHE_TYPE",
+        "should_reduce_batch_size",
+        "NoBatchsizeCache",
+        "GlobalBatchsizeCache",
+        "StacktraceMemoryBatchsizeCache",
+        "is_out_of_cpu_memory",
+        "is_cuda_out_of_memory",
+        "is_cudnn_snafu",
+        "gc_cuda",
+        "tst",
+        "get_cache_for_context",
+        "CONTEXT_CACHE_SIZE",
     ],
     "toma.batchsize_cache": [
-        "Batchsize", "BatchsizeCache", "NoBatchsizeCache", "GlobalBatchsizeCache", "StacktraceMemoryBatchsizeCache",
+        "Batchsize",
+        "BatchsizeCache",
+        "NoBatchsizeCache",
+        "GlobalBatchsizeCache",
+        "StacktraceMemoryBatchsizeCache",
     ],
     "toma.stacktrace": ["get_simple_traceback", "watermark", "set_watermark"],
     "toma.cpu_memory": ["get_available_cpu_memory", "set_cpu_memory_limit", "is_out_of_cpu_memory"],
     "toma.torch_cuda_memory": [
-        "gc_cuda", "get_cuda_total_memory", "get_cuda_assumed_available_memory", "get_cuda_available_memory",
-        "get_cuda_blocked_memory", "is_cuda_out_of_memory", "is_cudnn_snafu", "cuda_meminfo",
+        "gc_cuda",
+        "get_cuda_total_memory",
+        "get_cuda_assumed_available_memory",
+        "get_cuda_available_memory",
+        "get_cuda_blocked_memory",
+        "is_cuda_out_of_memory",
+        "is_cudnn_snafu",
+        "cuda_meminfo",
     ],
 }
 

@@ -1,4 +1,5 @@
 """Out-of-memory classification for every backend, and user predicates."""
+
 import pytest
 import torch
 
@@ -17,8 +18,10 @@ OOM_ERRORS = [
     RuntimeError("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a non-contiguous"),
     RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"),
     RuntimeError("MPS backend out of memory (MPS allocated: 9.00 GB, other allocations: 1.00 GB)"),
-    RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you tried "
-                 "to allocate 80000000000 bytes. Error code 12 (Cannot allocate memory)"),
+    RuntimeError(
+        "[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you tried "
+        "to allocate 80000000000 bytes. Error code 12 (Cannot allocate memory)"
+    ),
     RuntimeError("DefaultCPUAllocator: not enough memory: you tried to allocate 80000000000 bytes."),
     RuntimeError("Out Of Memory while running the kernel"),
     MemoryError(),

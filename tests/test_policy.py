@@ -1,4 +1,5 @@
 """Sizing policies: the sequences they produce and the arguments they refuse."""
+
 import pytest
 
 from toma.policy import DEFAULT_POLICY, Halving, ShrinkByFactor, SizePolicy

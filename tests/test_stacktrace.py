@@ -1,4 +1,5 @@
 """Tracebacks and call-site keys, with and without a watermark."""
+
 import threading
 
 from toma import stacktrace

@@ -1,10 +1,11 @@
 """CUDA memory helpers; real CUDA out-of-memory under a per-process memory fraction (marked `cuda`)."""
+
 import json
 
 import pytest
 import torch
-
 from helpers import requires_cuda, run_python
+
 from toma import torch_cuda_memory as tcm
 
 
@@ -42,7 +43,9 @@ logging.getLogger("toma").setLevel(logging.INFO)
 @pytest.mark.cuda
 @requires_cuda
 def test_real_cuda_oom_under_a_memory_fraction_is_survived():
-    code = CUDA_PREAMBLE + """
+    code = (
+        CUDA_PREAMBLE
+        + """
 x = torch.randn(16384, 64, device="cuda")
 reference = torch.cat([torch.cdist(x[s:s + 512], x).sum(1) for s in range(0, 16384, 512)])
 torch.cuda.synchronize()
@@ -65,6 +68,7 @@ print(json.dumps(dict(
     chunk_ok=bool(torch.allclose(out, reference, rtol=1e-4, atol=1e-2)),
     messages=messages, free=get_cuda_free_memory_if_initialized(), info=cuda_meminfo())))
 """
+    )
     result = json.loads(run_python(code).stdout.splitlines()[-1])
     assert result["batch_ok"] and result["chunk_ok"]
     assert len(result["messages"]) >= 2, "both forms must have hit a real CUDA OOM"
@@ -75,7 +79,9 @@ print(json.dumps(dict(
 @pytest.mark.cuda
 @requires_cuda
 def test_memory_returns_to_baseline_after_100_oom_retries():
-    code = CUDA_PREAMBLE + """
+    code = (
+        CUDA_PREAMBLE
+        + """
 keep = torch.ones(64 * 2**20, device="cuda")  # something that stays, to see it is not freed by mistake
 torch.cuda.synchronize(); torch.cuda.empty_cache()
 baseline_allocated = torch.cuda.memory_allocated()
@@ -96,6 +102,7 @@ print(json.dumps(dict(
     allocated=torch.cuda.memory_allocated() - baseline_allocated,
     reserved=torch.cuda.memory_reserved() - baseline_reserved, keep=float(keep.sum()))))
 """
+    )
     result = json.loads(run_python(code, timeout=500).stdout.splitlines()[-1])
     assert result["retries"] >= 100, "every call must have run out of memory at least once"
     assert result["starts"] == [0], "a failed attempt's tensors were still allocated when the next one began"

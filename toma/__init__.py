@@ -3,6 +3,7 @@
 Functions wrapped by toma retry with a smaller batch or step after an out-of-memory error, and a cache
 remembers the size that worked. A drop-in successor of toma 1.1.0.
 """
+
 import sys
 
 from toma import stacktrace as tst

@@ -1,4 +1,5 @@
 """Early, clear errors for bad arguments, each naming the argument at fault."""
+
 import operator
 from typing import Any, Optional
 

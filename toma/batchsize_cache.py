@@ -4,6 +4,7 @@ A cache hands out `Batchsize` entries: thread-safe cells that only ever shrink a
 Which entry a call gets decides what is shared: none (`NoBatchsizeCache`), one per function
 (`GlobalBatchsizeCache`), or one per call site and free-memory level (`StacktraceMemoryBatchsizeCache`).
 """
+
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -47,7 +48,7 @@ class Batchsize:
         value = self.value
         if not value:
             self.set_initial_batchsize(initial_batchsize)
-            value = self.value
+            value = self.value or initial_batchsize
         return value if value < initial_batchsize else initial_batchsize
 
     def shrink_to(self, size: int) -> None:

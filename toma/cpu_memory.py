@@ -1,4 +1,5 @@
 """CPU memory: what is available to this process, a cap on it, and whether an error means it ran out."""
+
 import logging
 import sys
 from typing import Optional

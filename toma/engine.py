@@ -6,9 +6,9 @@ runs out of memory the engine shrinks the size with the policy, remembers it in 
 releases memory once the failed attempt is unreachable, and runs the same step again. Completed
 steps are never repeated. A call that never runs out of memory pays for nothing but the loop itself.
 """
+
 import logging
-import sys
-from typing import Any, Callable, Dict, Optional, Protocol, Tuple
+from typing import Any, Callable, Dict, Protocol, Tuple
 
 from toma import stacktrace
 from toma.batchsize_cache import Batchsize

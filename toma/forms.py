@@ -5,6 +5,7 @@
 - `explicit.*`: the same as plain calls, with `toma_*` keyword options.
 - `simple.*`: plain calls without a cache.
 """
+
 import functools
 import types
 from typing import Any, Callable, Hashable, Optional, Type, TypeVar
@@ -38,22 +39,39 @@ _NO_CACHE = NoBatchsizeCache()
 # --- the three drivers every form ends in ------------------------------------------------------------
 
 
-def _run_batch(func: Callable[..., Any], initial: int, args: tuple, kwargs: dict, cache: BatchsizeCache,
-               policy: SizePolicy) -> Any:
+def _run_batch(
+    func: Callable[..., Any], initial: int, args: tuple, kwargs: dict, cache: BatchsizeCache, policy: SizePolicy
+) -> Any:
     step = engine.BatchStep(func, args, kwargs)
     engine.run(step, cache.get_batchsize(initial), initial, policy)
     return step.result
 
 
-def _run_range(func: Callable[..., Any], start: int, end: int, initial: int, args: tuple, kwargs: dict,
-               cache: BatchsizeCache, policy: SizePolicy) -> None:
+def _run_range(
+    func: Callable[..., Any],
+    start: int,
+    end: int,
+    initial: int,
+    args: tuple,
+    kwargs: dict,
+    cache: BatchsizeCache,
+    policy: SizePolicy,
+) -> None:
     step = engine.RangeStep(func, start, end, args, kwargs)
     if not step.finished:
         engine.run(step, cache.get_batchsize(initial), initial, policy)
 
 
-def _run_chunked(func: Callable[..., Any], tensor: torch.Tensor, dimension: int, initial: int, args: tuple,
-                 kwargs: dict, cache: BatchsizeCache, policy: SizePolicy) -> None:
+def _run_chunked(
+    func: Callable[..., Any],
+    tensor: torch.Tensor,
+    dimension: int,
+    initial: int,
+    args: tuple,
+    kwargs: dict,
+    cache: BatchsizeCache,
+    policy: SizePolicy,
+) -> None:
     step = engine.ChunkStep(func, tensor, dimension, args, kwargs)
     if not step.finished:
         engine.run(step, cache.get_batchsize(initial), initial, policy)
@@ -75,17 +93,18 @@ def _function_context(func: Callable[..., Any]) -> Hashable:
         target = inner
     code = getattr(target, "__code__", None)
     if code is None:
-        code = getattr(getattr(type(target), "__call__", None), "__code__", None)
+        code = getattr(type(target).__call__, "__code__", None) if callable(target) else None
     return code if code is not None else target
 
 
-def _cache_for(cache_type: CacheType, context: Optional[Hashable], own_caches: Optional[BoundedDict],
-               func: Callable[..., Any]) -> BatchsizeCache:
+def _cache_for(
+    cache_type: CacheType, context: Optional[Hashable], own_caches: Optional[BoundedDict], func: Callable[..., Any]
+) -> BatchsizeCache:
     """The cache for a call: by context if one is given, else the decorated function's own."""
     resolved = cache_type if cache_type is not None else get_default_cache_type()
     if context is None:
         if own_caches is not None:
-            cache: BatchsizeCache = own_caches.get_or_create(resolved, resolved)
+            cache: BatchsizeCache = own_caches.get_or_create(resolved, resolved)  # type: ignore[arg-type]
             return cache
         context = _function_context(func)
     return get_cache_for_context(resolved, context)
@@ -105,9 +124,7 @@ def _initial(default: Optional[int], override: Any, name: str, override_name: st
 
 def _check_decorated(func: Any, form: str, size_name: str) -> None:
     if not callable(func):
-        raise TypeError(
-            f"{form} decorates a function; got {func!r}. Did you mean @{form}({size_name}={func!r})?"
-        )
+        raise TypeError(f"{form} decorates a function; got {func!r}. Did you mean @{form}({size_name}={func!r})?")
 
 
 def _describe(wrapped: Callable[..., Any], form: str, extra: str) -> None:
@@ -254,8 +271,12 @@ class toma(metaclass=_TomaNamespace):
         own_caches = BoundedDict(16)
 
         @functools.wraps(func)
-        def wrapped(*args: Any, toma_initial_batchsize: Optional[int] = None,
-                    toma_context: Optional[Hashable] = None, **kwargs: Any) -> Any:
+        def wrapped(
+            *args: Any,
+            toma_initial_batchsize: Optional[int] = None,
+            toma_context: Optional[Hashable] = None,
+            **kwargs: Any,
+        ) -> Any:
             initial = _initial(default, toma_initial_batchsize, "initial_batchsize", "toma_initial_batchsize")
             cache = _cache_for(cache_type, context if toma_context is None else toma_context, own_caches, func)
             return _run_batch(func, initial, args, kwargs, cache, policy)
@@ -284,8 +305,14 @@ class toma(metaclass=_TomaNamespace):
         own_caches = BoundedDict(16)
 
         @functools.wraps(func)
-        def wrapped(start: int, end: int, *args: Any, toma_initial_step: Optional[int] = None,
-                    toma_context: Optional[Hashable] = None, **kwargs: Any) -> None:
+        def wrapped(
+            start: int,
+            end: int,
+            *args: Any,
+            toma_initial_step: Optional[int] = None,
+            toma_context: Optional[Hashable] = None,
+            **kwargs: Any,
+        ) -> None:
             start, end = check_index(start, "start"), check_index(end, "end")
             initial = _initial(default, toma_initial_step, "initial_step", "toma_initial_step")
             cache = _cache_for(cache_type, context if toma_context is None else toma_context, own_caches, func)
@@ -322,9 +349,14 @@ class toma(metaclass=_TomaNamespace):
         own_caches = BoundedDict(16)
 
         @functools.wraps(func)
-        def wrapped(tensor: torch.Tensor, *args: Any, toma_initial_step: Optional[int] = None,
-                    toma_dimension: Optional[int] = None, toma_context: Optional[Hashable] = None,
-                    **kwargs: Any) -> None:
+        def wrapped(
+            tensor: torch.Tensor,
+            *args: Any,
+            toma_initial_step: Optional[int] = None,
+            toma_dimension: Optional[int] = None,
+            toma_context: Optional[Hashable] = None,
+            **kwargs: Any,
+        ) -> None:
             initial = _initial(default, toma_initial_step, "initial_step", "toma_initial_step")
             if toma_dimension is None:
                 dim = check_tensor_dimension(tensor, default_dimension, "tensor", "dimension")
@@ -342,8 +374,12 @@ class toma(metaclass=_TomaNamespace):
         """Run the decorated block at once (`@toma.execute.batch(512)` above a `def`); cached per call site."""
 
         @staticmethod
-        def batch(initial_batchsize: int, cache_type: CacheType = None, context: Optional[Hashable] = None,
-                  policy: Optional[SizePolicy] = None) -> Callable[[Callable[..., Any]], Any]:
+        def batch(
+            initial_batchsize: int,
+            cache_type: CacheType = None,
+            context: Optional[Hashable] = None,
+            policy: Optional[SizePolicy] = None,
+        ) -> Callable[[Callable[..., Any]], Any]:
             initial = check_size(initial_batchsize, "initial_batchsize")
             cache_type = _optional_cache_type(cache_type, "cache_type")
             policy = check_policy(policy, "policy")
@@ -355,9 +391,14 @@ class toma(metaclass=_TomaNamespace):
             return execute_batch
 
         @staticmethod
-        def range(start: int, end: int, initial_step: int, cache_type: CacheType = None,
-                  context: Optional[Hashable] = None,
-                  policy: Optional[SizePolicy] = None) -> Callable[[Callable[..., Any]], None]:
+        def range(
+            start: int,
+            end: int,
+            initial_step: int,
+            cache_type: CacheType = None,
+            context: Optional[Hashable] = None,
+            policy: Optional[SizePolicy] = None,
+        ) -> Callable[[Callable[..., Any]], None]:
             start, end = check_index(start, "start"), check_index(end, "end")
             initial = check_size(initial_step, "initial_step")
             cache_type = _optional_cache_type(cache_type, "cache_type")
@@ -370,9 +411,14 @@ class toma(metaclass=_TomaNamespace):
             return execute_range
 
         @staticmethod
-        def chunked(tensor: torch.Tensor, initial_step: Optional[int] = None, dimension: Optional[int] = None,
-                    cache_type: CacheType = None, context: Optional[Hashable] = None,
-                    policy: Optional[SizePolicy] = None) -> Callable[[Callable[..., Any]], None]:
+        def chunked(
+            tensor: torch.Tensor,
+            initial_step: Optional[int] = None,
+            dimension: Optional[int] = None,
+            cache_type: CacheType = None,
+            context: Optional[Hashable] = None,
+            policy: Optional[SizePolicy] = None,
+        ) -> Callable[[Callable[..., Any]], None]:
             initial = check_size(initial_step, "initial_step")
             dim = check_tensor_dimension(tensor, check_dimension(dimension, "dimension"), "tensor", "dimension")
             cache_type = _optional_cache_type(cache_type, "cache_type")

@@ -2,6 +2,7 @@
 
 A full reading costs tens of microseconds (psutil reads /proc); a throttled one costs a clock read.
 """
+
 import time
 from typing import Optional, Tuple
 

@@ -1,4 +1,5 @@
 """Is this error an out-of-memory error (any backend)? And freeing memory once the failed attempt is gone."""
+
 import gc
 import threading
 from typing import Callable, Tuple

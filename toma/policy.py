@@ -2,6 +2,7 @@
 
 A policy is a small object with one method, `shrink(size)`, so a new back-off is a new class, not a new loop.
 """
+
 import math
 from typing import Optional
 

@@ -1,4 +1,5 @@
 """CUDA memory: freeing the caching allocator, memory queries, and whether an error means CUDA ran out."""
+
 import gc
 import logging
 from typing import Optional

@@ -1,0 +1,76 @@
+"""toma under a real memory cap: the process gets 256 MiB more address space than it has, then runs work
+whose first attempt needs several GiB. toma shrinks the batch and the step until they fit and prints
+the sizes it chose. Runs on the CPU; with a GPU, drop the cap and the same code adapts to CUDA memory.
+
+    python examples/adaptive_memory.py
+"""
+
+import gc
+import logging
+import sys
+import time
+
+import psutil
+import torch
+
+from toma import toma
+from toma.cpu_memory import set_cpu_memory_limit
+
+HEADROOM_MIB = 256
+
+
+def settled_address_space() -> int:
+    """The address space in use once freed memory has left it (the kernel lets go with a delay)."""
+    process, last = psutil.Process(), -1
+    while True:
+        gc.collect()
+        vms = process.memory_info().vms
+        if vms == last:
+            return vms
+        last = vms
+        time.sleep(0.3)
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    torch.set_num_threads(1)  # thread stacks count against the cap too
+    generator = torch.Generator().manual_seed(0)
+
+    # A model and a data set to run inference on, and 8192 points for a kernel density estimate.
+    model = torch.nn.Sequential(torch.nn.Linear(64, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 10))
+    inputs = torch.randn(16384, 64, generator=generator)
+    points = torch.randn(8192, 16, generator=generator)
+    with torch.no_grad():
+        reference_logits = torch.cat([model(inputs[s : s + 512]) for s in range(0, len(inputs), 512)])
+    reference_density = torch.cat(
+        [torch.cdist(points[s : s + 256], points).neg().exp().mean(1) for s in range(0, len(points), 256)]
+    )
+
+    set_cpu_memory_limit((settled_address_space() + HEADROOM_MIB * 2**20) / 2**30)
+    print(f"capped this process at {HEADROOM_MIB} MiB more than it uses")
+
+    chosen = {}
+
+    @toma.batch(initial_batchsize=len(inputs))
+    def predict(batchsize: int, data: torch.Tensor) -> torch.Tensor:
+        chosen["predict batch size"] = batchsize
+        with torch.no_grad():
+            return torch.cat([model(data[s : s + batchsize]) for s in range(0, len(data), batchsize)])
+
+    @toma.chunked(initial_step=len(points))
+    def density(out: torch.Tensor, start: int, end: int) -> None:
+        chosen["density step"] = end - start
+        out.copy_(torch.cdist(points[start:end], points).neg_().exp_().mean(1))
+
+    logits = predict(inputs)
+    densities = torch.empty(len(points))
+    density(densities)
+
+    for name, size in chosen.items():
+        print(f"{name}: {size}")
+    print("predict matches the reference:", torch.allclose(logits, reference_logits, atol=1e-5))
+    print("density matches the reference:", torch.allclose(densities, reference_density, atol=1e-6))
+
+
+if __name__ == "__main__":
+    main()
