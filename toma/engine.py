@@ -27,6 +27,9 @@ class Step(Protocol):
     func: Callable[..., Any]
     size_name: str
 
+    @property
+    def finished(self) -> bool: ...
+
     def __call__(self, size: int) -> bool: ...
 
 
@@ -91,6 +94,7 @@ class BatchStep:
     """`func(batchsize, *args, **kwargs)` once; keeps the result."""
 
     size_name = "batch size"
+    finished = False  # a batch call always has its one attempt to make
     __slots__ = ("func", "args", "kwargs", "result")
 
     def __init__(self, func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:

@@ -36,45 +36,16 @@ CacheType = Optional[Type[BatchsizeCache]]
 _NO_CACHE = NoBatchsizeCache()
 
 
-# --- the three drivers every form ends in ------------------------------------------------------------
+# --- the one driver every form ends in -----------------------------------------------------------------
+
+S = TypeVar("S", bound=engine.Step)
 
 
-def _run_batch(
-    func: Callable[..., Any], initial: int, args: tuple, kwargs: dict, cache: BatchsizeCache, policy: SizePolicy
-) -> Any:
-    step = engine.BatchStep(func, args, kwargs)
-    engine.run(step, cache.get_batchsize(initial), initial, policy)
-    return step.result
-
-
-def _run_range(
-    func: Callable[..., Any],
-    start: int,
-    end: int,
-    initial: int,
-    args: tuple,
-    kwargs: dict,
-    cache: BatchsizeCache,
-    policy: SizePolicy,
-) -> None:
-    step = engine.RangeStep(func, start, end, args, kwargs)
+def _drive(step: S, cache: BatchsizeCache, initial: int, policy: SizePolicy) -> S:
+    """Run `step` through the engine with the cache's entry; an empty range never touches the cache."""
     if not step.finished:
         engine.run(step, cache.get_batchsize(initial), initial, policy)
-
-
-def _run_chunked(
-    func: Callable[..., Any],
-    tensor: torch.Tensor,
-    dimension: int,
-    initial: int,
-    args: tuple,
-    kwargs: dict,
-    cache: BatchsizeCache,
-    policy: SizePolicy,
-) -> None:
-    step = engine.ChunkStep(func, tensor, dimension, args, kwargs)
-    if not step.finished:
-        engine.run(step, cache.get_batchsize(initial), initial, policy)
+    return step
 
 
 # --- choosing the cache --------------------------------------------------------------------------------
@@ -141,21 +112,21 @@ class simple:
     def batch(func: Callable[..., Any], initial_batchsize: int, *args: Any, **kwargs: Any) -> Any:
         """`func(batchsize, *args, **kwargs)`, halving `batchsize` on out-of-memory errors; returns its result."""
         initial = check_size(initial_batchsize, "initial_batchsize")
-        return _run_batch(func, initial, args, kwargs, _NO_CACHE, DEFAULT_POLICY)
+        return _drive(engine.BatchStep(func, args, kwargs), _NO_CACHE, initial, DEFAULT_POLICY).result
 
     @staticmethod
     def range(func: Callable[..., Any], start: int, end: int, initial_step: int, *args: Any, **kwargs: Any) -> None:
         """`func(chunk_start, chunk_end, *args, **kwargs)` over `[start, end)`, halving the step on OOM."""
         start, end = check_index(start, "start"), check_index(end, "end")
         initial = check_size(initial_step, "initial_step")
-        _run_range(func, start, end, initial, args, kwargs, _NO_CACHE, DEFAULT_POLICY)
+        _drive(engine.RangeStep(func, start, end, args, kwargs), _NO_CACHE, initial, DEFAULT_POLICY)
 
     @staticmethod
     def chunked(func: Callable[..., Any], tensor: torch.Tensor, initial_step: int, dimension: int = 0) -> None:
         """`func(chunk, chunk_start, chunk_end)` over chunks of `tensor` along `dimension`, halving on OOM."""
         initial = check_size(initial_step, "initial_step")
         dim = check_tensor_dimension(tensor, check_dimension(dimension, "dimension"), "tensor", "dimension")
-        _run_chunked(func, tensor, dim, initial, (), {}, _NO_CACHE, DEFAULT_POLICY)
+        _drive(engine.ChunkStep(func, tensor, dim, (), {}), _NO_CACHE, initial, DEFAULT_POLICY)
 
 
 # --- explicit ------------------------------------------------------------------------------------------
@@ -177,7 +148,8 @@ class explicit:
         """`func(batchsize, *args, **kwargs)`, shrinking `batchsize` on out-of-memory errors; returns its result."""
         initial = check_size(initial_batchsize, "initial_batchsize")
         cache = _cache_for(_optional_cache_type(toma_cache_type, "toma_cache_type"), toma_context, None, func)
-        return _run_batch(func, initial, args, kwargs, cache, check_policy(toma_policy, "toma_policy"))
+        policy = check_policy(toma_policy, "toma_policy")
+        return _drive(engine.BatchStep(func, args, kwargs), cache, initial, policy).result
 
     @staticmethod
     def range(
@@ -195,7 +167,8 @@ class explicit:
         start, end = check_index(start, "start"), check_index(end, "end")
         initial = check_size(initial_step, "initial_step")
         cache = _cache_for(_optional_cache_type(toma_cache_type, "toma_cache_type"), toma_context, None, func)
-        _run_range(func, start, end, initial, args, kwargs, cache, check_policy(toma_policy, "toma_policy"))
+        policy = check_policy(toma_policy, "toma_policy")
+        _drive(engine.RangeStep(func, start, end, args, kwargs), cache, initial, policy)
 
     @staticmethod
     def chunked(
@@ -215,7 +188,8 @@ class explicit:
             tensor, check_dimension(toma_dimension, "toma_dimension"), "tensor", "toma_dimension"
         )
         cache = _cache_for(_optional_cache_type(toma_cache_type, "toma_cache_type"), toma_context, None, func)
-        _run_chunked(func, tensor, dim, initial, args, kwargs, cache, check_policy(toma_policy, "toma_policy"))
+        policy = check_policy(toma_policy, "toma_policy")
+        _drive(engine.ChunkStep(func, tensor, dim, args, kwargs), cache, initial, policy)
 
 
 # --- toma ----------------------------------------------------------------------------------------------
@@ -279,7 +253,7 @@ class toma(metaclass=_TomaNamespace):
         ) -> Any:
             initial = _initial(default, toma_initial_batchsize, "initial_batchsize", "toma_initial_batchsize")
             cache = _cache_for(cache_type, context if toma_context is None else toma_context, own_caches, func)
-            return _run_batch(func, initial, args, kwargs, cache, policy)
+            return _drive(engine.BatchStep(func, args, kwargs), cache, initial, policy).result
 
         _describe(wrapped, "toma.batch", "toma_initial_batchsize= and toma_context=")
         return wrapped
@@ -316,7 +290,7 @@ class toma(metaclass=_TomaNamespace):
             start, end = check_index(start, "start"), check_index(end, "end")
             initial = _initial(default, toma_initial_step, "initial_step", "toma_initial_step")
             cache = _cache_for(cache_type, context if toma_context is None else toma_context, own_caches, func)
-            _run_range(func, start, end, initial, args, kwargs, cache, policy)
+            _drive(engine.RangeStep(func, start, end, args, kwargs), cache, initial, policy)
 
         _describe(wrapped, "toma.range", "toma_initial_step= and toma_context=")
         return wrapped
@@ -365,7 +339,7 @@ class toma(metaclass=_TomaNamespace):
                     tensor, check_index(toma_dimension, "toma_dimension"), "tensor", "toma_dimension"
                 )
             cache = _cache_for(cache_type, context if toma_context is None else toma_context, own_caches, func)
-            _run_chunked(func, tensor, dim, initial, args, kwargs, cache, policy)
+            _drive(engine.ChunkStep(func, tensor, dim, args, kwargs), cache, initial, policy)
 
         _describe(wrapped, "toma.chunked", "toma_initial_step=, toma_dimension= and toma_context=")
         return wrapped
@@ -386,7 +360,8 @@ class toma(metaclass=_TomaNamespace):
             context = call_site_key() if context is None else context
 
             def execute_batch(func: Callable[..., Any]) -> Any:
-                return _run_batch(func, initial, (), {}, _cache_for(cache_type, context, None, func), policy)
+                cache = _cache_for(cache_type, context, None, func)
+                return _drive(engine.BatchStep(func, (), {}), cache, initial, policy).result
 
             return execute_batch
 
@@ -406,7 +381,8 @@ class toma(metaclass=_TomaNamespace):
             context = call_site_key() if context is None else context
 
             def execute_range(func: Callable[..., Any]) -> None:
-                _run_range(func, start, end, initial, (), {}, _cache_for(cache_type, context, None, func), policy)
+                cache = _cache_for(cache_type, context, None, func)
+                _drive(engine.RangeStep(func, start, end, (), {}), cache, initial, policy)
 
             return execute_range
 
@@ -427,6 +403,6 @@ class toma(metaclass=_TomaNamespace):
 
             def execute_chunked(func: Callable[..., Any]) -> None:
                 cache = _cache_for(cache_type, context, None, func)
-                _run_chunked(func, tensor, dim, initial, (), {}, cache, policy)
+                _drive(engine.ChunkStep(func, tensor, dim, (), {}), cache, initial, policy)
 
             return execute_chunked
