@@ -4,7 +4,6 @@ import os
 import re
 
 import pytest
-
 from helpers import REPO, run_python
 
 
