@@ -1,4 +1,4 @@
-"""toma under a real memory cap: the process gets 256 MiB more address space than it has, then runs work
+"""toma under a real memory cap: the process gets 192 MiB more address space than it has, then runs work
 whose first attempts need several times that. toma shrinks the batch and the step until they fit, and
 the example prints the sizes it chose and checks the results against a plain computation in small
 pieces. Runs on the CPU; on a GPU, drop the cap and the same code adapts to CUDA memory.
@@ -17,7 +17,7 @@ import torch
 from toma import toma
 from toma.cpu_memory import set_cpu_memory_limit
 
-HEADROOM_MIB = 256
+HEADROOM_MIB = 192
 
 
 def settled_address_space() -> int:
@@ -37,10 +37,17 @@ def main() -> None:
     torch.set_num_threads(1)  # thread stacks count against the cap too
     generator = torch.Generator().manual_seed(0)
 
-    # A model and a data set to run inference on, and 8192 points for a kernel density estimate.
+    # A model and a data set to run inference on, and points for a kernel density estimate. The first
+    # attempts below need 512 MiB (two 16384 x 4096 activations) and 576 MiB (a 12288 x 12288 matrix).
     model = torch.nn.Sequential(torch.nn.Linear(64, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 10))
     inputs = torch.randn(16384, 64, generator=generator)
-    points = torch.randn(8192, 16, generator=generator)
+    points = torch.randn(12288, 16, generator=generator)
+    with torch.no_grad():
+        reference_logits = torch.cat([model(inputs[s : s + 256]) for s in range(0, len(inputs), 256)])
+    reference_density = torch.cat(
+        [torch.cdist(points[s : s + 256], points).neg().exp().mean(1) for s in range(0, len(points), 256)]
+    )
+
     set_cpu_memory_limit((settled_address_space() + HEADROOM_MIB * 2**20) / 2**30)
     print(f"capped this process at {HEADROOM_MIB} MiB more than it uses")
 
@@ -61,11 +68,6 @@ def main() -> None:
     densities = torch.empty(len(points))
     density(densities)
 
-    with torch.no_grad():
-        reference_logits = torch.cat([model(inputs[s : s + 256]) for s in range(0, len(inputs), 256)])
-    reference_density = torch.cat(
-        [torch.cdist(points[s : s + 256], points).neg().exp().mean(1) for s in range(0, len(points), 256)]
-    )
     for name, size in chosen.items():
         print(f"{name}: {size}")
     print("predict matches the reference:", torch.allclose(logits, reference_logits, atol=1e-5))
