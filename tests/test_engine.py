@@ -190,3 +190,13 @@ def test_memory_is_released_after_each_oom(monkeypatch):
     monkeypatch.setattr(engine, "release_memory", lambda: releases.append(1))
     simple.batch(lambda bs: raise_fake_oom() if bs > 2 else bs, 16)
     assert len(releases) == 3
+
+
+def test_a_policy_that_does_not_shrink_is_refused_instead_of_looping_forever():
+    class Stubborn(Halving):
+        def shrink(self, size):
+            return size
+
+    with pytest.raises(ValueError, match="must return a smaller size") as info:
+        explicit.batch(lambda bs: raise_fake_oom(), 8, toma_policy=Stubborn())
+    assert isinstance(info.value.__cause__, torch.OutOfMemoryError), "the OOM stays visible as the cause"

@@ -65,6 +65,11 @@ def run(step: Step, entry: Batchsize, initial_size: int, policy: SizePolicy) -> 
             if not should_reduce_batch_size(exception):
                 raise
             smaller = policy.shrink(size)
+            if smaller is not None and not 1 <= smaller < size:
+                raise ValueError(
+                    f"{policy!r}.shrink({size}) returned {smaller!r}: a policy must return a smaller size "
+                    "of at least 1, or None when there is none"
+                ) from exception
             if smaller is None:
                 _add_note(
                     exception,
