@@ -1,6 +1,8 @@
 """The public forms against toma 1.1.0's contract: sequences, caching, return values, and its fixed bugs."""
 
+import gc
 import logging
+import weakref
 
 import pytest
 import torch
@@ -457,3 +459,19 @@ def test_bad_cache_type_and_policy_name_the_argument():
         explicit.batch(lambda bs: bs, 2, toma_cache_type=GlobalBatchsizeCache())
     with pytest.raises(TypeError, match="policy"):
         toma.range(initial_step=2, policy=0.5)
+
+
+def test_explicit_cache_keeps_no_closure_or_callable_object_alive():
+    class Model:
+        def __call__(self, batchsize):
+            return batchsize
+
+    big = torch.zeros(1024)
+    closure_ref = weakref.ref(big)
+    model = Model()
+    model_ref = weakref.ref(model)
+    explicit.batch(lambda bs: big.numel() + bs, 4, toma_cache_type=GlobalBatchsizeCache)
+    explicit.batch(model, 4, toma_cache_type=GlobalBatchsizeCache)
+    del big, model
+    gc.collect()
+    assert closure_ref() is None and model_ref() is None

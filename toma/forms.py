@@ -63,9 +63,11 @@ def _function_context(func: Callable[..., Any]) -> Hashable:
             break
         target = inner
     code = getattr(target, "__code__", None)
-    if code is None:
-        code = getattr(type(target).__call__, "__code__", None) if callable(target) else None
-    return code if code is not None else target
+    if code is not None:
+        return code
+    if isinstance(target, (types.BuiltinFunctionType, type)):
+        return target  # lives as long as the program anyway
+    return type(target)  # a callable object: identified by its class, so no instance is kept alive
 
 
 def _cache_for(
