@@ -466,12 +466,17 @@ def test_explicit_cache_keeps_no_closure_or_callable_object_alive():
         def __call__(self, batchsize):
             return batchsize
 
-    big = torch.zeros(1024)
-    closure_ref = weakref.ref(big)
+    refs = []
+
+    def closure_over_a_tensor():
+        big = torch.zeros(1024)
+        refs.append(weakref.ref(big))
+        return lambda batchsize: big.numel() + batchsize
+
     model = Model()
-    model_ref = weakref.ref(model)
-    explicit.batch(lambda bs: big.numel() + bs, 4, toma_cache_type=GlobalBatchsizeCache)
+    refs.append(weakref.ref(model))
+    explicit.batch(closure_over_a_tensor(), 4, toma_cache_type=GlobalBatchsizeCache)
     explicit.batch(model, 4, toma_cache_type=GlobalBatchsizeCache)
-    del big, model
+    del model
     gc.collect()
-    assert closure_ref() is None and model_ref() is None
+    assert [ref() for ref in refs] == [None, None]

@@ -8,7 +8,7 @@
 
 import functools
 import types
-from typing import Any, Callable, Hashable, Optional, Type, TypeVar
+from typing import Any, Callable, Hashable, Optional, Type, TypeVar, cast
 
 import torch
 
@@ -67,7 +67,7 @@ def _function_context(func: Callable[..., Any]) -> Hashable:
         return code
     if isinstance(target, (types.BuiltinFunctionType, type)):
         return target  # lives as long as the program anyway
-    return type(target)  # a callable object: identified by its class, so no instance is kept alive
+    return cast(Hashable, type(target))  # a callable object: identified by its class, keeping no instance alive
 
 
 def _cache_for(
