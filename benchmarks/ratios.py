@@ -1,7 +1,7 @@
 """Median ratio of each benchmark to its group's `test_native*` baseline, over one or more runs.
 
-    for i in 1 2 3; do python -m pytest benchmarks --benchmark-only --benchmark-json=run$i.json; done
-    python benchmarks/ratios.py run1.json run2.json run3.json
+for i in 1 2 3; do python -m pytest benchmarks --benchmark-only --benchmark-json=run$i.json; done
+python benchmarks/ratios.py run1.json run2.json run3.json
 """
 
 import json

@@ -33,6 +33,18 @@ class FixedGauge:
         pass
 
 
+# Subprocess code: collects toma's log lines into `messages`.
+COLLECT_TOMA_LOG = """
+import logging
+messages = []
+class Collect(logging.Handler):
+    def emit(self, record):
+        messages.append(record.getMessage())
+logging.getLogger("toma").addHandler(Collect())
+logging.getLogger("toma").setLevel(logging.INFO)
+"""
+
+
 def run_python(code: str, timeout: float = 180) -> subprocess.CompletedProcess:
     """Run `code` in a fresh interpreter with the repository importable; fail the test on a non-zero exit."""
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))

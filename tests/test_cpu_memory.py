@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from helpers import run_python
+from helpers import COLLECT_TOMA_LOG, run_python
 
 from toma.cpu_memory import get_available_cpu_memory, is_out_of_cpu_memory, set_cpu_memory_limit
 
@@ -50,12 +50,15 @@ def test_limit_caps_the_address_space_and_available_memory():
 # One process, capped at its current address space plus HEADROOM, runs every form on a computation whose
 # first attempt needs several times HEADROOM. Each form must end with the reference result after real
 # allocator failures, and no tensor of a failed attempt may be alive when the next attempt starts.
-REAL_OOM_SCENARIOS = """
-import gc, json, logging, time, weakref
-import psutil, torch
+REAL_OOM_SCENARIOS = (
+    COLLECT_TOMA_LOG
+    + """
+import json, weakref
+import torch
 torch.set_num_threads(1)
 from toma import toma, explicit, simple
 from toma.cpu_memory import set_cpu_memory_limit
+from examples.adaptive_memory import settled_address_space
 
 HEADROOM = 160 * 2**20
 N, D = 4096, 8
@@ -68,12 +71,6 @@ def kernel_rows(start, end):
 
 reference = torch.cat([kernel_rows(s, min(s + 256, N)) for s in range(0, N, 256)])
 
-messages = []
-class Collect(logging.Handler):
-    def emit(self, record):
-        messages.append(record.getMessage())
-logging.getLogger("toma").addHandler(Collect())
-logging.getLogger("toma").setLevel(logging.INFO)
 
 refs, leaked = [], []
 def attempt_starts():
@@ -84,18 +81,7 @@ def attempt_starts():
 def watch(tensor):
     refs.append(weakref.ref(tensor))
 
-def settled_vms():
-    # Freed memory leaves the address space with a delay; cap only what is really in use.
-    process, last = psutil.Process(), -1
-    while True:
-        gc.collect()
-        vms = process.memory_info().vms
-        if vms == last:
-            return vms
-        last = vms
-        time.sleep(0.3)
-
-set_cpu_memory_limit((settled_vms() + HEADROOM) / 2**30)
+set_cpu_memory_limit((settled_address_space() + HEADROOM) / 2**30)
 
 def run_batch(batchsize):
     attempt_starts()
@@ -153,6 +139,7 @@ mark = len(messages); simple.batch(python_lists, 4096)
 results["MemoryError"] = dict(ok=True, messages=messages[mark:], leaked=[])
 print(json.dumps(results))
 """
+)
 
 
 @pytest.mark.slow

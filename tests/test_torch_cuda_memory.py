@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from helpers import requires_cuda, run_python
+from helpers import COLLECT_TOMA_LOG, requires_cuda, run_python
 
 from toma import torch_cuda_memory as tcm
 
@@ -22,8 +22,10 @@ def test_queries_without_cuda_do_not_initialise_it():
     assert not torch.cuda.is_initialized()
 
 
-CUDA_PREAMBLE = """
-import gc, json, logging, weakref
+CUDA_PREAMBLE = (
+    COLLECT_TOMA_LOG
+    + """
+import gc, json
 import torch
 from toma import toma, explicit, simple, NoBatchsizeCache
 from toma.torch_cuda_memory import get_cuda_free_memory_if_initialized, cuda_meminfo
@@ -31,13 +33,8 @@ from toma.torch_cuda_memory import get_cuda_free_memory_if_initialized, cuda_mem
 LIMIT = 2 * 2**30
 torch.cuda.init()
 torch.cuda.set_per_process_memory_fraction(LIMIT / torch.cuda.get_device_properties(0).total_memory)
-messages = []
-class Collect(logging.Handler):
-    def emit(self, record):
-        messages.append(record.getMessage())
-logging.getLogger("toma").addHandler(Collect())
-logging.getLogger("toma").setLevel(logging.INFO)
 """
+)
 
 
 @pytest.mark.cuda
