@@ -22,26 +22,28 @@ def test_queries_without_cuda_do_not_initialise_it():
     assert not torch.cuda.is_initialized()
 
 
-CUDA_PREAMBLE = (
-    COLLECT_TOMA_LOG
-    + """
+def cuda_preamble(limit_gib: int) -> str:
+    """Subprocess code: cap this process's CUDA memory at `limit_gib` GiB and collect toma's log lines."""
+    return COLLECT_TOMA_LOG + CUDA_CAP.replace("LIMIT_GIB", str(limit_gib))
+
+
+CUDA_CAP = """
 import gc, json
 import torch
 from toma import toma, explicit, simple, NoBatchsizeCache
 from toma.torch_cuda_memory import get_cuda_free_memory_if_initialized, cuda_meminfo
 
-LIMIT = 2 * 2**30
+LIMIT = LIMIT_GIB * 2**30
 torch.cuda.init()
 torch.cuda.set_per_process_memory_fraction(LIMIT / torch.cuda.get_device_properties(0).total_memory)
 """
-)
 
 
 @pytest.mark.cuda
 @requires_cuda
 def test_real_cuda_oom_under_a_memory_fraction_is_survived():
     code = (
-        CUDA_PREAMBLE
+        cuda_preamble(1)
         + """
 x = torch.randn(16384, 64, device="cuda")
 reference = torch.cat([torch.cdist(x[s:s + 512], x).sum(1) for s in range(0, 16384, 512)])
@@ -49,7 +51,7 @@ torch.cuda.synchronize()
 
 @toma.batch(initial_batchsize=16384)
 def kernel(batchsize):
-    # 16384 x 16384 floats is 1 GiB per buffer; cdist needs several at the full batch.
+    # 16384 x 16384 floats is 1 GiB per buffer, all of the cap: the full batch cannot fit.
     parts = [torch.cdist(x[s:s + batchsize], x).sum(1) for s in range(0, 16384, batchsize)]
     return torch.cat(parts)
 
@@ -77,7 +79,7 @@ print(json.dumps(dict(
 @requires_cuda
 def test_memory_returns_to_baseline_after_100_oom_retries():
     code = (
-        CUDA_PREAMBLE
+        cuda_preamble(2)
         + """
 keep = torch.ones(64 * 2**20, device="cuda")  # something that stays, to see it is not freed by mistake
 torch.cuda.synchronize(); torch.cuda.empty_cache()
