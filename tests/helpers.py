@@ -1,9 +1,11 @@
 """Shared test helpers: fake OOMs, a fixed free-memory gauge, subprocesses, the CUDA marker."""
 
 import os
+import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -58,6 +60,51 @@ def run_python(code: str, timeout: float = 180) -> subprocess.CompletedProcess:
     )
     assert result.returncode == 0, f"subprocess failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
     return result
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_ranks(code: str, world_size: int, timeout: float = 120) -> list:
+    """Run `code` as `world_size` processes of one torch.distributed job (env:// rendezvous on localhost,
+    RANK and WORLD_SIZE set); returns their stdouts. A hang fails the test after `timeout` seconds."""
+    env = dict(
+        os.environ,
+        PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS="1",
+    )
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(code)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
+            cwd=REPO,
+        )
+        for rank in range(world_size)
+    ]
+    outputs = []
+    deadline = time.monotonic() + timeout
+    try:
+        for rank, process in enumerate(processes):
+            stdout, stderr = process.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            assert process.returncode == 0, f"rank {rank} failed ({process.returncode}):\n{stdout}\n{stderr}"
+            outputs.append(stdout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the {world_size} ranks did not finish within {timeout} s: a hang")
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
+    return outputs
 
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -18,6 +18,7 @@ from toma.cpu_memory import is_out_of_cpu_memory
 from toma.forms import PackageModule, explicit, simple, toma
 from toma.oom import register_oom_predicate, release_memory, should_reduce_batch_size, unregister_oom_predicate
 from toma.policy import Halving, ShrinkByFactor, SizePolicy
+from toma.splitting import whole
 from toma.torch_cuda_memory import gc_cuda, is_cuda_out_of_memory, is_cudnn_snafu
 from toma.version import __version__
 
@@ -38,6 +39,7 @@ __all__ = [
     "SizePolicy",
     "ShrinkByFactor",
     "Halving",
+    "whole",
     "is_out_of_cpu_memory",
     "is_cuda_out_of_memory",
     "is_cudnn_snafu",

@@ -8,15 +8,15 @@ steps are never repeated. A call that never runs out of memory pays for nothing 
 """
 
 import logging
-from typing import Any, Callable, Dict, Protocol, Tuple
+from typing import Any, Callable, Dict, Protocol, Tuple, TypeVar
 
 from toma import stacktrace
-from toma.batchsize_cache import Batchsize
+from toma.batchsize_cache import Batchsize, BatchsizeCache
 from toma.free_memory import GAUGE
 from toma.oom import release_memory, should_reduce_batch_size
 from toma.policy import SizePolicy
 
-__all__ = ["Step", "run", "BatchStep", "RangeStep", "ChunkStep"]
+__all__ = ["Step", "run", "drive", "BatchStep", "RangeStep", "ChunkStep"]
 
 log = logging.getLogger("toma")
 
@@ -93,6 +93,16 @@ def run(step: Step, entry: Batchsize, initial_size: int, policy: SizePolicy) -> 
         release_memory()
         GAUGE.invalidate()
         size = smaller
+
+
+S = TypeVar("S", bound=Step)
+
+
+def drive(step: S, cache: BatchsizeCache, initial_size: int, policy: SizePolicy) -> S:
+    """Run `step` with the cache's entry; returns the step. An empty range never touches the cache."""
+    if not step.finished:
+        run(step, cache.get_batchsize(initial_size), initial_size, policy)
+    return step
 
 
 class BatchStep:

@@ -13,6 +13,7 @@ from typing import Any, Callable, Hashable, Optional, Type, TypeVar, cast
 import torch
 
 from toma import engine
+from toma.accumulate import accumulate, check_model, check_reduction, check_scaler
 from toma.arguments import check_dimension, check_index, check_policy, check_size, check_tensor_dimension
 from toma.batchsize_cache import (
     BatchsizeCache,
@@ -26,6 +27,7 @@ from toma.batchsize_cache import (
     set_default_cache_type,
 )
 from toma.policy import DEFAULT_POLICY, SizePolicy
+from toma.splitting import whole
 from toma.stacktrace import call_site_key
 
 __all__ = ["toma", "explicit", "simple", "PackageModule"]
@@ -34,18 +36,6 @@ F = TypeVar("F", bound=Callable[..., Any])
 CacheType = Optional[Type[BatchsizeCache]]
 
 _NO_CACHE = NoBatchsizeCache()
-
-
-# --- the one driver every form ends in -----------------------------------------------------------------
-
-S = TypeVar("S", bound=engine.Step)
-
-
-def _drive(step: S, cache: BatchsizeCache, initial: int, policy: SizePolicy) -> S:
-    """Run `step` through the engine with the cache's entry; an empty range never touches the cache."""
-    if not step.finished:
-        engine.run(step, cache.get_batchsize(initial), initial, policy)
-    return step
 
 
 # --- choosing the cache --------------------------------------------------------------------------------
@@ -114,21 +104,21 @@ class simple:
     def batch(func: Callable[..., Any], initial_batchsize: int, *args: Any, **kwargs: Any) -> Any:
         """`func(batchsize, *args, **kwargs)`, halving `batchsize` on out-of-memory errors; returns its result."""
         initial = check_size(initial_batchsize, "initial_batchsize")
-        return _drive(engine.BatchStep(func, args, kwargs), _NO_CACHE, initial, DEFAULT_POLICY).result
+        return engine.drive(engine.BatchStep(func, args, kwargs), _NO_CACHE, initial, DEFAULT_POLICY).result
 
     @staticmethod
     def range(func: Callable[..., Any], start: int, end: int, initial_step: int, *args: Any, **kwargs: Any) -> None:
         """`func(chunk_start, chunk_end, *args, **kwargs)` over `[start, end)`, halving the step on OOM."""
         start, end = check_index(start, "start"), check_index(end, "end")
         initial = check_size(initial_step, "initial_step")
-        _drive(engine.RangeStep(func, start, end, args, kwargs), _NO_CACHE, initial, DEFAULT_POLICY)
+        engine.drive(engine.RangeStep(func, start, end, args, kwargs), _NO_CACHE, initial, DEFAULT_POLICY)
 
     @staticmethod
     def chunked(func: Callable[..., Any], tensor: torch.Tensor, initial_step: int, dimension: int = 0) -> None:
         """`func(chunk, chunk_start, chunk_end)` over chunks of `tensor` along `dimension`, halving on OOM."""
         initial = check_size(initial_step, "initial_step")
         dim = check_tensor_dimension(tensor, check_dimension(dimension, "dimension"), "tensor", "dimension")
-        _drive(engine.ChunkStep(func, tensor, dim, (), {}), _NO_CACHE, initial, DEFAULT_POLICY)
+        engine.drive(engine.ChunkStep(func, tensor, dim, (), {}), _NO_CACHE, initial, DEFAULT_POLICY)
 
 
 # --- explicit ------------------------------------------------------------------------------------------
@@ -151,7 +141,7 @@ class explicit:
         initial = check_size(initial_batchsize, "initial_batchsize")
         cache = _cache_for(_optional_cache_type(toma_cache_type, "toma_cache_type"), toma_context, None, func)
         policy = check_policy(toma_policy, "toma_policy")
-        return _drive(engine.BatchStep(func, args, kwargs), cache, initial, policy).result
+        return engine.drive(engine.BatchStep(func, args, kwargs), cache, initial, policy).result
 
     @staticmethod
     def range(
@@ -170,7 +160,7 @@ class explicit:
         initial = check_size(initial_step, "initial_step")
         cache = _cache_for(_optional_cache_type(toma_cache_type, "toma_cache_type"), toma_context, None, func)
         policy = check_policy(toma_policy, "toma_policy")
-        _drive(engine.RangeStep(func, start, end, args, kwargs), cache, initial, policy)
+        engine.drive(engine.RangeStep(func, start, end, args, kwargs), cache, initial, policy)
 
     @staticmethod
     def chunked(
@@ -191,7 +181,32 @@ class explicit:
         )
         cache = _cache_for(_optional_cache_type(toma_cache_type, "toma_cache_type"), toma_context, None, func)
         policy = check_policy(toma_policy, "toma_policy")
-        _drive(engine.ChunkStep(func, tensor, dim, args, kwargs), cache, initial, policy)
+        engine.drive(engine.ChunkStep(func, tensor, dim, args, kwargs), cache, initial, policy)
+
+    @staticmethod
+    def accumulate(
+        func: Callable[..., Any],
+        model: torch.nn.Module,
+        initial_micro_batch: int,
+        *args: Any,
+        toma_reduction: str = "mean",
+        toma_scaler: Any = None,
+        toma_context: Optional[Hashable] = None,
+        toma_cache_type: CacheType = None,
+        toma_policy: Optional[SizePolicy] = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """Forward and backward `func(*args, **kwargs)` over the logical batch in micro-batches that fit,
+        gradients as from one full-batch pass; returns the logical batch's loss, detached."""
+        model = check_model(model, "model")
+        initial = check_size(initial_micro_batch, "initial_micro_batch")
+        reduction = check_reduction(toma_reduction, "toma_reduction")
+        scaler = check_scaler(toma_scaler, "toma_scaler")
+        cache = _cache_for(_optional_cache_type(toma_cache_type, "toma_cache_type"), toma_context, None, func)
+        policy = check_policy(toma_policy, "toma_policy")
+        return accumulate(
+            func, model, initial, args, kwargs, reduction=reduction, scaler=scaler, cache=cache, policy=policy
+        )
 
 
 # --- toma ----------------------------------------------------------------------------------------------
@@ -225,6 +240,7 @@ class toma(metaclass=_TomaNamespace):
     StacktraceMemoryBatchsizeCache = StacktraceMemoryBatchsizeCache
     explicit = explicit
     simple = simple
+    whole = whole
 
     @staticmethod
     def batch(
@@ -255,7 +271,7 @@ class toma(metaclass=_TomaNamespace):
         ) -> Any:
             initial = _initial(default, toma_initial_batchsize, "initial_batchsize", "toma_initial_batchsize")
             cache = _cache_for(cache_type, context if toma_context is None else toma_context, own_caches, func)
-            return _drive(engine.BatchStep(func, args, kwargs), cache, initial, policy).result
+            return engine.drive(engine.BatchStep(func, args, kwargs), cache, initial, policy).result
 
         _describe(wrapped, "toma.batch", "toma_initial_batchsize= and toma_context=")
         return wrapped
@@ -292,7 +308,7 @@ class toma(metaclass=_TomaNamespace):
             start, end = check_index(start, "start"), check_index(end, "end")
             initial = _initial(default, toma_initial_step, "initial_step", "toma_initial_step")
             cache = _cache_for(cache_type, context if toma_context is None else toma_context, own_caches, func)
-            _drive(engine.RangeStep(func, start, end, args, kwargs), cache, initial, policy)
+            engine.drive(engine.RangeStep(func, start, end, args, kwargs), cache, initial, policy)
 
         _describe(wrapped, "toma.range", "toma_initial_step= and toma_context=")
         return wrapped
@@ -341,9 +357,67 @@ class toma(metaclass=_TomaNamespace):
                     tensor, check_index(toma_dimension, "toma_dimension"), "tensor", "toma_dimension"
                 )
             cache = _cache_for(cache_type, context if toma_context is None else toma_context, own_caches, func)
-            _drive(engine.ChunkStep(func, tensor, dim, args, kwargs), cache, initial, policy)
+            engine.drive(engine.ChunkStep(func, tensor, dim, args, kwargs), cache, initial, policy)
 
         _describe(wrapped, "toma.chunked", "toma_initial_step=, toma_dimension= and toma_context=")
+        return wrapped
+
+    @staticmethod
+    def accumulate(
+        func: Optional[F] = None,
+        *,
+        model: Optional[torch.nn.Module] = None,
+        initial_micro_batch: Optional[int] = None,
+        reduction: str = "mean",
+        scaler: Any = None,
+        cache_type: CacheType = None,
+        context: Optional[Hashable] = None,
+        policy: Optional[SizePolicy] = None,
+    ) -> Any:
+        """`@toma.accumulate(model=model, initial_micro_batch=256)` on a function returning a micro-batch's
+        loss: each call runs forward and backward over the logical batch in micro-batches that fit."""
+        checked_model = check_model(model, "model")
+        default = None if initial_micro_batch is None else check_size(initial_micro_batch, "initial_micro_batch")
+        reduction = check_reduction(reduction, "reduction")
+        scaler = check_scaler(scaler, "scaler")
+        cache_type = _optional_cache_type(cache_type, "cache_type")
+        policy = check_policy(policy, "policy")
+        if func is None:
+            return functools.partial(
+                toma.accumulate,
+                model=checked_model,
+                initial_micro_batch=default,
+                reduction=reduction,
+                scaler=scaler,
+                cache_type=cache_type,
+                context=context,
+                policy=policy,
+            )
+        _check_decorated(func, "toma.accumulate", "initial_micro_batch")
+        own_caches = BoundedDict(16)
+
+        @functools.wraps(func)
+        def wrapped(
+            *args: Any,
+            toma_initial_micro_batch: Optional[int] = None,
+            toma_context: Optional[Hashable] = None,
+            **kwargs: Any,
+        ) -> torch.Tensor:
+            initial = _initial(default, toma_initial_micro_batch, "initial_micro_batch", "toma_initial_micro_batch")
+            cache = _cache_for(cache_type, context if toma_context is None else toma_context, own_caches, func)
+            return accumulate(
+                func,
+                checked_model,
+                initial,
+                args,
+                kwargs,
+                reduction=reduction,
+                scaler=scaler,
+                cache=cache,
+                policy=policy,
+            )
+
+        _describe(wrapped, "toma.accumulate", "toma_initial_micro_batch= and toma_context=")
         return wrapped
 
     class execute:
@@ -363,7 +437,7 @@ class toma(metaclass=_TomaNamespace):
 
             def execute_batch(func: Callable[..., Any]) -> Any:
                 cache = _cache_for(cache_type, context, None, func)
-                return _drive(engine.BatchStep(func, (), {}), cache, initial, policy).result
+                return engine.drive(engine.BatchStep(func, (), {}), cache, initial, policy).result
 
             return execute_batch
 
@@ -384,7 +458,7 @@ class toma(metaclass=_TomaNamespace):
 
             def execute_range(func: Callable[..., Any]) -> None:
                 cache = _cache_for(cache_type, context, None, func)
-                _drive(engine.RangeStep(func, start, end, (), {}), cache, initial, policy)
+                engine.drive(engine.RangeStep(func, start, end, (), {}), cache, initial, policy)
 
             return execute_range
 
@@ -405,6 +479,6 @@ class toma(metaclass=_TomaNamespace):
 
             def execute_chunked(func: Callable[..., Any]) -> None:
                 cache = _cache_for(cache_type, context, None, func)
-                _drive(engine.ChunkStep(func, tensor, dim, (), {}), cache, initial, policy)
+                engine.drive(engine.ChunkStep(func, tensor, dim, (), {}), cache, initial, policy)
 
             return execute_chunked

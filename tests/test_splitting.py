@@ -1,0 +1,65 @@
+"""Splitting a call's arguments into micro-batches."""
+
+from collections import OrderedDict, namedtuple
+
+import pytest
+import torch
+
+from toma.splitting import BatchSplit, whole
+
+Pair = namedtuple("Pair", "left right")
+
+
+def test_every_batch_tensor_is_split_also_when_nested():
+    x, y, z = torch.arange(10), torch.arange(20).view(10, 2), torch.arange(30).view(10, 3)
+    split = BatchSplit((x, [y, (z, "label")]), {"extra": {"mask": x > 4}, "scale": 2.0})
+    assert split.size == 10
+    args, kwargs = split.micro_batch(4, 7)
+    assert torch.equal(args[0], x[4:7])
+    assert isinstance(args[1], list) and torch.equal(args[1][0], y[4:7])
+    assert isinstance(args[1][1], tuple) and torch.equal(args[1][1][0], z[4:7]) and args[1][1][1] == "label"
+    assert torch.equal(kwargs["extra"]["mask"], (x > 4)[4:7])
+    assert kwargs["scale"] == 2.0
+
+
+def test_micro_batches_are_views_not_copies():
+    x = torch.zeros(8, 3)
+    args, _ = BatchSplit((x,), {}).micro_batch(2, 5)
+    assert args[0].data_ptr() == x[2].data_ptr()
+
+
+def test_the_full_range_hands_over_the_original_arguments():
+    x = torch.zeros(8)
+    args, kwargs = (x,), {"k": x}
+    assert BatchSplit(args, kwargs).micro_batch(0, 8) == (args, kwargs)
+
+
+def test_zero_dim_tensors_non_tensors_and_whole_go_unsplit():
+    x, weights, temperature = torch.zeros(6, 2), torch.ones(3), torch.tensor(0.5)
+    split = BatchSplit((x, whole(weights), temperature, "text"), {})
+    args, _ = split.micro_batch(0, 6)  # `whole` is unwrapped even when nothing is split
+    assert args[1] is weights and args[2] is temperature and args[3] == "text"
+    args, _ = split.micro_batch(2, 4)
+    assert args[0].shape == (2, 2) and args[1] is weights and args[2] is temperature
+
+
+def test_container_types_are_kept():
+    x = torch.arange(6)
+    args, _ = BatchSplit((Pair(x, x * 2), OrderedDict(a=x)), {}).micro_batch(1, 3)
+    assert isinstance(args[0], Pair) and torch.equal(args[0].right, torch.tensor([2, 4]))
+    assert isinstance(args[1], OrderedDict) and torch.equal(args[1]["a"], torch.tensor([1, 2]))
+
+
+def test_disagreeing_batch_sizes_are_named():
+    with pytest.raises(ValueError, match=r"args\[0\] has 8 rows, kwargs\['mask'\] has 4.*toma.whole"):
+        BatchSplit((torch.zeros(8),), {"mask": torch.zeros(4)})
+
+
+def test_an_empty_logical_batch_is_refused():
+    with pytest.raises(ValueError, match=r"empty: args\[0\] has 0 rows"):
+        BatchSplit((torch.zeros(0, 3),), {})
+
+
+def test_a_call_without_batch_tensors_is_refused():
+    with pytest.raises(ValueError, match="no tensor argument with a batch dimension"):
+        BatchSplit((1, "x", torch.tensor(2.0), whole(torch.zeros(3))), {})

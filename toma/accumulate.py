@@ -1,0 +1,197 @@
+"""Gradient accumulation: a logical batch larger than memory, trained in micro-batches with exact gradients.
+
+The logical batch is one unit of work for the engine: an attempt runs forward and backward for every
+micro-batch at one size; an out-of-memory error anywhere in it (forward, backward, after some parameters
+already got gradients) drops that attempt's gradients exactly (`GradientStash`), and the engine redoes the
+whole logical batch at a smaller micro-batch size. The logical batch itself never changes.
+
+With `reduction="mean"` each micro-loss is weighted by its share of the rows, n_i / N, so the gradients are
+those of one full-batch pass also when the last micro-batch is smaller.
+"""
+
+import contextlib
+import logging
+import weakref
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
+
+import torch
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.parallel import DistributedDataParallel
+
+from toma import engine
+from toma.batchsize_cache import BatchsizeCache
+from toma.gradients import GradientStash
+from toma.policy import SizePolicy
+from toma.splitting import BatchSplit
+
+__all__ = ["accumulate", "check_model", "check_reduction", "check_scaler", "REDUCTIONS"]
+
+log = logging.getLogger("toma")
+
+REDUCTIONS = ("mean", "sum")
+
+_AUTOCAST_DEVICE_TYPES = ("cuda", "cpu", "xpu", "mps", "hpu")
+
+
+def check_model(model: Any, name: str) -> torch.nn.Module:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{name} must be the torch.nn.Module whose gradients are accumulated, got {model!r}")
+    return model
+
+
+def check_reduction(reduction: Any, name: str) -> str:
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"{name} must be 'mean' or 'sum' (how the loss function reduces a batch), got {reduction!r}")
+    return reduction
+
+
+def check_scaler(scaler: Any, name: str) -> Any:
+    if scaler is not None and not callable(getattr(scaler, "scale", None)):
+        raise TypeError(f"{name} must be a torch.amp.GradScaler (or None), got {scaler!r}")
+    return scaler
+
+
+class LocalSync:
+    """A module on one process: micro-batches need no synchronisation context."""
+
+    def micro_batch(self, last: bool) -> ContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def abort(self) -> None:
+        pass
+
+
+class DDPNoSync:
+    """DistributedDataParallel: all micro-batches but the last under `no_sync()`, so the gradients are
+    all-reduced once per logical batch, overlapping the last micro-batch's backward pass."""
+
+    def __init__(self, model: DistributedDataParallel) -> None:
+        self.model = model
+
+    def micro_batch(self, last: bool) -> ContextManager[Any]:
+        return contextlib.nullcontext() if last else self.model.no_sync()
+
+    def abort(self) -> None:
+        # A backward pass that failed after DDP's hooks fired leaves its reducer expecting the rest of the
+        # reduction; without a reset the retry's forward fails with "Expected to have finished reduction".
+        reducer = getattr(self.model, "reducer", None)
+        if reducer is not None and hasattr(reducer, "_reset_state"):
+            reducer._reset_state()
+
+
+def sync_for(model: torch.nn.Module) -> Any:
+    return DDPNoSync(model) if isinstance(model, DistributedDataParallel) else LocalSync()
+
+
+def _autocast_off() -> ContextManager[Any]:
+    """Backward outside autocast (PyTorch's advice): the forward's choice of dtypes already holds."""
+    enabled = [kind for kind in _AUTOCAST_DEVICE_TYPES if _autocast_enabled(kind)]
+    if not enabled:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    for kind in enabled:
+        stack.enter_context(torch.autocast(kind, enabled=False))
+    return stack
+
+
+def _autocast_enabled(device_type: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except (TypeError, RuntimeError):  # torch < 2.4 has no device argument; unknown device types
+        return device_type == "cuda" and torch.is_autocast_enabled()
+
+
+_checked_for_batchnorm: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
+def _warn_once_about_batchnorm(model: torch.nn.Module) -> None:
+    if model in _checked_for_batchnorm:
+        return
+    _checked_for_batchnorm.add(model)
+    names = [name for name, m in model.named_modules() if isinstance(m, _BatchNorm) and m.training]
+    if names:
+        log.warning(
+            "toma: %s has BatchNorm layers (%s) in training mode: with the logical batch split into "
+            "micro-batches their statistics are those of each micro-batch, not of the full batch",
+            type(model).__name__,
+            ", ".join(names[:3]) + (", ..." if len(names) > 3 else ""),
+        )
+
+
+def _loss_error(func: Callable[..., Any], loss: Any) -> TypeError:
+    what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else repr(loss)
+    name = getattr(func, "__qualname__", repr(func))
+    return TypeError(f"{name} must return the micro-batch's loss as a scalar tensor, got {what}")
+
+
+class AccumulateStep:
+    """One attempt at the whole logical batch: forward and backward of every micro-batch at `size`."""
+
+    size_name = "micro-batch size"
+    finished = False  # the logical batch is one unit: redone whole after an out-of-memory error
+
+    def __init__(
+        self,
+        func: Callable[..., Any],
+        model: torch.nn.Module,
+        split: BatchSplit,
+        reduction: str,
+        scaler: Any,
+    ) -> None:
+        self.func, self.model, self.split = func, model, split
+        self.mean = reduction == "mean"
+        self.scaler = scaler
+        self.sync = sync_for(model)
+        self.params: List[torch.Tensor] = [p for p in model.parameters() if p.requires_grad]
+        self.result: Optional[torch.Tensor] = None
+
+    def __call__(self, size: int) -> bool:
+        total_rows = self.split.size
+        if size < total_rows:
+            _warn_once_about_batchnorm(self.model)
+        try:
+            with GradientStash(self.params):
+                self.result = self._micro_batches(size, total_rows)
+        except BaseException:
+            self.sync.abort()
+            raise
+        return True
+
+    def _micro_batches(self, size: int, total_rows: int) -> torch.Tensor:
+        total: Optional[torch.Tensor] = None
+        for start in range(0, total_rows, size):
+            stop = min(start + size, total_rows)
+            args, kwargs = self.split.micro_batch(start, stop)
+            with self.sync.micro_batch(last=stop >= total_rows):
+                loss = self.func(*args, **kwargs)
+                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                    raise _loss_error(self.func, loss)
+                if self.mean and stop - start < total_rows:
+                    loss = loss * ((stop - start) / total_rows)
+                with _autocast_off():
+                    (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+            loss = loss.detach()
+            total = loss if total is None else total + loss
+        assert total is not None
+        return total.reshape(())
+
+
+def accumulate(
+    func: Callable[..., Any],
+    model: torch.nn.Module,
+    initial_micro_batch: int,
+    args: Tuple[Any, ...],
+    kwargs: Dict[str, Any],
+    *,
+    reduction: str,
+    scaler: Any,
+    cache: BatchsizeCache,
+    policy: SizePolicy,
+) -> torch.Tensor:
+    """Forward and backward `func(*micro_args, **micro_kwargs)` over the logical batch in micro-batches;
+    returns the logical batch's loss, detached. Arguments are checked by the caller (`toma.forms`)."""
+    split = BatchSplit(args, kwargs)
+    step = AccumulateStep(func, model, split, reduction, scaler)
+    result = engine.drive(step, cache, min(initial_micro_batch, split.size), policy).result
+    assert result is not None
+    return result

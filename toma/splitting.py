@@ -1,0 +1,104 @@
+"""Splitting a call's arguments into micro-batches along the batch dimension (dim 0).
+
+Every tensor with at least one dimension is part of the batch, also inside tuples, lists and dicts, and
+all of them must agree on its size. Everything else (numbers, strings, modules, 0-dim tensors, and
+tensors wrapped in `whole`) goes to every micro-batch as it is. Micro-batches are views: no copies.
+"""
+
+import copy
+from collections.abc import Mapping
+from typing import Any, Dict, List, Tuple
+
+import torch
+
+__all__ = ["whole", "BatchSplit"]
+
+
+class whole:
+    """Marks an argument that goes to every micro-batch unsplit: `compute_loss(x, y, toma.whole(weights))`."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return f"whole({self.value!r})"
+
+
+def _find_batch_tensors(obj: Any, path: str, found: List[Tuple[str, torch.Tensor]]) -> bool:
+    """Collect (path, tensor) for the batch tensors in `obj`; True if `obj` holds a `whole` to unwrap."""
+    if isinstance(obj, torch.Tensor):
+        if obj.dim() > 0:
+            found.append((path, obj))
+        return False
+    if isinstance(obj, whole):
+        return True
+    if isinstance(obj, (tuple, list)):
+        hits = [_find_batch_tensors(item, f"{path}[{i}]", found) for i, item in enumerate(obj)]
+        return any(hits)
+    if isinstance(obj, Mapping):
+        hits = [_find_batch_tensors(value, f"{path}[{key!r}]", found) for key, value in obj.items()]
+        return any(hits)
+    return False
+
+
+def _rebuild_mapping(obj: Mapping, items: Dict[Any, Any]) -> Any:
+    if type(obj) is dict:
+        return items
+    try:  # OrderedDict, defaultdict, a tokenizer's BatchEncoding: keep the type and its extra state
+        rebuilt = copy.copy(obj)
+        for key, value in items.items():
+            rebuilt[key] = value  # type: ignore[index]
+        return rebuilt
+    except Exception:
+        return items
+
+
+def _slice(obj: Any, start: int, stop: int) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj if obj.dim() == 0 else obj[start:stop]
+    if isinstance(obj, whole):
+        return obj.value
+    if isinstance(obj, tuple):
+        items = [_slice(item, start, stop) for item in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
+    if isinstance(obj, list):
+        return [_slice(item, start, stop) for item in obj]
+    if isinstance(obj, Mapping):
+        return _rebuild_mapping(obj, {key: _slice(value, start, stop) for key, value in obj.items()})
+    return obj
+
+
+class BatchSplit:
+    """A call's `(args, kwargs)`, split into micro-batches `[start, stop)` of the logical batch."""
+
+    __slots__ = ("args", "kwargs", "size", "_has_whole")
+
+    def __init__(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+        found: List[Tuple[str, torch.Tensor]] = []
+        has_whole = _find_batch_tensors(args, "args", found)
+        has_whole = _find_batch_tensors(kwargs, "kwargs", found) or has_whole
+        if not found:
+            raise ValueError(
+                "no tensor argument with a batch dimension to split: pass the logical batch as tensors "
+                "(also inside tuples, lists or dicts) whose dim 0 is the batch"
+            )
+        first_path, first = found[0]
+        size = first.shape[0]
+        disagreeing = [(path, tensor.shape[0]) for path, tensor in found if tensor.shape[0] != size]
+        if disagreeing:
+            others = ", ".join(f"{path} has {rows}" for path, rows in disagreeing)
+            raise ValueError(
+                f"tensor arguments disagree on the logical batch size (dim 0): {first_path} has {size} rows, "
+                f"{others}; wrap arguments that are not part of the batch in toma.whole(...)"
+            )
+        if size == 0:
+            raise ValueError(f"the logical batch is empty: {first_path} has 0 rows")
+        self.args, self.kwargs, self.size, self._has_whole = args, kwargs, size, has_whole
+
+    def micro_batch(self, start: int, stop: int) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+        """The arguments for rows `[start, stop)`; the call's own arguments when that is all of them."""
+        if start == 0 and stop >= self.size and not self._has_whole:
+            return self.args, self.kwargs
+        return _slice(self.args, start, stop), _slice(self.kwargs, start, stop)
