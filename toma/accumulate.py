@@ -54,8 +54,10 @@ def check_scaler(scaler: Any, name: str) -> Any:
 class LocalSync:
     """A module on one process: micro-batches need no synchronisation context."""
 
+    _nothing = contextlib.nullcontext()
+
     def micro_batch(self, last: bool) -> ContextManager[Any]:
-        return contextlib.nullcontext()
+        return self._nothing
 
     def abort(self) -> None:
         pass
@@ -83,15 +85,9 @@ def sync_for(model: torch.nn.Module) -> Any:
     return DDPNoSync(model) if isinstance(model, DistributedDataParallel) else LocalSync()
 
 
-def _autocast_off() -> ContextManager[Any]:
-    """Backward outside autocast (PyTorch's advice): the forward's choice of dtypes already holds."""
-    enabled = [kind for kind in _AUTOCAST_DEVICE_TYPES if _autocast_enabled(kind)]
-    if not enabled:
-        return contextlib.nullcontext()
-    stack = contextlib.ExitStack()
-    for kind in enabled:
-        stack.enter_context(torch.autocast(kind, enabled=False))
-    return stack
+def _enabled_autocast() -> Tuple[str, ...]:
+    """The device types autocast is on for here, where the backward passes run."""
+    return tuple(kind for kind in _AUTOCAST_DEVICE_TYPES if _autocast_enabled(kind))
 
 
 def _autocast_enabled(device_type: str) -> bool:
@@ -99,6 +95,14 @@ def _autocast_enabled(device_type: str) -> bool:
         return torch.is_autocast_enabled(device_type)
     except (TypeError, RuntimeError):  # torch < 2.4 has no device argument; unknown device types
         return device_type == "cuda" and torch.is_autocast_enabled()
+
+
+def _autocast_off(device_types: Tuple[str, ...]) -> contextlib.ExitStack:
+    """Backward outside autocast (PyTorch's advice): the forward's choice of dtypes already holds."""
+    stack = contextlib.ExitStack()
+    for kind in device_types:
+        stack.enter_context(torch.autocast(kind, enabled=False))
+    return stack
 
 
 _checked_for_batchnorm: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
@@ -158,6 +162,7 @@ class AccumulateStep:
         return True
 
     def _micro_batches(self, size: int, total_rows: int) -> torch.Tensor:
+        autocast = _enabled_autocast()
         total: Optional[torch.Tensor] = None
         for start in range(0, total_rows, size):
             stop = min(start + size, total_rows)
@@ -168,12 +173,16 @@ class AccumulateStep:
                     raise _loss_error(self.func, loss)
                 if self.mean and stop - start < total_rows:
                     loss = loss * ((stop - start) / total_rows)
-                with _autocast_off():
-                    (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+                scaled = loss if self.scaler is None else self.scaler.scale(loss)
+                if autocast:
+                    with _autocast_off(autocast):
+                        scaled.backward()
+                else:
+                    scaled.backward()
             loss = loss.detach()
             total = loss if total is None else total + loss
         assert total is not None
-        return total.reshape(())
+        return total if total.dim() == 0 else total.reshape(())
 
 
 def accumulate(

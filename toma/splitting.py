@@ -27,11 +27,12 @@ class whole:
 
 
 def _find_batch_tensors(obj: Any, path: str, found: List[Tuple[str, torch.Tensor]]) -> bool:
-    """Collect (path, tensor) for the batch tensors in `obj`; True if `obj` holds a `whole` to unwrap."""
+    """Collect (path, tensor) for the batch tensors in `obj`; True if `obj` changes per micro-batch."""
     if isinstance(obj, torch.Tensor):
-        if obj.dim() > 0:
-            found.append((path, obj))
-        return False
+        if obj.dim() == 0:
+            return False
+        found.append((path, obj))
+        return True
     if isinstance(obj, whole):
         return True
     if isinstance(obj, (tuple, list)):
@@ -73,12 +74,21 @@ def _slice(obj: Any, start: int, stop: int) -> Any:
 class BatchSplit:
     """A call's `(args, kwargs)`, split into micro-batches `[start, stop)` of the logical batch."""
 
-    __slots__ = ("args", "kwargs", "size", "_has_whole")
+    __slots__ = ("args", "kwargs", "size", "_arg_slots", "_kwarg_slots", "_plain")
 
     def __init__(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
         found: List[Tuple[str, torch.Tensor]] = []
-        has_whole = _find_batch_tensors(args, "args", found)
-        has_whole = _find_batch_tensors(kwargs, "kwargs", found) or has_whole
+        # Which top-level arguments change per micro-batch, and whether each is a plain tensor (a fast slice).
+        self._arg_slots = [
+            (i, isinstance(arg, torch.Tensor))
+            for i, arg in enumerate(args)
+            if _find_batch_tensors(arg, f"args[{i}]", found)
+        ]
+        self._kwarg_slots = [
+            (key, isinstance(value, torch.Tensor))
+            for key, value in kwargs.items()
+            if _find_batch_tensors(value, f"kwargs[{key!r}]", found)
+        ]
         if not found:
             raise ValueError(
                 "no tensor argument with a batch dimension to split: pass the logical batch as tensors "
@@ -95,10 +105,28 @@ class BatchSplit:
             )
         if size == 0:
             raise ValueError(f"the logical batch is empty: {first_path} has 0 rows")
-        self.args, self.kwargs, self.size, self._has_whole = args, kwargs, size, has_whole
+        self.args, self.kwargs, self.size = args, kwargs, size
+        self._plain = all(is_tensor for _, is_tensor in self._arg_slots + self._kwarg_slots)
 
     def micro_batch(self, start: int, stop: int) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
         """The arguments for rows `[start, stop)`; the call's own arguments when that is all of them."""
-        if start == 0 and stop >= self.size and not self._has_whole:
-            return self.args, self.kwargs
-        return _slice(self.args, start, stop), _slice(self.kwargs, start, stop)
+        args, kwargs = self.args, self.kwargs
+        full = start == 0 and stop >= self.size
+        if full and self._plain:
+            return args, kwargs
+        if self._arg_slots:
+            new_args = list(args)
+            for i, is_tensor in self._arg_slots:
+                if not is_tensor:
+                    new_args[i] = _slice(args[i], start, stop)
+                elif not full:
+                    new_args[i] = args[i][start:stop]
+            args = tuple(new_args)
+        if self._kwarg_slots:
+            kwargs = dict(kwargs)
+            for key, is_tensor in self._kwarg_slots:
+                if not is_tensor:
+                    kwargs[key] = _slice(kwargs[key], start, stop)
+                elif not full:
+                    kwargs[key] = kwargs[key][start:stop]
+        return args, kwargs
