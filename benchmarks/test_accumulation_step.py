@@ -1,6 +1,6 @@
 """toma.accumulate against the hand-written accumulation loop it replaces, one training step each.
 
-Run: python -m pytest benchmarks/test_accumulate.py --benchmark-only
+Run: python -m pytest benchmarks/test_accumulation_step.py --benchmark-only
 Both do the same work: zero_grad, 8 micro-batches of 128 rows (forward, loss weighted by its share of the
 logical batch, backward), the loss of the logical batch, one optimizer step. The micro-batch size fits,
 so toma never retries: the ratio is what toma's bookkeeping costs.
