@@ -60,6 +60,21 @@ def loss_fn_for(model, reduction="mean"):
     return compute_loss
 
 
+def no_failure(sizes, rows):
+    pass
+
+
+def recording_loss(model, sizes, reduction="mean", fail=no_failure):
+    """A micro-batch loss that records each micro-batch's rows in `sizes`; `fail(sizes, rows)` may raise."""
+
+    def compute_loss(inputs, targets):
+        sizes.append(len(targets))
+        fail(sizes, len(targets))
+        return F.cross_entropy(model(inputs), targets, reduction=reduction)
+
+    return compute_loss
+
+
 def reference_grads(kind, reduction="mean", n=N):
     """Gradients and loss of one full-batch pass."""
     model, inputs, targets = make_case(kind, n)
@@ -84,11 +99,7 @@ def test_gradients_equal_the_full_batch_reference(kind, micro, reduction, form):
     expected, expected_loss = reference_grads(kind, reduction)
     model, inputs, targets = make_case(kind)
     sizes = []
-
-    def compute_loss(inputs, targets):
-        sizes.append(len(targets))
-        return F.cross_entropy(model(inputs), targets, reduction=reduction)
-
+    compute_loss = recording_loss(model, sizes, reduction)
     if form == "decorator":
         loss = toma.accumulate(model=model, initial_micro_batch=micro, reduction=reduction)(compute_loss)(
             inputs, targets
@@ -106,13 +117,7 @@ def test_a_logical_batch_smaller_than_the_micro_batch_runs_in_one_piece():
     expected, _ = reference_grads("mlp")
     model, inputs, targets = make_case("mlp")
     sizes = []
-
-    @toma.accumulate(model=model, initial_micro_batch=1024)
-    def compute_loss(inputs, targets):
-        sizes.append(len(inputs))
-        return F.cross_entropy(model(inputs), targets)
-
-    compute_loss(inputs, targets)
+    toma.accumulate(model=model, initial_micro_batch=1024)(recording_loss(model, sizes))(inputs, targets)
     assert sizes == [N]
     assert_grads_equal(model, expected)
 
@@ -197,12 +202,11 @@ def test_an_oom_in_a_later_micro_batch_redoes_all_and_the_next_call_starts_at_th
     model, inputs, targets = make_case("mlp")
     sizes = []
 
-    @toma.accumulate(model=model, initial_micro_batch=16)
-    def compute_loss(inputs, targets):
-        sizes.append(len(inputs))
-        if len(sizes) == 3 and len(inputs) == 16:
+    def fail(sizes, rows):
+        if len(sizes) == 3 and rows == 16:
             raise_fake_oom()
-        return F.cross_entropy(model(inputs), targets)
+
+    compute_loss = toma.accumulate(model=model, initial_micro_batch=16)(recording_loss(model, sizes, fail=fail))
 
     rounds = []
     for _ in range(2):  # one call site: the second call finds the size in the cache
@@ -241,12 +245,11 @@ def test_other_errors_pass_through_untouched_and_restore_the_gradients(error):
     model, inputs, targets = make_case("mlp")
     calls = []
 
-    @toma.accumulate(model=model, initial_micro_batch=16)
-    def compute_loss(inputs, targets):
-        calls.append(len(inputs))
-        if len(calls) == 2:
+    def fail(sizes, rows):
+        if len(sizes) == 2:
             raise error
-        return F.cross_entropy(model(inputs), targets)
+
+    compute_loss = toma.accumulate(model=model, initial_micro_batch=16)(recording_loss(model, calls, fail=fail))
 
     with pytest.raises(type(error)) as info:
         compute_loss(inputs, targets)
@@ -334,12 +337,7 @@ def test_bad_arguments_fail_early_naming_them():
 def test_the_call_time_override_sets_the_micro_batch():
     model, inputs, targets = make_case("mlp")
     sizes = []
-
-    @toma.accumulate(model=model)
-    def compute_loss(inputs, targets):
-        sizes.append(len(inputs))
-        return F.cross_entropy(model(inputs), targets)
-
+    compute_loss = toma.accumulate(model=model)(recording_loss(model, sizes))
     compute_loss(inputs, targets, toma_initial_micro_batch=32)
     assert sizes == [32, 32]
 

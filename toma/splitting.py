@@ -71,6 +71,16 @@ def _slice(obj: Any, start: int, stop: int) -> Any:
     return obj
 
 
+def _fill(container: Any, slots: List[Tuple[Any, bool]], start: int, stop: int, full: bool) -> Any:
+    """Replace `container[slot]` by its micro-batch for each slot (a plain tensor needs no slicing when full)."""
+    for slot, is_tensor in slots:
+        if not is_tensor:
+            container[slot] = _slice(container[slot], start, stop)
+        elif not full:
+            container[slot] = container[slot][start:stop]
+    return container
+
+
 class BatchSplit:
     """A call's `(args, kwargs)`, split into micro-batches `[start, stop)` of the logical batch."""
 
@@ -115,18 +125,7 @@ class BatchSplit:
         if full and self._plain:
             return args, kwargs
         if self._arg_slots:
-            new_args = list(args)
-            for i, is_tensor in self._arg_slots:
-                if not is_tensor:
-                    new_args[i] = _slice(args[i], start, stop)
-                elif not full:
-                    new_args[i] = args[i][start:stop]
-            args = tuple(new_args)
+            args = tuple(_fill(list(args), self._arg_slots, start, stop, full))
         if self._kwarg_slots:
-            kwargs = dict(kwargs)
-            for key, is_tensor in self._kwarg_slots:
-                if not is_tensor:
-                    kwargs[key] = _slice(kwargs[key], start, stop)
-                elif not full:
-                    kwargs[key] = kwargs[key][start:stop]
+            kwargs = _fill(dict(kwargs), self._kwarg_slots, start, stop, full)
         return args, kwargs
