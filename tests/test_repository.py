@@ -30,4 +30,4 @@ def test_main_example_adapts_under_its_memory_cap():
     assert "density matches the reference: True" in output
     assert output.count("retrying with") >= 2, output
     sizes = dict(re.findall(r"^(predict batch size|density step): (\d+)$", output, flags=re.M))
-    assert 0 < int(sizes["predict batch size"]) < 16384 and 0 < int(sizes["density step"]) < 12288
+    assert 0 < int(sizes["predict batch size"]) < 32768 and 0 < int(sizes["density step"]) < 16384
