@@ -6,6 +6,7 @@ pieces. Runs on the CPU; on a GPU, drop the cap and the same code adapts to CUDA
     python examples/adaptive_memory.py
 """
 
+import ctypes
 import gc
 import logging
 import sys
@@ -20,11 +21,29 @@ from toma.cpu_memory import set_cpu_memory_limit
 HEADROOM_MIB = 192
 
 
+def _glibc(function: str, *args: int) -> None:
+    try:
+        getattr(ctypes.CDLL(None), function)(*args)
+    except (OSError, AttributeError):  # not glibc: nothing to tune
+        pass
+
+
+def predictable_heap() -> None:
+    """Make freed memory leave the address space at once, so that the cap's baseline holds.
+
+    glibc raises its mmap threshold after large frees, after which multi-MiB tensors come from the heap and
+    their memory stays counted as address space until some later free trims the heap, hundreds of MiB at a
+    time. A fixed threshold of 1 MiB (M_MMAP_THRESHOLD) keeps large tensors in mappings that go on free.
+    """
+    _glibc("mallopt", -3, 2**20)
+
+
 def settled_address_space() -> int:
     """The address space in use once freed memory has left it (the kernel lets go with a delay)."""
     process, last = psutil.Process(), -1
     while True:
         gc.collect()
+        _glibc("malloc_trim", 0)  # free memory at the top of the heap goes back now, not at some later free
         vms = process.memory_info().vms
         if vms == last:
             return vms
@@ -35,6 +54,7 @@ def settled_address_space() -> int:
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     torch.set_num_threads(1)  # thread stacks count against the cap too
+    predictable_heap()
     generator = torch.Generator().manual_seed(0)
 
     # A model and a data set to run inference on, and points for a kernel density estimate. The first

@@ -522,7 +522,9 @@ import json, torch, torch.nn as nn, torch.nn.functional as F
 torch.set_num_threads(1)
 from toma import toma
 from toma.cpu_memory import set_cpu_memory_limit
-from examples.adaptive_memory import settled_address_space
+from examples.adaptive_memory import predictable_heap, settled_address_space
+
+predictable_heap()
 
 torch.manual_seed(0)
 N, WIDTH = 16384, 8192

@@ -58,7 +58,9 @@ import torch
 torch.set_num_threads(1)
 from toma import toma, explicit, simple
 from toma.cpu_memory import set_cpu_memory_limit
-from examples.adaptive_memory import settled_address_space
+from examples.adaptive_memory import predictable_heap, settled_address_space
+
+predictable_heap()
 
 HEADROOM = 160 * 2**20
 N, D = 4096, 8
