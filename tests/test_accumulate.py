@@ -422,10 +422,15 @@ def finish(result):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("world_size", [2])
-def test_ddp_all_reduces_once_per_logical_batch_and_matches_the_full_batch(world_size):
+@pytest.mark.parametrize("bucket_view", [False, True], ids=["grads", "grads as bucket views, kept between steps"])
+def test_ddp_all_reduces_once_per_logical_batch_and_matches_the_full_batch(bucket_view):
+    """2 ranks. With gradient_as_bucket_view and zero_grad(set_to_none=False) the gradients exist when a call
+    starts, so they are set aside and added back: that must keep working with DDP's views."""
+    setup = DDP_SETUP.replace("bucket_cap_mb=256)", f"bucket_cap_mb=256, gradient_as_bucket_view={bucket_view})")
     outputs = run_ranks(
-        DDP_SETUP
+        setup
+        + f"""
+SET_TO_NONE = {not bucket_view}"""
         + """
 F.cross_entropy(ddp(inputs[mine]), targets[mine]).backward()   # a plain step: how many buckets there are
 buckets = len(allreduces)
@@ -437,12 +442,12 @@ def compute_loss(x, y):
 
 counts = []
 for _ in range(2):
-    ddp.zero_grad()
+    ddp.zero_grad(set_to_none=SET_TO_NONE)
     compute_loss(inputs[mine], targets[mine])
     counts.append(len(allreduces)); allreduces.clear()
 finish(dict(buckets=buckets, counts=counts, grads=grads()))
 """,
-        world_size,
+        2,
         timeout=120,
     )
     results = [json.loads(out.strip().splitlines()[-1]) for out in outputs]

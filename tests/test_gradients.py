@@ -61,3 +61,29 @@ def test_an_unused_parameter_keeps_its_gradient():
     with GradientStash([a, b]):
         a.sum().backward()
     assert torch.equal(b.grad, torch.full((2,), 5.0)) and torch.equal(a.grad, torch.ones(3))
+
+
+def test_with_copy_the_values_survive_when_the_set_aside_memory_is_written():
+    """DDP with gradient_as_bucket_view writes the reduced gradients into the memory the old .grad views."""
+    a, b = make_params()
+    a.grad = torch.full((3,), 10.0)
+    bucket = a.grad
+    with GradientStash([a, b], copy=True):
+        backward(a, b)
+        bucket.copy_(a.grad)  # what the reducer does: new values into the bucket, .grad becomes its view
+        a.grad = bucket
+    assert a.grad is bucket and torch.equal(a.grad, torch.full((3,), 11.0))
+    assert torch.equal(b.grad, torch.full((2,), 2.0))
+
+
+def test_with_copy_a_failed_attempt_puts_the_old_values_back_into_the_same_tensor():
+    a, b = make_params()
+    a.grad = torch.full((3,), 10.0)
+    bucket = a.grad
+    with pytest.raises(torch.OutOfMemoryError):
+        with GradientStash([a, b], copy=True):
+            backward(a, b)
+            bucket.fill_(-1.0)  # a reduction that got half-way
+            raise torch.OutOfMemoryError("out of memory")
+    assert a.grad is bucket and torch.equal(bucket, torch.full((3,), 10.0))
+    assert b.grad is None

@@ -55,6 +55,7 @@ class LocalSync:
     """A module on one process: micro-batches need no synchronisation context."""
 
     _nothing = contextlib.nullcontext()
+    copy_grads = False  # the gradients set aside are nobody else's to write
 
     def micro_batch(self, last: bool) -> ContextManager[Any]:
         return self._nothing
@@ -69,6 +70,9 @@ class DDPNoSync:
 
     def __init__(self, model: DistributedDataParallel) -> None:
         self.model = model
+        # With gradient_as_bucket_view the reducer writes the reduced gradients into the memory the old
+        # `.grad` tensors view, so the gradients a call starts with must be kept as copies.
+        self.copy_grads = bool(getattr(model, "gradient_as_bucket_view", False))
 
     def micro_batch(self, last: bool) -> ContextManager[Any]:
         return contextlib.nullcontext() if last else self.model.no_sync()
@@ -154,7 +158,7 @@ class AccumulateStep:
         if size < total_rows:
             _warn_once_about_batchnorm(self.model)
         try:
-            with GradientStash(self.params):
+            with GradientStash(self.params, copy=self.sync.copy_grads):
                 self.result = self._micro_batches(size, total_rows)
         except BaseException:
             self.sync.abort()

@@ -5,6 +5,10 @@ Moving the existing `.grad` tensors aside costs no copy: the attempt accumulates
 and only when it succeeds are they added to the ones set aside (in place, so each parameter keeps the
 very tensor object it had). When every gradient starts as None, as after `optimizer.zero_grad()`,
 there is nothing to set aside and nothing to add.
+
+Gradients whose memory someone else writes while they are set aside (DistributedDataParallel with
+`gradient_as_bucket_view=True` copies the reduced gradients into the very memory the old `.grad` views)
+need their values copied instead: `GradientStash(params, copy=True)`.
 """
 
 from typing import List, Optional, Sequence
@@ -21,16 +25,19 @@ class GradientStash:
     on entry: None stays None, an existing tensor is the same object with the same values.
     """
 
-    __slots__ = ("params", "saved")
+    __slots__ = ("params", "copy", "saved", "values")
 
-    def __init__(self, params: Sequence[torch.Tensor]) -> None:
-        self.params = params
+    def __init__(self, params: Sequence[torch.Tensor], copy: bool = False) -> None:
+        self.params, self.copy = params, copy
         self.saved: Optional[List[Optional[torch.Tensor]]] = None
+        self.values: Optional[List[Optional[torch.Tensor]]] = None
 
     def __enter__(self) -> "GradientStash":
         saved = [p.grad for p in self.params]
         if any(grad is not None for grad in saved):
             self.saved = saved
+            if self.copy:
+                self.values = [None if grad is None else grad.detach().clone() for grad in saved]
             for p in self.params:
                 p.grad = None
         else:
@@ -38,18 +45,22 @@ class GradientStash:
         return self
 
     def __exit__(self, exc_type: object, exc: object, traceback: object) -> None:
-        saved = self.saved
-        self.saved = None
-        if exc_type is not None:
-            for p, grad in zip(self.params, saved or [None] * len(self.params), strict=True):
-                p.grad = grad
-            return
+        saved, values = self.saved, self.values
+        self.saved = self.values = None
         if saved is None:
+            if exc_type is not None:
+                for p in self.params:
+                    p.grad = None
             return
-        for p, old in zip(self.params, saved, strict=True):
+        for i, (p, old) in enumerate(zip(self.params, saved, strict=True)):
+            new = None if exc_type is not None else p.grad
             if old is None:
-                continue
-            new = p.grad
-            if new is not None:
-                old.add_(new)
-            p.grad = old
+                p.grad = new
+            elif values is None:  # set aside untouched: add the attempt's gradient to it
+                if new is not None:
+                    old.add_(new)
+                p.grad = old
+            elif new is None:  # old's memory may have been written meanwhile: put its values back
+                p.grad = old.copy_(values[i])  # type: ignore[arg-type]
+            else:
+                p.grad = new.add_(values[i])  # type: ignore[arg-type]
