@@ -61,6 +61,15 @@ def test_every_toma_1_1_name_is_importable_from_its_old_path():
             assert callable(getattr(namespace, form))
 
 
+def test_the_new_names():
+    from toma import toma
+
+    for name in toma_package.__all__:
+        assert hasattr(toma_package, name), name
+    assert callable(toma.accumulate) and callable(toma_package.explicit.accumulate)
+    assert toma.whole is toma_package.whole
+
+
 def test_version_and_type_marker():
     assert toma_package.__version__.count(".") == 2
     assert os.path.exists(os.path.join(os.path.dirname(toma_package.__file__), "py.typed"))
