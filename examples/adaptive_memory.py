@@ -6,49 +6,15 @@ pieces. Runs on the CPU; on a GPU, drop the cap and the same code adapts to CUDA
     python examples/adaptive_memory.py
 """
 
-import ctypes
-import gc
 import logging
 import sys
-import time
 
-import psutil
 import torch
 
 from toma import toma
-from toma.cpu_memory import set_cpu_memory_limit
+from toma.cpu_memory import predictable_heap, set_cpu_memory_headroom
 
 HEADROOM_MIB = 192
-
-
-def _glibc(function: str, *args: int) -> None:
-    try:
-        getattr(ctypes.CDLL(None), function)(*args)
-    except (OSError, AttributeError):  # not glibc: nothing to tune
-        pass
-
-
-def predictable_heap() -> None:
-    """Make freed memory leave the address space at once, so that the cap's baseline holds.
-
-    glibc raises its mmap threshold after large frees, after which multi-MiB tensors come from the heap and
-    their memory stays counted as address space until some later free trims the heap, hundreds of MiB at a
-    time. A fixed threshold of 1 MiB (M_MMAP_THRESHOLD) keeps large tensors in mappings that go on free.
-    """
-    _glibc("mallopt", -3, 2**20)
-
-
-def settled_address_space() -> int:
-    """The address space in use once freed memory has left it (the kernel lets go with a delay)."""
-    process, last = psutil.Process(), -1
-    while True:
-        gc.collect()
-        _glibc("malloc_trim", 0)  # free memory at the top of the heap goes back now, not at some later free
-        vms = process.memory_info().vms
-        if vms == last:
-            return vms
-        last = vms
-        time.sleep(0.3)
 
 
 def main() -> None:
@@ -69,7 +35,7 @@ def main() -> None:
         [torch.cdist(points[s : s + 256], points).neg().exp().mean(1) for s in range(0, len(points), 256)]
     )
 
-    set_cpu_memory_limit((settled_address_space() + HEADROOM_MIB * 2**20) / 2**30)
+    set_cpu_memory_headroom(HEADROOM_MIB / 1024)
     print(f"capped this process at {HEADROOM_MIB} MiB more than it uses")
 
     chosen = {}

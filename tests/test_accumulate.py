@@ -216,6 +216,7 @@ def test_an_oom_in_a_later_micro_batch_redoes_all_and_the_next_call_starts_at_th
         rounds.append(list(sizes))
         assert_grads_equal(model, expected)
     assert rounds == [[16, 16, 16] + [8] * 8, [8] * 8]
+    assert (compute_loss.stats.micro_batch, compute_loss.stats.oom_retries, compute_loss.stats.calls) == (8, 1, 2)
 
 
 def test_oom_at_micro_batch_1_reraises_the_original_error_and_restores_the_gradients():
@@ -526,8 +527,7 @@ def test_a_logical_batch_that_cannot_pass_in_one_piece_trains_the_reference_step
 import json, torch, torch.nn as nn, torch.nn.functional as F
 torch.set_num_threads(1)
 from toma import toma
-from toma.cpu_memory import set_cpu_memory_limit
-from examples.adaptive_memory import predictable_heap, settled_address_space
+from toma.cpu_memory import predictable_heap, set_cpu_memory_headroom
 
 predictable_heap()
 
@@ -549,7 +549,7 @@ del reference
 
 model = make_model()
 optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-set_cpu_memory_limit((settled_address_space() + 192 * 2**20) / 2**30)
+set_cpu_memory_headroom(192 / 1024)
 
 sizes = []
 @toma.accumulate(model=model, initial_micro_batch=N)

@@ -5,13 +5,51 @@ import json
 import pytest
 from helpers import COLLECT_TOMA_LOG, run_python
 
-from toma.cpu_memory import get_available_cpu_memory, is_out_of_cpu_memory, set_cpu_memory_limit
+from toma.cpu_memory import (
+    get_available_cpu_memory,
+    is_out_of_cpu_memory,
+    set_cpu_memory_headroom,
+    set_cpu_memory_limit,
+)
 
 
 @pytest.mark.parametrize("value, error", [(0, ValueError), (-1, ValueError), ("8", TypeError), (True, TypeError)])
 def test_limit_rejects_bad_values(value, error):
     with pytest.raises(error, match="num_gigabytes"):
         set_cpu_memory_limit(value)
+
+
+@pytest.mark.parametrize("value, error", [(0, ValueError), (-0.5, ValueError), ("1", TypeError)])
+def test_headroom_rejects_bad_values(value, error):
+    with pytest.raises(error, match="num_gigabytes"):
+        set_cpu_memory_headroom(value)
+
+
+@pytest.mark.slow
+def test_headroom_caps_at_the_settled_address_space_plus_the_headroom():
+    out = run_python(
+        """
+        import json, resource, psutil
+        from toma.cpu_memory import predictable_heap, set_cpu_memory_headroom
+        predictable_heap()
+        garbage = [bytearray(64 * 2**20) for _ in range(4)]
+        del garbage  # freed memory leaves the address space before the cap is measured
+        cap = set_cpu_memory_headroom(0.5)
+        vms = psutil.Process().memory_info().vms
+        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+        try:
+            bytearray(600 * 2**20)
+            failed = False
+        except MemoryError:
+            failed = True
+        small = bytearray(300 * 2**20)
+        print(json.dumps(dict(cap=cap, vms=vms, soft=soft, hard=hard, failed=failed)))
+        """
+    )
+    result = json.loads(out.stdout)
+    assert result["soft"] == result["hard"] == result["cap"]
+    assert 0 <= result["cap"] - 2**29 - result["vms"] < 2**24, "the cap is the address space in use plus 512 MiB"
+    assert result["failed"], "600 MiB must not fit in 512 MiB of headroom (300 MiB did)"
 
 
 def test_available_memory_is_positive():
@@ -57,8 +95,7 @@ import json, weakref
 import torch
 torch.set_num_threads(1)
 from toma import toma, explicit, simple
-from toma.cpu_memory import set_cpu_memory_limit
-from examples.adaptive_memory import predictable_heap, settled_address_space
+from toma.cpu_memory import predictable_heap, set_cpu_memory_headroom
 
 predictable_heap()
 
@@ -83,7 +120,7 @@ def attempt_starts():
 def watch(tensor):
     refs.append(weakref.ref(tensor))
 
-set_cpu_memory_limit((settled_address_space() + HEADROOM) / 2**30)
+set_cpu_memory_headroom(HEADROOM / 2**30)
 
 def run_batch(batchsize):
     attempt_starts()

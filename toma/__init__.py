@@ -6,6 +6,7 @@ remembers the size that worked. A drop-in successor of toma 1.1.0.
 
 import sys
 
+from toma import memory
 from toma import stacktrace as tst
 from toma.batchsize_cache import (
     CONTEXT_CACHE_SIZE,
@@ -16,10 +17,12 @@ from toma.batchsize_cache import (
 )
 from toma.cpu_memory import is_out_of_cpu_memory
 from toma.forms import PackageModule, explicit, simple, toma
+from toma.history import TrainingHistory
 from toma.oom import register_oom_predicate, release_memory, should_reduce_batch_size, unregister_oom_predicate
 from toma.policy import Halving, ShrinkByFactor, SizePolicy
 from toma.splitting import whole
 from toma.torch_cuda_memory import gc_cuda, is_cuda_out_of_memory, is_cudnn_snafu
+from toma.trainer import Callback, StopTraining, Trainer
 from toma.version import __version__
 
 __all__ = [
@@ -40,6 +43,11 @@ __all__ = [
     "ShrinkByFactor",
     "Halving",
     "whole",
+    "Trainer",
+    "Callback",
+    "StopTraining",
+    "TrainingHistory",
+    "memory",
     "is_out_of_cpu_memory",
     "is_cuda_out_of_memory",
     "is_cudnn_snafu",

@@ -12,6 +12,7 @@ those of one full-batch pass also when the last micro-batch is smaller.
 import contextlib
 import logging
 import weakref
+from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
 
 import torch
@@ -24,7 +25,7 @@ from toma.gradients import GradientStash
 from toma.policy import SizePolicy
 from toma.splitting import BatchSplit
 
-__all__ = ["accumulate", "check_model", "check_reduction", "check_scaler", "REDUCTIONS"]
+__all__ = ["accumulate", "AccumulationStats", "check_model", "check_reduction", "check_scaler", "REDUCTIONS"]
 
 log = logging.getLogger("toma")
 
@@ -132,6 +133,15 @@ def _loss_error(func: Callable[..., Any], loss: Any) -> TypeError:
     return TypeError(f"{name} must return the micro-batch's loss as a scalar tensor, got {what}")
 
 
+@dataclass
+class AccumulationStats:
+    """What the calls of one accumulating function went through (best effort across threads)."""
+
+    micro_batch: Optional[int] = None  # the size the last finished logical batch ran at
+    oom_retries: int = 0  # logical batches redone after an out-of-memory error, over all calls
+    calls: int = 0
+
+
 class AccumulateStep:
     """One attempt at the whole logical batch: forward and backward of every micro-batch at `size`."""
 
@@ -152,8 +162,12 @@ class AccumulateStep:
         self.sync = sync_for(model)
         self.params: List[torch.Tensor] = [p for p in model.parameters() if p.requires_grad]
         self.result: Optional[torch.Tensor] = None
+        self.attempts = 0
+        self.size: Optional[int] = None
 
     def __call__(self, size: int) -> bool:
+        self.attempts += 1
+        self.size = size
         total_rows = self.split.size
         if size < total_rows:
             _warn_once_about_batchnorm(self.model)
@@ -200,11 +214,19 @@ def accumulate(
     scaler: Any,
     cache: BatchsizeCache,
     policy: SizePolicy,
+    stats: Optional[AccumulationStats] = None,
 ) -> torch.Tensor:
     """Forward and backward `func(*micro_args, **micro_kwargs)` over the logical batch in micro-batches;
     returns the logical batch's loss, detached. Arguments are checked by the caller (`toma.forms`)."""
     split = BatchSplit(args, kwargs)
     step = AccumulateStep(func, model, split, reduction, scaler)
-    result = engine.drive(step, cache, min(initial_micro_batch, split.size), policy).result
-    assert result is not None
-    return result
+    try:
+        engine.drive(step, cache, min(initial_micro_batch, split.size), policy)
+    finally:
+        if stats is not None:
+            stats.calls += 1
+            stats.oom_retries += max(0, step.attempts - 1)
+    if stats is not None:
+        stats.micro_batch = step.size
+    assert step.result is not None
+    return step.result

@@ -1,12 +1,22 @@
 """CPU memory: what is available to this process, a cap on it, and whether an error means it ran out."""
 
+import ctypes
+import gc
 import logging
 import sys
-from typing import Optional
+import time
+from typing import Any, Optional
 
 import psutil
 
-__all__ = ["get_available_cpu_memory", "set_cpu_memory_limit", "is_out_of_cpu_memory"]
+__all__ = [
+    "get_available_cpu_memory",
+    "set_cpu_memory_limit",
+    "set_cpu_memory_headroom",
+    "settled_address_space",
+    "predictable_heap",
+    "is_out_of_cpu_memory",
+]
 
 log = logging.getLogger("toma")
 
@@ -68,6 +78,53 @@ def set_cpu_memory_limit(num_gigabytes: float) -> None:
     if torch is not None and torch.cuda.is_initialized():
         log.warning("toma: set_cpu_memory_limit in a process that uses CUDA; CUDA's address space counts too")
     resource.setrlimit(resource.RLIMIT_AS, (num_bytes, num_bytes))
+
+
+def _glibc(function: str, *args: int) -> Any:
+    try:
+        return getattr(ctypes.CDLL(None), function)(*args)
+    except (OSError, AttributeError):  # not glibc: nothing to tune
+        return None
+
+
+def predictable_heap() -> None:
+    """Make freed memory leave the address space at once, so that a cap set relative to it holds.
+
+    glibc raises its mmap threshold after large frees; multi-MiB tensors then come from the heap, and their
+    memory stays counted as address space until some later free trims the heap, hundreds of MiB at a time.
+    A fixed threshold of 1 MiB (M_MMAP_THRESHOLD) keeps large tensors in mappings that go when freed. Call
+    it early, before the large allocations; a no-op where the C library is not glibc.
+    """
+    _glibc("mallopt", -3, 2**20)
+
+
+def settled_address_space() -> int:
+    """This process's address space (bytes) once freed memory has left it: collects garbage, trims the
+    heap, and waits until two readings 0.3 s apart agree."""
+    process, last = psutil.Process(), -1
+    while True:
+        gc.collect()
+        _glibc("malloc_trim", 0)
+        vms = process.memory_info().vms
+        if vms == last:
+            return int(vms)
+        last = vms
+        time.sleep(0.3)
+
+
+def set_cpu_memory_headroom(num_gigabytes: float) -> int:
+    """Cap this process at its settled address space plus `num_gigabytes` GiB; returns the cap in bytes.
+
+    The way to try out code under memory pressure: whatever the process holds already, it gets exactly
+    this much more. `predictable_heap()` at the start makes the margin hold over time.
+    """
+    if isinstance(num_gigabytes, bool) or not isinstance(num_gigabytes, (int, float)):
+        raise TypeError(f"num_gigabytes must be a number of GiB, got {num_gigabytes!r}")
+    if not num_gigabytes > 0:
+        raise ValueError(f"num_gigabytes must be positive, got {num_gigabytes!r}")
+    cap = settled_address_space() + int(num_gigabytes * 2**30)
+    set_cpu_memory_limit(cap / 2**30)
+    return cap
 
 
 def is_out_of_cpu_memory(exception: BaseException) -> bool:

@@ -13,7 +13,7 @@ from typing import Any, Callable, Hashable, Optional, Type, TypeVar, cast
 import torch
 
 from toma import engine
-from toma.accumulate import accumulate, check_model, check_reduction, check_scaler
+from toma.accumulate import AccumulationStats, accumulate, check_model, check_reduction, check_scaler
 from toma.arguments import check_dimension, check_index, check_policy, check_size, check_tensor_dimension
 from toma.batchsize_cache import (
     BatchsizeCache,
@@ -395,6 +395,7 @@ class toma(metaclass=_TomaNamespace):
             )
         _check_decorated(func, "toma.accumulate", "initial_micro_batch")
         own_caches = BoundedDict(16)
+        stats = AccumulationStats()
 
         @functools.wraps(func)
         def wrapped(
@@ -415,8 +416,10 @@ class toma(metaclass=_TomaNamespace):
                 scaler=scaler,
                 cache=cache,
                 policy=policy,
+                stats=stats,
             )
 
+        wrapped.stats = stats  # type: ignore[attr-defined]
         _describe(wrapped, "toma.accumulate", "toma_initial_micro_batch= and toma_context=")
         return wrapped
 
