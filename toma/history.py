@@ -81,8 +81,16 @@ class TrainingHistory:
                 loss_axes.plot(*zip(*points, strict=True), "o-", label="evaluation loss (epoch)")
         loss_axes.set_ylabel("loss")
         loss_axes.legend()
-        size_axes.step(steps, [record["micro_batch"] for record in self.steps], where="post")
-        size_axes.set_ylabel("micro-batch size")
+        size_axes.step(steps, [record["micro_batch"] for record in self.steps], where="post", label="micro-batch size")
+        if any("rows" in record for record in self.steps):
+            logical = [record.get("rows") for record in self.steps]
+            size_axes.step(steps, logical, where="post", linestyle="--", color="gray", label="logical batch")
+        retried = [(record["step"], record["micro_batch"]) for record in self.steps if record.get("oom_retries")]
+        if retried:
+            size_axes.plot(*zip(*retried, strict=True), "rx", label="found after out-of-memory retries")
+        size_axes.set_ylabel("rows")
+        size_axes.set_ylim(bottom=0)
+        size_axes.legend()
         size_axes.set_xlabel("optimizer step")
         figure.tight_layout()
         figure.savefig(path, format="png")

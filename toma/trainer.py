@@ -205,6 +205,7 @@ class Trainer:
         try:
             for batch in logical_batches(self.train_data, self.batch_size):
                 n = rows(batch)
+                retries = self.oom_retries
                 loss = self.step(batch)
                 weighted.append(loss.float() * n if self.reduction == "mean" else loss.float())
                 sizes.append(n)
@@ -218,6 +219,7 @@ class Trainer:
                         loss=loss,
                         micro_batch=self.micro_batch,
                         rows=n,
+                        oom_retries=self.oom_retries - retries,
                     )
                 )
                 progress.step(
