@@ -9,7 +9,7 @@ logical batch larger than GPU memory trains too.
 
 import math
 import time
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, TextIO, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, TextIO, Tuple, Union
 
 import torch
 
@@ -295,7 +295,7 @@ class Trainer:
         named_metrics = _check_metrics(metrics)
         if named_metrics and self.forward is not None:
             raise ValueError("metrics need model outputs: they work with loss_fn, not with forward=")
-        if epochs > 1 and iter(self.train_data) is self.train_data:  # type: ignore[call-overload]
+        if epochs > 1 and isinstance(self.train_data, Iterator):  # iter() on a DataLoader would draw its RNG
             raise TypeError(
                 "train_data is an iterator that can be read only once; for several epochs pass a DataLoader, "
                 "a list, or another iterable that starts over"

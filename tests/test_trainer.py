@@ -1,0 +1,301 @@
+"""toma.Trainer: the same training as a hand-written loop, micro-batched to fit, with callbacks and history."""
+
+import io
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import COLLECT_TOMA_LOG, raise_fake_oom, run_python
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import toma
+from toma import Callback, StopTraining, Trainer
+from toma.trainer import accuracy
+
+N, FEATURES, CLASSES = 96, 6, 3
+
+
+def dataset():
+    generator = torch.Generator().manual_seed(1)
+    inputs = torch.randn(N, FEATURES, generator=generator)
+    return TensorDataset(inputs, (inputs[:, 0] > 0).long() + (inputs[:, 1] > 0).long())
+
+
+def model_and_optimizer():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(FEATURES, 16), nn.ReLU(), nn.Linear(16, CLASSES))
+    return model, torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+
+
+def loader(batch_size, shuffle=True):
+    return DataLoader(dataset(), batch_size=batch_size, shuffle=shuffle, generator=torch.Generator().manual_seed(2))
+
+
+def hand_written(epochs, batch_size=32, shuffle=True):
+    """The loop Trainer.fit replaces."""
+    model, optimizer = model_and_optimizer()
+    data = loader(batch_size, shuffle)
+    for _ in range(epochs):
+        for inputs, targets in data:
+            optimizer.zero_grad()
+            F.cross_entropy(model(inputs), targets).backward()
+            optimizer.step()
+    return model
+
+
+def make_trainer(data=None, batch_size=32, **options):
+    model, optimizer = model_and_optimizer()
+    options.setdefault("verbose", 0)
+    trainer = Trainer(model, optimizer, nn.CrossEntropyLoss(), data or loader(32), batch_size=batch_size, **options)
+    return trainer, model
+
+
+def assert_same_parameters(a, b, exact=True):
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        if exact:
+            assert torch.equal(p, q)
+        else:
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+# --- the same training as the hand-written loop ----------------------------------------------------------
+
+
+def test_fit_equals_the_hand_written_loop():
+    trainer, model = make_trainer()
+    history = trainer.fit(2)
+    assert_same_parameters(model, hand_written(2))
+    assert [e["epoch"] for e in history.epochs] == [1, 2] and len(history.steps) == 6
+
+
+def test_fit_in_micro_batches_equals_the_hand_written_loop():
+    trainer, model = make_trainer(initial_micro_batch=10)  # 10, 10, 10, 2 rows per logical batch
+    trainer.fit(2)
+    assert trainer.micro_batch == 10
+    assert_same_parameters(model, hand_written(2), exact=False)
+
+
+def test_small_loader_batches_are_joined_into_logical_batches():
+    trainer, model = make_trainer(loader(8, shuffle=False), batch_size=32)
+    trainer.fit(2)
+    assert [s["rows"] for s in trainer.history.steps] == [32] * 6
+    assert_same_parameters(model, hand_written(2, 32, shuffle=False), exact=False)
+
+
+def test_epoch_and_step_compose_to_the_same_result():
+    by_fit, fit_model = make_trainer()
+    by_fit.fit(2)
+    by_epoch, epoch_model = make_trainer()
+    records = [by_epoch.epoch(), by_epoch.epoch()]
+    by_step, step_model = make_trainer()
+    data = loader(32)
+    for _ in range(2):
+        for inputs, targets in data:
+            by_step.step(inputs, targets)
+    assert_same_parameters(fit_model, epoch_model)
+    assert_same_parameters(fit_model, step_model)
+    assert [r["epoch"] for r in records] == [1, 2] and by_epoch.current_epoch == 2
+    assert by_step.global_step == by_fit.global_step == 6
+
+
+def test_forward_takes_batches_of_another_shape():
+    model, optimizer = model_and_optimizer()
+    reference = hand_written(1, shuffle=False)
+    data = [{"x": x, "y": y} for x, y in loader(32, shuffle=False)]
+    trainer = Trainer(
+        model,
+        optimizer,
+        None,
+        data,
+        batch_size=32,
+        initial_micro_batch=12,
+        forward=lambda batch: F.cross_entropy(model(batch["x"]), batch["y"]),
+        verbose=0,
+    )
+    trainer.fit(1)
+    assert_same_parameters(model, reference, exact=False)
+    assert trainer.evaluate(data)["loss"] == pytest.approx(trainer.history.steps[-1]["loss"], rel=0.5)
+
+
+def test_after_the_search_settles_later_steps_run_without_oom():
+    trainer, model = make_trainer(initial_micro_batch=32)
+    real_forward = model.forward
+
+    def forward(inputs):
+        if len(inputs) > 8:
+            raise_fake_oom()
+        return real_forward(inputs)
+
+    model.forward = forward
+    trainer.fit(3)
+    assert [s["oom_retries"] for s in trainer.history.steps] == [2] + [0] * 8
+    assert [e["micro_batch"] for e in trainer.history.epochs] == [8, 8, 8]
+    assert [e["oom_retries"] for e in trainer.history.epochs] == [2, 0, 0]
+    assert trainer.oom_retries == 2
+
+
+# --- evaluation ------------------------------------------------------------------------------------------
+
+
+def test_evaluate_returns_loss_and_metrics_over_rows_and_restores_train_mode():
+    trainer, model = make_trainer()
+    data = loader(40, shuffle=False)  # 40, 40, 16 rows
+    results = trainer.evaluate(data, metrics={"accuracy": accuracy})
+    inputs, targets = dataset().tensors
+    with torch.no_grad():
+        outputs = model(inputs)
+    assert results["loss"] == pytest.approx(F.cross_entropy(outputs, targets).item(), rel=1e-5)
+    assert results["accuracy"] == pytest.approx(accuracy(outputs, targets).item(), rel=1e-6)
+    assert model.training and all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.slow
+def test_evaluate_under_a_real_cpu_memory_cap_chunks_the_batch():
+    out = run_python(
+        COLLECT_TOMA_LOG
+        + """
+import json, torch
+from torch import nn
+torch.set_num_threads(1)
+from toma import Trainer
+from toma.trainer import accuracy
+from toma.cpu_memory import predictable_heap, set_cpu_memory_headroom
+predictable_heap()
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(32, 8192), nn.ReLU(), nn.Linear(8192, 10))
+inputs, targets = torch.randn(16384, 32), torch.randint(0, 10, (16384,))
+with torch.no_grad():   # the reference, outside the cap, in known-small pieces
+    outputs = torch.cat([model(inputs[s:s + 512]) for s in range(0, 16384, 512)])
+reference = dict(loss=nn.functional.cross_entropy(outputs, targets).item(), accuracy=accuracy(outputs, targets).item())
+del outputs
+trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), [(inputs, targets)],
+                  batch_size=16384, verbose=0)
+set_cpu_memory_headroom(192 / 1024)   # one 16384 x 8192 activation alone is 512 MiB
+results = trainer.evaluate([(inputs, targets)], metrics=[accuracy])
+print(json.dumps(dict(results=results, reference=reference, messages=messages)))
+""",
+        timeout=240,
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["messages"] and all("can't allocate memory" in m for m in result["messages"])
+    assert all("_predict_rows" in m for m in result["messages"])
+    assert result["results"]["loss"] == pytest.approx(result["reference"]["loss"], rel=1e-5)
+    assert result["results"]["accuracy"] == pytest.approx(result["reference"]["accuracy"], rel=1e-6)
+
+
+# --- callbacks and StopTraining --------------------------------------------------------------------------
+
+
+class Recorder(Callback):
+    def __init__(self, stop_at_step=None, stop_at_epoch=None):
+        self.steps, self.epochs = [], []
+        self.stop_at_step, self.stop_at_epoch = stop_at_step, stop_at_epoch
+
+    def on_step_end(self, trainer):
+        self.steps.append((trainer.current_epoch, trainer.global_step, float(trainer.last_loss)))
+        if trainer.global_step == self.stop_at_step:
+            raise StopTraining
+
+    def on_epoch_end(self, trainer):
+        self.epochs.append((trainer.current_epoch, trainer.history.epochs[-1]["loss"]))
+        if trainer.current_epoch + 1 == self.stop_at_epoch:
+            raise StopTraining
+
+
+def test_callbacks_see_the_trainer_state():
+    recorder = Recorder()
+    trainer, _ = make_trainer(callbacks=[recorder])
+    history = trainer.fit(2)
+    assert [(epoch, step) for epoch, step, _ in recorder.steps] == [(0, 1), (0, 2), (0, 3), (1, 4), (1, 5), (1, 6)]
+    assert [loss for _, _, loss in recorder.steps] == [s["loss"] for s in history.steps]
+    assert recorder.epochs == [(0, history.epochs[0]["loss"]), (1, history.epochs[1]["loss"])]
+
+
+def test_stop_training_in_a_step_ends_fit_after_that_step():
+    recorder = Recorder(stop_at_step=4)
+    trainer, model = make_trainer(callbacks=[recorder])
+    history = trainer.fit(5)
+    assert trainer.global_step == 4 and len(history.steps) == 4
+    assert [e["step"] for e in history.epochs] == [3, 4], "the partial epoch is recorded"
+    assert len(recorder.epochs) == 1, "no epoch callback after a stop"
+    reference, optimizer = model_and_optimizer()
+    data = loader(32)
+    steps = [batch for _ in range(2) for batch in data][:4]
+    for inputs, targets in steps:
+        optimizer.zero_grad()
+        F.cross_entropy(reference(inputs), targets).backward()
+        optimizer.step()
+    assert_same_parameters(model, reference)
+
+
+def test_stop_training_at_an_epoch_end():
+    trainer, _ = make_trainer(callbacks=[Recorder(stop_at_epoch=2)])
+    history = trainer.fit(10)
+    assert len(history.epochs) == 2 and trainer.current_epoch == 2
+    with pytest.raises(StopTraining):
+        make_trainer(callbacks=[Recorder(stop_at_step=1)])[0].epoch()
+
+
+# --- history, progress, bad input ------------------------------------------------------------------------
+
+
+def test_history_records_every_epoch_field():
+    trainer, _ = make_trainer()
+    history = trainer.fit(2, eval_data=loader(96), metrics=[accuracy])
+    record = history.epochs[-1]
+    for key in ("epoch", "step", "loss", "time", "samples_per_s", "micro_batch", "oom_retries", "peak_rss"):
+        assert record[key] is not None, key
+    assert record["peak_rss"] > 2**20 and record["eval_accuracy"] <= 1 and record["eval_loss"] > 0
+    assert record["peak_cuda_allocated"] is None  # a CPU run
+    assert history.steps[0].keys() >= {"step", "epoch", "loss", "micro_batch", "rows", "oom_retries"}
+    assert all(isinstance(s["loss"], float) for s in history.steps)
+    assert 0 < len(trainer.memory) <= 3, "memory snapshots of the last epoch's steps"
+
+
+@pytest.mark.parametrize("verbose", [0, 1, 2])
+def test_verbose_chooses_silence_a_line_per_epoch_or_a_bar(verbose):
+    out = io.StringIO()
+    trainer, _ = make_trainer(verbose=verbose, file=out)
+    trainer.fit(2)
+    text = out.getvalue()
+    if verbose == 0:
+        assert text == ""
+    elif verbose == 1:
+        lines = text.splitlines()
+        assert len(lines) == 2 and lines[1].startswith("epoch 2/2: loss ")
+        assert "samples/s" in lines[0] and "micro-batch 32" in lines[0] and "0 OOM retries" in lines[0]
+    else:
+        assert "epoch 1/2" in text and "epoch 2/2" in text and "3/3" in text and "micro-batch 32" in text
+
+
+def test_bad_input_fails_before_any_work():
+    model, optimizer = model_and_optimizer()
+    before = [p.detach().clone() for p in model.parameters()]
+    data = loader(32)
+    with pytest.raises(ValueError, match="batch_size must be a positive int"):
+        Trainer(model, optimizer, nn.CrossEntropyLoss(), data, batch_size=0)
+    with pytest.raises(ValueError, match="train_data is empty"):
+        Trainer(model, optimizer, nn.CrossEntropyLoss(), [], batch_size=32)
+    with pytest.raises(ValueError, match="verbose must be 0"):
+        Trainer(model, optimizer, nn.CrossEntropyLoss(), data, batch_size=32, verbose=3)
+    with pytest.raises(TypeError, match="optimizer must be"):
+        Trainer(model, None, nn.CrossEntropyLoss(), data, batch_size=32)
+    with pytest.raises(TypeError, match="loss_fn must be a criterion"):
+        Trainer(model, optimizer, None, data, batch_size=32)
+    with pytest.raises(TypeError, match="callbacks must have"):
+        Trainer(model, optimizer, nn.CrossEntropyLoss(), data, batch_size=32, callbacks=[object()])
+    not_scalar = Trainer(model, optimizer, nn.CrossEntropyLoss(reduction="none"), data, batch_size=32, verbose=0)
+    with pytest.raises(TypeError, match=r"loss_fn\(model\(inputs\), targets\) must return a scalar tensor"):
+        not_scalar.fit(1)
+    one_shot = Trainer(model, optimizer, nn.CrossEntropyLoss(), iter(list(data)), batch_size=32, verbose=0)
+    with pytest.raises(TypeError, match="iterator that can be read only once"):
+        one_shot.fit(2)
+    with pytest.raises(ValueError, match="yielded no batches"):
+        Trainer(model, optimizer, nn.CrossEntropyLoss(), (b for b in []), batch_size=32, verbose=0).fit(1)
+    with pytest.raises(TypeError, match="must yield \\(inputs, targets\\)"):
+        Trainer(model, optimizer, nn.CrossEntropyLoss(), [torch.zeros(4, 6)], batch_size=4, verbose=0).fit(1)
+    for p, b in zip(model.parameters(), before, strict=True):
+        assert torch.equal(p, b) and p.grad is None
+    assert toma.Trainer is Trainer
