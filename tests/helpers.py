@@ -47,6 +47,26 @@ logging.getLogger("toma").setLevel(logging.INFO)
 """
 
 
+# Subprocess code for work under a real CPU memory cap: a wide MLP (`make_model()`) and a logical batch of N rows
+# whose every activation (N x WIDTH floats, 512 MiB) is far beyond a cap of a few hundred MiB of headroom, even
+# when the address space the process settles at moves a little. Log lines land in `messages`.
+WIDE_MLP_UNDER_A_CAP = (
+    COLLECT_TOMA_LOG
+    + """
+import json, torch, torch.nn as nn, torch.nn.functional as F
+torch.set_num_threads(1)
+from toma.cpu_memory import predictable_heap, set_cpu_memory_headroom
+predictable_heap()
+N, WIDTH = 16384, 8192
+def make_model():
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(32, WIDTH), nn.ReLU(), nn.Linear(WIDTH, 10))
+torch.manual_seed(0)
+inputs, targets = torch.randn(N, 32), torch.randint(0, 10, (N,))
+"""
+)
+
+
 def run_python(code: str, timeout: float = 180) -> subprocess.CompletedProcess:
     """Run `code` in a fresh interpreter with the repository importable; fail the test on a non-zero exit."""
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -7,7 +7,7 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import COLLECT_TOMA_LOG, raise_fake_oom, requires_cuda, run_python, run_ranks
+from helpers import COLLECT_TOMA_LOG, WIDE_MLP_UNDER_A_CAP, raise_fake_oom, requires_cuda, run_python, run_ranks
 from torch import nn
 
 from toma import NoBatchsizeCache, explicit, toma
@@ -522,24 +522,11 @@ finish(dict(first=rounds[0], second=rounds[1], allreduces=len(allreduces), grads
 @pytest.mark.slow
 def test_a_logical_batch_that_cannot_pass_in_one_piece_trains_the_reference_step_under_a_real_cap():
     out = run_python(
-        COLLECT_TOMA_LOG
+        WIDE_MLP_UNDER_A_CAP
         + """
-import json, torch, torch.nn as nn, torch.nn.functional as F
-torch.set_num_threads(1)
 from toma import toma
-from toma.cpu_memory import predictable_heap, set_cpu_memory_headroom
 
-predictable_heap()
-
-torch.manual_seed(0)
-N, WIDTH = 16384, 8192
-def make_model():
-    torch.manual_seed(1)
-    return nn.Sequential(nn.Linear(32, WIDTH), nn.ReLU(), nn.Linear(WIDTH, 10))
-inputs, targets = torch.randn(N, 32), torch.randint(0, 10, (N,))
-
-# The reference step, outside the cap: every activation is N x WIDTH floats, 512 MiB, several alive at once,
-# far beyond the cap even when the address space the process settles at moves by a few hundred MiB.
+# The reference step, outside the cap.
 reference = make_model()
 torch.optim.SGD(reference.parameters(), lr=0.5).zero_grad()
 F.cross_entropy(reference(inputs), targets).backward()

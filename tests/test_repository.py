@@ -28,7 +28,9 @@ def readme_commands():
 
 
 def test_readme_runs_the_digits_example_as_the_main_job():
-    assert any(command.endswith("examples/train_digits.py") and "pip install" in command for command in readme_commands())
+    assert any(
+        command.endswith("examples/train_digits.py") and "pip install" in command for command in readme_commands()
+    )
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import COLLECT_TOMA_LOG, raise_fake_oom, run_python
+from helpers import WIDE_MLP_UNDER_A_CAP, raise_fake_oom, run_python
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -154,25 +154,18 @@ def test_evaluate_returns_loss_and_metrics_over_rows_and_restores_train_mode():
 @pytest.mark.slow
 def test_evaluate_under_a_real_cpu_memory_cap_chunks_the_batch():
     out = run_python(
-        COLLECT_TOMA_LOG
+        WIDE_MLP_UNDER_A_CAP
         + """
-import json, torch
-from torch import nn
-torch.set_num_threads(1)
 from toma import Trainer
 from toma.trainer import accuracy
-from toma.cpu_memory import predictable_heap, set_cpu_memory_headroom
-predictable_heap()
-torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(32, 8192), nn.ReLU(), nn.Linear(8192, 10))
-inputs, targets = torch.randn(16384, 32), torch.randint(0, 10, (16384,))
+model = make_model()
 with torch.no_grad():   # the reference, outside the cap, in known-small pieces
-    outputs = torch.cat([model(inputs[s:s + 512]) for s in range(0, 16384, 512)])
+    outputs = torch.cat([model(inputs[s:s + 512]) for s in range(0, N, 512)])
 reference = dict(loss=nn.functional.cross_entropy(outputs, targets).item(), accuracy=accuracy(outputs, targets).item())
 del outputs
 trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), [(inputs, targets)],
-                  batch_size=16384, verbose=0)
-set_cpu_memory_headroom(192 / 1024)   # one 16384 x 8192 activation alone is 512 MiB
+                  batch_size=N, verbose=0)
+set_cpu_memory_headroom(192 / 1024)
 results = trainer.evaluate([(inputs, targets)], metrics=[accuracy])
 print(json.dumps(dict(results=results, reference=reference, messages=messages)))
 """,

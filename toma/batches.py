@@ -9,7 +9,7 @@ from typing import Any, Iterable, Iterator, List
 
 import torch
 
-from toma.splitting import BatchSplit
+from toma.splitting import BatchSplit, map_tensors
 
 __all__ = ["rows", "take", "concatenate", "to_device", "logical_batches"]
 
@@ -42,16 +42,7 @@ def concatenate(parts: List[Any]) -> Any:
 
 def to_device(batch: Any, device: Any, non_blocking: bool = False) -> Any:
     """`batch` with every tensor on `device` (tensors already there are not copied)."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=non_blocking)
-    if isinstance(batch, tuple):
-        moved = [to_device(item, device, non_blocking) for item in batch]
-        return type(batch)(*moved) if hasattr(batch, "_fields") else tuple(moved)
-    if isinstance(batch, list):
-        return [to_device(item, device, non_blocking) for item in batch]
-    if isinstance(batch, Mapping):
-        return {key: to_device(value, device, non_blocking) for key, value in batch.items()}
-    return batch
+    return map_tensors(batch, lambda tensor: tensor.to(device, non_blocking=non_blocking))
 
 
 def logical_batches(data: Iterable[Any], batch_size: int) -> Iterator[Any]:

@@ -7,11 +7,11 @@ tensors wrapped in `whole`) goes to every micro-batch as it is. Micro-batches ar
 
 import copy
 from collections.abc import Mapping
-from typing import Any, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 
-__all__ = ["whole", "BatchSplit"]
+__all__ = ["whole", "BatchSplit", "map_tensors"]
 
 
 class whole:
@@ -56,19 +56,25 @@ def _rebuild_mapping(obj: Mapping, items: Dict[Any, Any]) -> Any:
         return items
 
 
-def _slice(obj: Any, start: int, stop: int) -> Any:
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """`obj` with `fn` applied to every tensor inside tuples, lists and mappings (types kept), and every
+    `whole` unwrapped."""
     if isinstance(obj, torch.Tensor):
-        return obj if obj.dim() == 0 else obj[start:stop]
+        return fn(obj)
     if isinstance(obj, whole):
         return obj.value
     if isinstance(obj, tuple):
-        items = [_slice(item, start, stop) for item in obj]
+        items = [map_tensors(item, fn) for item in obj]
         return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
     if isinstance(obj, list):
-        return [_slice(item, start, stop) for item in obj]
+        return [map_tensors(item, fn) for item in obj]
     if isinstance(obj, Mapping):
-        return _rebuild_mapping(obj, {key: _slice(value, start, stop) for key, value in obj.items()})
+        return _rebuild_mapping(obj, {key: map_tensors(value, fn) for key, value in obj.items()})
     return obj
+
+
+def _slice(obj: Any, start: int, stop: int) -> Any:
+    return map_tensors(obj, lambda tensor: tensor if tensor.dim() == 0 else tensor[start:stop])
 
 
 def _fill(container: Any, slots: List[Tuple[Any, bool]], start: int, stop: int, full: bool) -> Any:
