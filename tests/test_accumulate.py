@@ -411,6 +411,12 @@ def counting_hook(state, bucket):
     allreduces.append(bucket.index())
     return allreduce_hook(state, bucket)
 ddp.register_comm_hook(None, counting_hook)
+collectives = []   # (numel,) of every torch.distributed.all_reduce outside DDP's reducer
+_all_reduce = dist.all_reduce
+def counting_all_reduce(tensor, *args, **kwargs):
+    collectives.append(tensor.numel())
+    return _all_reduce(tensor, *args, **kwargs)
+dist.all_reduce = counting_all_reduce
 def grads():
     return [p.grad.tolist() for p in model.parameters()]
 def finish(result):
@@ -425,7 +431,8 @@ def finish(result):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("bucket_view", [False, True], ids=["grads", "grads as bucket views, kept between steps"])
 def test_ddp_all_reduces_once_per_logical_batch_and_matches_the_full_batch(bucket_view):
-    """2 ranks. With gradient_as_bucket_view and zero_grad(set_to_none=False) the gradients exist when a call
+    """2 ranks: the gradients are all-reduced once per logical batch. With gradient_as_bucket_view and
+    zero_grad(set_to_none=False) the gradients exist when a call
     starts, so they are set aside and added back: that must keep working with DDP's views."""
     setup = DDP_SETUP.replace("bucket_cap_mb=256)", f"bucket_cap_mb=256, gradient_as_bucket_view={bucket_view})")
     outputs = run_ranks(
@@ -444,8 +451,10 @@ def compute_loss(x, y):
 counts = []
 for _ in range(2):
     ddp.zero_grad(set_to_none=SET_TO_NONE)
+    collectives.clear()
     compute_loss(inputs[mine], targets[mine])
-    counts.append(len(allreduces)); allreduces.clear()
+    counts.append([len(allreduces), sum(n > 1 for n in collectives), sum(n == 1 for n in collectives)])
+    allreduces.clear()
 finish(dict(buckets=buckets, counts=counts, grads=grads()))
 """,
         2,
@@ -455,7 +464,9 @@ finish(dict(buckets=buckets, counts=counts, grads=grads()))
     expected, _ = reference_grads_for_ddp()
     for result in results:
         assert result["buckets"] == 1
-        assert result["counts"] == [1, 1], "one all-reduce per logical batch, not one per micro-batch"
+        # Per logical batch: nothing through DDP's reducer, one gradient all-reduce (one bucket) after the
+        # ranks' agreement, and two one-number agreements (the start size, the outcome).
+        assert result["counts"] == [[0, 1, 2], [0, 1, 2]], "one gradient all-reduce per logical batch"
         for got, e in zip(result["grads"], expected, strict=True):
             torch.testing.assert_close(torch.tensor(got), e, rtol=RTOL, atol=ATOL)
 

@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from toma import engine
 from toma.batchsize_cache import BatchsizeCache
+from toma.distributed import Agreement, all_reduce_gradients, is_distributed
 from toma.gradients import GradientStash
 from toma.policy import SizePolicy
 from toma.splitting import BatchSplit
@@ -57,6 +58,7 @@ class LocalSync:
 
     _nothing = contextlib.nullcontext()
     copy_grads = False  # the gradients set aside are nobody else's to write
+    agreement = None
 
     def micro_batch(self, last: bool) -> ContextManager[Any]:
         return self._nothing
@@ -68,6 +70,8 @@ class LocalSync:
 class DDPNoSync:
     """DistributedDataParallel: all micro-batches but the last under `no_sync()`, so the gradients are
     all-reduced once per logical batch, overlapping the last micro-batch's backward pass."""
+
+    agreement = None  # one rank: DDP's reduction in the last backward pass cannot be left unmatched
 
     def __init__(self, model: DistributedDataParallel) -> None:
         self.model = model
@@ -86,8 +90,40 @@ class DDPNoSync:
             reducer._reset_state()
 
 
+class AgreeingDDP:
+    """DistributedDataParallel over several ranks: no collective inside the region that may be retried.
+
+    Every micro-batch runs under `no_sync()`; after the logical batch the ranks agree (one small all-reduce)
+    whether any ran out of memory, and only if none did are the gradients all-reduced, once, in buckets
+    (`toma.distributed.all_reduce_gradients`). Letting DDP reduce during the last backward pass would overlap
+    communication with it, but a rank that runs out of memory there leaves the others' all-reduces unmatched:
+    the hang this design exists to prevent. The lost overlap is the price (see the benchmark).
+    """
+
+    copy_grads = False  # DDP's reducer never runs, so nothing writes into the gradients set aside
+
+    def __init__(self, model: DistributedDataParallel) -> None:
+        self.model = model
+        self.agreement = Agreement(model.process_group)
+
+    def micro_batch(self, last: bool) -> ContextManager[Any]:
+        return self.model.no_sync()
+
+    def synchronise(self, params: List[torch.Tensor]) -> None:
+        all_reduce_gradients(params, self.model.process_group)
+        if getattr(self.model, "broadcast_buffers", False):
+            # Under no_sync DDP stops broadcasting buffers (BatchNorm statistics) before forward passes;
+            # a real synchronised step would turn it back on for the next one, so do what it would.
+            self.model.require_forward_param_sync = True
+
+    def abort(self) -> None:
+        pass
+
+
 def sync_for(model: torch.nn.Module) -> Any:
-    return DDPNoSync(model) if isinstance(model, DistributedDataParallel) else LocalSync()
+    if not isinstance(model, DistributedDataParallel):
+        return LocalSync()
+    return AgreeingDDP(model) if is_distributed(model.process_group) else DDPNoSync(model)
 
 
 def _enabled_autocast() -> Tuple[str, ...]:
@@ -155,8 +191,9 @@ class AccumulateStep:
         split: BatchSplit,
         reduction: str,
         scaler: Any,
+        policy: SizePolicy,
     ) -> None:
-        self.func, self.model, self.split = func, model, split
+        self.func, self.model, self.split, self.policy = func, model, split, policy
         self.mean = reduction == "mean"
         self.scaler = scaler
         self.sync = sync_for(model)
@@ -171,9 +208,19 @@ class AccumulateStep:
         total_rows = self.split.size
         if size < total_rows:
             _warn_once_about_batchnorm(self.model)
+        agreement = self.sync.agreement
         try:
             with GradientStash(self.params, copy=self.sync.copy_grads):
-                self.result = self._micro_batches(size, total_rows)
+                try:
+                    result = self._micro_batches(size, total_rows)
+                except Exception as error:
+                    if agreement is not None:  # tell the other ranks, inside the stash: a retry restores all
+                        agreement.after_attempt(size, error, self.policy)
+                    raise
+                if agreement is not None:
+                    agreement.after_attempt(size, None, self.policy)
+                    self.sync.synchronise(self.params)  # only this call's gradients: earlier ones are set aside
+                self.result = result
         except BaseException:
             self.sync.abort()
             raise
@@ -219,9 +266,9 @@ def accumulate(
     """Forward and backward `func(*micro_args, **micro_kwargs)` over the logical batch in micro-batches;
     returns the logical batch's loss, detached. Arguments are checked by the caller (`toma.forms`)."""
     split = BatchSplit(args, kwargs)
-    step = AccumulateStep(func, model, split, reduction, scaler)
+    step = AccumulateStep(func, model, split, reduction, scaler, policy)
     try:
-        engine.drive(step, cache, min(initial_micro_batch, split.size), policy)
+        engine.drive(step, cache, min(initial_micro_batch, split.size), policy, step.sync.agreement)
     finally:
         if stats is not None:
             stats.calls += 1

@@ -8,10 +8,11 @@ steps are never repeated. A call that never runs out of memory pays for nothing 
 """
 
 import logging
-from typing import Any, Callable, Dict, Protocol, Tuple, TypeVar
+from typing import Any, Callable, Dict, Optional, Protocol, Tuple, TypeVar
 
 from toma import stacktrace
 from toma.batchsize_cache import Batchsize, BatchsizeCache
+from toma.distributed import AgreedRetry, Agreement
 from toma.free_memory import GAUGE
 from toma.oom import release_memory, should_reduce_batch_size
 from toma.policy import SizePolicy
@@ -49,18 +50,29 @@ def _first_line(exception: BaseException) -> str:
     return f"{type(exception).__name__}: {text.splitlines()[0] if text else ''}"
 
 
-def run(step: Step, entry: Batchsize, initial_size: int, policy: SizePolicy) -> None:
+def run(
+    step: Step, entry: Batchsize, initial_size: int, policy: SizePolicy, agreement: Optional[Agreement] = None
+) -> None:
     """Run `step` to completion, shrinking its size on out-of-memory errors.
 
     Errors that are not out-of-memory pass through untouched; KeyboardInterrupt is never caught. An
-    out-of-memory error at the smallest size the policy allows is re-raised with a note saying so.
+    out-of-memory error at the smallest size the policy allows is re-raised with a note saying so. With an
+    `agreement` the ranks of a process group start at the same size, and a step that raises AgreedRetry
+    (see `toma.distributed`) is retried at the size they agreed on.
     """
     size = entry.start(initial_size)
+    if agreement is not None:
+        size = agreement.start(size)
+        entry.shrink_to(size)
     while True:
         try:
             while not step(size):
                 pass
             return
+        except AgreedRetry as retry:
+            next_size = retry.size
+            # No local name may keep the cause (this rank's OOM, its frames and tensors) past the block.
+            reason = retry.reason + (f": {_first_line(retry.__cause__)}" if retry.__cause__ is not None else "")
         except Exception as exception:
             if not should_reduce_batch_size(exception):
                 raise
@@ -78,30 +90,33 @@ def run(step: Step, entry: Batchsize, initial_size: int, policy: SizePolicy) -> 
                 )
                 raise
             reason = _first_line(exception)
+            next_size = smaller
         # Only here, with the except block left, is the failed attempt's traceback (and so its frames
         # and tensors) unreachable; collecting inside the block would free nothing.
-        entry.shrink_to(smaller)
+        entry.shrink_to(next_size)
         log.info(
             "toma: %s ran out of memory at %s %d; retrying with %d (called from %s): %s",
             _name(step.func),
             step.size_name,
             size,
-            smaller,
+            next_size,
             stacktrace.describe_call_site(),
             reason,
         )
         release_memory()
         GAUGE.invalidate()
-        size = smaller
+        size = next_size
 
 
 S = TypeVar("S", bound=Step)
 
 
-def drive(step: S, cache: BatchsizeCache, initial_size: int, policy: SizePolicy) -> S:
+def drive(
+    step: S, cache: BatchsizeCache, initial_size: int, policy: SizePolicy, agreement: Optional[Agreement] = None
+) -> S:
     """Run `step` with the cache's entry; returns the step. An empty range never touches the cache."""
     if not step.finished:
-        run(step, cache.get_batchsize(initial_size), initial_size, policy)
+        run(step, cache.get_batchsize(initial_size), initial_size, policy, agreement)
     return step
 
 
@@ -119,6 +134,12 @@ class BatchStep:
     def __call__(self, size: int) -> bool:
         self.result = self.func(size, *self.args, **self.kwargs)
         return True
+
+    def mark(self) -> None:
+        return None
+
+    def rewind(self, mark: None) -> None:
+        pass  # a retry overwrites the result
 
 
 class RangeStep:
@@ -139,6 +160,13 @@ class RangeStep:
 
     def call(self, start: int, stop: int) -> None:
         self.func(start, stop, *self.args, **self.kwargs)
+
+    def mark(self) -> int:
+        return self.current
+
+    def rewind(self, mark: int) -> None:
+        """Go back to `mark`, so that an agreed retry redoes the chunk done since."""
+        self.current = mark
 
     def __call__(self, size: int) -> bool:
         start = self.current

@@ -26,6 +26,7 @@ from toma.batchsize_cache import (
     get_default_cache_type,
     set_default_cache_type,
 )
+from toma.distributed import AgreedStep, agreement_for
 from toma.policy import DEFAULT_POLICY, SizePolicy
 from toma.splitting import whole
 from toma.stacktrace import call_site_key
@@ -33,9 +34,20 @@ from toma.stacktrace import call_site_key
 __all__ = ["toma", "explicit", "simple", "PackageModule"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+S = TypeVar("S", bound=engine.Step)
 CacheType = Optional[Type[BatchsizeCache]]
 
 _NO_CACHE = NoBatchsizeCache()
+
+
+def _drive(step: S, cache: BatchsizeCache, initial: int, policy: SizePolicy, distributed: Any) -> S:
+    """The engine, with the ranks' agreement at every attempt when `distributed` asks for it and a process
+    group of several ranks exists (checked per call: the group may start after decoration)."""
+    agreement = agreement_for(distributed) if distributed else None
+    if agreement is None:
+        return engine.drive(step, cache, initial, policy)
+    engine.drive(AgreedStep(step, agreement, policy), cache, initial, policy, agreement)
+    return step
 
 
 # --- choosing the cache --------------------------------------------------------------------------------
@@ -135,13 +147,14 @@ class explicit:
         toma_context: Optional[Hashable] = None,
         toma_cache_type: CacheType = None,
         toma_policy: Optional[SizePolicy] = None,
+        toma_distributed: Any = False,
         **kwargs: Any,
     ) -> Any:
         """`func(batchsize, *args, **kwargs)`, shrinking `batchsize` on out-of-memory errors; returns its result."""
         initial = check_size(initial_batchsize, "initial_batchsize")
         cache = _cache_for(_optional_cache_type(toma_cache_type, "toma_cache_type"), toma_context, None, func)
         policy = check_policy(toma_policy, "toma_policy")
-        return engine.drive(engine.BatchStep(func, args, kwargs), cache, initial, policy).result
+        return _drive(engine.BatchStep(func, args, kwargs), cache, initial, policy, toma_distributed).result
 
     @staticmethod
     def range(
@@ -153,6 +166,7 @@ class explicit:
         toma_context: Optional[Hashable] = None,
         toma_cache_type: CacheType = None,
         toma_policy: Optional[SizePolicy] = None,
+        toma_distributed: Any = False,
         **kwargs: Any,
     ) -> None:
         """`func(chunk_start, chunk_end, *args, **kwargs)` over `[start, end)`, shrinking the step on OOM."""
@@ -160,7 +174,7 @@ class explicit:
         initial = check_size(initial_step, "initial_step")
         cache = _cache_for(_optional_cache_type(toma_cache_type, "toma_cache_type"), toma_context, None, func)
         policy = check_policy(toma_policy, "toma_policy")
-        engine.drive(engine.RangeStep(func, start, end, args, kwargs), cache, initial, policy)
+        _drive(engine.RangeStep(func, start, end, args, kwargs), cache, initial, policy, toma_distributed)
 
     @staticmethod
     def chunked(
@@ -172,6 +186,7 @@ class explicit:
         toma_context: Optional[Hashable] = None,
         toma_cache_type: CacheType = None,
         toma_policy: Optional[SizePolicy] = None,
+        toma_distributed: Any = False,
         **kwargs: Any,
     ) -> None:
         """`func(chunk, chunk_start, chunk_end, *args, **kwargs)` over chunks of `tensor`, shrinking on OOM."""
@@ -181,7 +196,7 @@ class explicit:
         )
         cache = _cache_for(_optional_cache_type(toma_cache_type, "toma_cache_type"), toma_context, None, func)
         policy = check_policy(toma_policy, "toma_policy")
-        engine.drive(engine.ChunkStep(func, tensor, dim, args, kwargs), cache, initial, policy)
+        _drive(engine.ChunkStep(func, tensor, dim, args, kwargs), cache, initial, policy, toma_distributed)
 
     @staticmethod
     def accumulate(
@@ -250,6 +265,7 @@ class toma(metaclass=_TomaNamespace):
         cache_type: CacheType = None,
         context: Optional[Hashable] = None,
         policy: Optional[SizePolicy] = None,
+        distributed: Any = False,
     ) -> Any:
         """`@toma.batch(initial_batchsize=512)`: the function's first argument becomes the batch size."""
         default = None if initial_batchsize is None else check_size(initial_batchsize, "initial_batchsize")
@@ -257,7 +273,12 @@ class toma(metaclass=_TomaNamespace):
         policy = check_policy(policy, "policy")
         if func is None:
             return functools.partial(
-                toma.batch, initial_batchsize=default, cache_type=cache_type, context=context, policy=policy
+                toma.batch,
+                initial_batchsize=default,
+                cache_type=cache_type,
+                context=context,
+                policy=policy,
+                distributed=distributed,
             )
         _check_decorated(func, "toma.batch", "initial_batchsize")
         own_caches = BoundedDict(16)
@@ -271,7 +292,7 @@ class toma(metaclass=_TomaNamespace):
         ) -> Any:
             initial = _initial(default, toma_initial_batchsize, "initial_batchsize", "toma_initial_batchsize")
             cache = _cache_for(cache_type, context if toma_context is None else toma_context, own_caches, func)
-            return engine.drive(engine.BatchStep(func, args, kwargs), cache, initial, policy).result
+            return _drive(engine.BatchStep(func, args, kwargs), cache, initial, policy, distributed).result
 
         _describe(wrapped, "toma.batch", "toma_initial_batchsize= and toma_context=")
         return wrapped
@@ -284,6 +305,7 @@ class toma(metaclass=_TomaNamespace):
         cache_type: CacheType = None,
         context: Optional[Hashable] = None,
         policy: Optional[SizePolicy] = None,
+        distributed: Any = False,
     ) -> Any:
         """`@toma.range(initial_step=32)`: `f(start, end, ...)` runs over `[start, end)` chunk by chunk."""
         default = None if initial_step is None else check_size(initial_step, "initial_step")
@@ -291,7 +313,12 @@ class toma(metaclass=_TomaNamespace):
         policy = check_policy(policy, "policy")
         if func is None:
             return functools.partial(
-                toma.range, initial_step=default, cache_type=cache_type, context=context, policy=policy
+                toma.range,
+                initial_step=default,
+                cache_type=cache_type,
+                context=context,
+                policy=policy,
+                distributed=distributed,
             )
         _check_decorated(func, "toma.range", "initial_step")
         own_caches = BoundedDict(16)
@@ -308,7 +335,7 @@ class toma(metaclass=_TomaNamespace):
             start, end = check_index(start, "start"), check_index(end, "end")
             initial = _initial(default, toma_initial_step, "initial_step", "toma_initial_step")
             cache = _cache_for(cache_type, context if toma_context is None else toma_context, own_caches, func)
-            engine.drive(engine.RangeStep(func, start, end, args, kwargs), cache, initial, policy)
+            _drive(engine.RangeStep(func, start, end, args, kwargs), cache, initial, policy, distributed)
 
         _describe(wrapped, "toma.range", "toma_initial_step= and toma_context=")
         return wrapped
@@ -322,6 +349,7 @@ class toma(metaclass=_TomaNamespace):
         cache_type: CacheType = None,
         context: Optional[Hashable] = None,
         policy: Optional[SizePolicy] = None,
+        distributed: Any = False,
     ) -> Any:
         """`@toma.chunked(initial_step=512)`: `f(chunk, start, end, ...)` runs over chunks of a tensor."""
         default = None if initial_step is None else check_size(initial_step, "initial_step")
@@ -336,6 +364,7 @@ class toma(metaclass=_TomaNamespace):
                 cache_type=cache_type,
                 context=context,
                 policy=policy,
+                distributed=distributed,
             )
         _check_decorated(func, "toma.chunked", "initial_step")
         own_caches = BoundedDict(16)
@@ -357,7 +386,7 @@ class toma(metaclass=_TomaNamespace):
                     tensor, check_index(toma_dimension, "toma_dimension"), "tensor", "toma_dimension"
                 )
             cache = _cache_for(cache_type, context if toma_context is None else toma_context, own_caches, func)
-            engine.drive(engine.ChunkStep(func, tensor, dim, args, kwargs), cache, initial, policy)
+            _drive(engine.ChunkStep(func, tensor, dim, args, kwargs), cache, initial, policy, distributed)
 
         _describe(wrapped, "toma.chunked", "toma_initial_step=, toma_dimension= and toma_context=")
         return wrapped
@@ -432,6 +461,7 @@ class toma(metaclass=_TomaNamespace):
             cache_type: CacheType = None,
             context: Optional[Hashable] = None,
             policy: Optional[SizePolicy] = None,
+            distributed: Any = False,
         ) -> Callable[[Callable[..., Any]], Any]:
             initial = check_size(initial_batchsize, "initial_batchsize")
             cache_type = _optional_cache_type(cache_type, "cache_type")
@@ -440,7 +470,7 @@ class toma(metaclass=_TomaNamespace):
 
             def execute_batch(func: Callable[..., Any]) -> Any:
                 cache = _cache_for(cache_type, context, None, func)
-                return engine.drive(engine.BatchStep(func, (), {}), cache, initial, policy).result
+                return _drive(engine.BatchStep(func, (), {}), cache, initial, policy, distributed).result
 
             return execute_batch
 
@@ -452,6 +482,7 @@ class toma(metaclass=_TomaNamespace):
             cache_type: CacheType = None,
             context: Optional[Hashable] = None,
             policy: Optional[SizePolicy] = None,
+            distributed: Any = False,
         ) -> Callable[[Callable[..., Any]], None]:
             start, end = check_index(start, "start"), check_index(end, "end")
             initial = check_size(initial_step, "initial_step")
@@ -461,7 +492,7 @@ class toma(metaclass=_TomaNamespace):
 
             def execute_range(func: Callable[..., Any]) -> None:
                 cache = _cache_for(cache_type, context, None, func)
-                engine.drive(engine.RangeStep(func, start, end, (), {}), cache, initial, policy)
+                _drive(engine.RangeStep(func, start, end, (), {}), cache, initial, policy, distributed)
 
             return execute_range
 
@@ -473,6 +504,7 @@ class toma(metaclass=_TomaNamespace):
             cache_type: CacheType = None,
             context: Optional[Hashable] = None,
             policy: Optional[SizePolicy] = None,
+            distributed: Any = False,
         ) -> Callable[[Callable[..., Any]], None]:
             initial = check_size(initial_step, "initial_step")
             dim = check_tensor_dimension(tensor, check_dimension(dimension, "dimension"), "tensor", "dimension")
@@ -482,6 +514,6 @@ class toma(metaclass=_TomaNamespace):
 
             def execute_chunked(func: Callable[..., Any]) -> None:
                 cache = _cache_for(cache_type, context, None, func)
-                engine.drive(engine.ChunkStep(func, tensor, dim, (), {}), cache, initial, policy)
+                _drive(engine.ChunkStep(func, tensor, dim, (), {}), cache, initial, policy, distributed)
 
             return execute_chunked

@@ -1,0 +1,219 @@
+"""Several ranks (real processes, gloo, CPU, hard timeouts): every rank agrees on every size, nothing hangs,
+and accumulated gradients equal the single-process full-batch reference."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import run_ranks
+from torch import nn
+
+from toma import distributed
+
+pytestmark = pytest.mark.multiprocess
+
+PER_RANK, MICRO = 24, 8  # 3 micro-batches per rank: first, middle, last
+
+SETUP = """
+import datetime, json, os
+import torch, torch.distributed as dist, torch.nn as nn, torch.nn.functional as F
+from toma import toma
+torch.set_num_threads(1)
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=TIMEOUT))
+rank, world = dist.get_rank(), dist.get_world_size()
+def data():
+    torch.manual_seed(0)
+    inputs, targets = torch.randn(24 * world, 6), torch.randint(0, 4, (24 * world,))
+    return inputs[rank * 24:(rank + 1) * 24], targets[rank * 24:(rank + 1) * 24]
+def make_model():
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
+def finish(result):
+    print(json.dumps(result), flush=True)
+    dist.barrier()   # a rank that exits while a peer still reads from it makes gloo abort the peer
+    dist.destroy_process_group()
+"""
+
+
+def reference_grads(world_size):
+    torch.manual_seed(0)
+    inputs, targets = torch.randn(PER_RANK * world_size, 6), torch.randint(0, 4, (PER_RANK * world_size,))
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
+    F.cross_entropy(model(inputs), targets).backward()
+    return [p.grad for p in model.parameters()]
+
+
+SCENARIOS = [(phase, where) for phase in ("forward", "backward") for where in (0, 1, 2)]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_an_oom_on_one_rank_anywhere_moves_every_rank_to_the_same_size_with_exact_gradients(world_size):
+    """For each scenario (forward or backward of the first, middle or last micro-batch) the last rank alone
+    runs out of memory once; all ranks must redo the logical batch at one smaller size, end with the
+    reference gradients, and run the next logical batch at that size with no retry."""
+    code = (
+        SETUP.replace("TIMEOUT", "60")
+        + f"""
+results = []
+for phase, where in {SCENARIOS!r}:
+    model = make_model()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    x, y = data()
+    state = dict(calls=0, armed=False, done=False)
+    def hook(grad):
+        if state["armed"]:
+            state["armed"] = False
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB (injected)")
+        return grad
+    model[0].weight.register_hook(hook)
+    sizes = []
+
+    @toma.accumulate(model=ddp, initial_micro_batch={MICRO})
+    def compute_loss(xb, yb):
+        sizes.append(len(xb))
+        fail_here = rank == world - 1 and not state["done"] and state["calls"] == where
+        state["calls"] += 1
+        if fail_here:
+            state["done"] = True
+            if phase == "forward":
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB (injected)")
+            state["armed"] = True
+        return F.cross_entropy(ddp(xb), yb)
+
+    rounds = []
+    for _ in range(2):   # one call site: the second logical batch starts at the agreed size
+        ddp.zero_grad()
+        sizes.clear()
+        compute_loss(x, y)
+        rounds.append(list(sizes))
+        if not rounds[1:]:
+            grads = [p.grad.tolist() for p in model.parameters()]
+    results.append(dict(phase=phase, where=where, rounds=rounds, grads=grads,
+                        micro_batch=compute_loss.stats.micro_batch, retries=compute_loss.stats.oom_retries))
+finish(results)
+"""
+    )
+    outputs = [json.loads(out.strip().splitlines()[-1]) for out in run_ranks(code, world_size, timeout=150)]
+    expected = reference_grads(world_size)
+    for rank, results in enumerate(outputs):
+        for result in results:
+            label = f"rank {rank}, OOM in the {result['phase']} of micro-batch {result['where']}"
+            first, second = result["rounds"]
+            fail_rank = rank == world_size - 1
+            tried = first[: result["where"] + 1] if fail_rank else first[: first.index(4)]
+            assert all(size == MICRO for size in tried), label
+            assert first[len(first) - 6 :] == [4] * 6, label  # the redone logical batch, at the agreed size
+            assert second == [4] * 6, label + ": the next logical batch starts at the agreed size"
+            assert (result["micro_batch"], result["retries"]) == (4, 1), label
+            for got, e in zip(result["grads"], expected, strict=True):
+                torch.testing.assert_close(torch.tensor(got), e, rtol=1e-5, atol=1e-6, msg=label)
+    assert len({json.dumps([r["rounds"][1] for r in results]) for results in outputs}) == 1
+
+
+def test_an_error_that_is_not_oom_on_one_rank_stops_every_rank_with_a_clear_error():
+    code = (
+        SETUP.replace("TIMEOUT", "30")
+        + """
+import time
+model = make_model()
+ddp = nn.parallel.DistributedDataParallel(model)
+x, y = data()
+calls = []
+@toma.accumulate(model=ddp, initial_micro_batch=8)
+def compute_loss(xb, yb):
+    calls.append(len(xb))
+    if rank == 1 and len(calls) == 2:
+        raise ValueError("a bug on rank 1")
+    return F.cross_entropy(ddp(xb), yb)
+started = time.monotonic()
+try:
+    compute_loss(x, y)
+    outcome = "finished"
+except Exception as error:
+    outcome = f"{type(error).__name__}: {error}"
+finish(dict(outcome=outcome, seconds=time.monotonic() - started, grads=[p.grad is None for p in model.parameters()]))
+"""
+    )
+    results = [json.loads(out.strip().splitlines()[-1]) for out in run_ranks(code, 3, timeout=120)]
+    assert results[1]["outcome"] == "ValueError: a bug on rank 1", "the failing rank raises its own error"
+    for rank in (0, 2):
+        assert results[rank]["outcome"].startswith("RankFailed: toma: rank 1 failed with an error that is not")
+    for result in results:
+        assert result["seconds"] < 10, "the others stop at once, not at the process group's timeout"
+        assert all(result["grads"]), "every rank's gradients are restored"
+
+
+def test_a_rank_that_dies_lets_the_others_fail_within_the_process_group_timeout():
+    code = (
+        SETUP.replace("TIMEOUT", "10")
+        + """
+import time
+model = make_model()
+ddp = nn.parallel.DistributedDataParallel(model)
+x, y = data()
+@toma.accumulate(model=ddp, initial_micro_batch=8)
+def compute_loss(xb, yb):
+    if rank == 1:
+        os._exit(3)   # killed: it never reaches the agreement
+    return F.cross_entropy(ddp(xb), yb)
+started = time.monotonic()
+try:
+    compute_loss(x, y)
+    outcome = "finished"
+except Exception as error:
+    outcome = type(error).__name__
+print(json.dumps(dict(outcome=outcome, seconds=time.monotonic() - started)), flush=True)
+os._exit(0)
+"""
+    )
+    (code0, out0, err0), (code1, _, _) = run_ranks(code, 2, timeout=90, check=False)
+    assert code1 == 3 and code0 == 0, err0
+    result = json.loads(out0.strip().splitlines()[-1])
+    assert result["outcome"] != "finished" and result["seconds"] < 60
+
+
+def test_decorators_with_collectives_use_the_same_size_on_every_rank():
+    """The functions all-reduce inside; without the agreement the rank that retries would hang in it."""
+    code = (
+        SETUP.replace("TIMEOUT", "60")
+        + """
+from toma import explicit
+sizes = []
+@toma.batch(initial_batchsize=16, distributed=True)
+def total(batchsize):
+    sizes.append(batchsize)
+    part = torch.full((batchsize,), float(rank + 1))
+    dist.all_reduce(part)   # a collective in the user's function
+    if rank == 0 and batchsize > 4:
+        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+    return batchsize, part.sum().item()
+
+out = torch.zeros(20)
+chunks = []
+def fill(start, end):
+    chunks.append((start, end))
+    part = torch.arange(start, end, dtype=torch.float32)
+    dist.all_reduce(part)
+    if rank == 1 and end - start > 2 and start >= 8:
+        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+    out[start:end] = part / world
+
+result, second = [total() for _ in range(2)]   # one call site: the second call starts at the agreed size
+explicit.range(fill, 0, 20, 4, toma_distributed=True)
+finish(dict(sizes=sizes, result=result, second=second, chunks=chunks, out=out.tolist()))
+"""
+    )
+    results = [json.loads(out.strip().splitlines()[-1]) for out in run_ranks(code, 2, timeout=120)]
+    assert results[0]["sizes"] == results[1]["sizes"] == [16, 8, 4, 4]
+    assert results[0]["result"] == [4, 12.0] and results[0]["second"] == [4, 12.0]
+    assert results[0]["chunks"] == results[1]["chunks"]
+    assert results[0]["chunks"][:2] == [[0, 4], [4, 8]] and results[0]["chunks"][-1][1] == 20
+    for result in results:
+        assert result["out"] == list(map(float, range(20)))
+
+
+def test_without_a_process_group_there_is_nothing_to_agree_on():
+    assert distributed.agreement_for(True) is None and distributed.agreement_for(False) is None
+    assert not distributed.is_distributed()
