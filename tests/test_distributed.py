@@ -2,11 +2,14 @@
 and accumulated gradients equal the single-process full-batch reference."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import run_ranks
+from helpers import REPO, run_ranks
 from torch import nn
 
 from toma import distributed
@@ -217,3 +220,29 @@ finish(dict(sizes=sizes, result=result, second=second, chunks=chunks, out=out.to
 def test_without_a_process_group_there_is_nothing_to_agree_on():
     assert distributed.agreement_for(True) is None and distributed.agreement_for(False) is None
     assert not distributed.is_distributed()
+
+
+@pytest.mark.slow
+def test_the_ddp_example_runs_under_torchrun():
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "examples/ddp_accumulate.py",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1"),
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "[rank 0] toma:" in out and "can't allocate memory" in out, "rank 0 must run out of memory for real"
+    assert "another rank ran out of memory" in out, "rank 1 must follow rank 0"
+    sizes = json.loads(out.split("micro-batch size on every rank: ")[1].splitlines()[0])
+    assert len(sizes) == 2 and len(set(sizes)) == 1 and sizes[0] < 4096
+    assert "parameters identical on every rank: True" in out
