@@ -32,6 +32,25 @@ def data():
 def make_model():
     torch.manual_seed(1)
     return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
+def run_once(sabotage):
+    # One logical batch through a fresh DDP model whose loss calls sabotage(calls) first: the outcome
+    # ("finished" or "Type: message"), the seconds it took, and whether every gradient is None afterwards.
+    import time
+    model = make_model()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    calls = []
+    @toma.accumulate(model=ddp, initial_micro_batch=8)
+    def compute_loss(xb, yb):
+        calls.append(len(xb))
+        sabotage(calls)
+        return F.cross_entropy(ddp(xb), yb)
+    started = time.monotonic()
+    try:
+        compute_loss(*data())
+        outcome = "finished"
+    except Exception as error:
+        outcome = f"{type(error).__name__}: {error}"
+    return dict(outcome=outcome, seconds=time.monotonic() - started, grads=[p.grad is None for p in model.parameters()])
 def finish(result):
     print(json.dumps(result), flush=True)
     dist.barrier()   # a rank that exits while a peer still reads from it makes gloo abort the peer
@@ -119,24 +138,10 @@ def test_an_error_that_is_not_oom_on_one_rank_stops_every_rank_with_a_clear_erro
     code = (
         SETUP.replace("TIMEOUT", "30")
         + """
-import time
-model = make_model()
-ddp = nn.parallel.DistributedDataParallel(model)
-x, y = data()
-calls = []
-@toma.accumulate(model=ddp, initial_micro_batch=8)
-def compute_loss(xb, yb):
-    calls.append(len(xb))
+def sabotage(calls):
     if rank == 1 and len(calls) == 2:
         raise ValueError("a bug on rank 1")
-    return F.cross_entropy(ddp(xb), yb)
-started = time.monotonic()
-try:
-    compute_loss(x, y)
-    outcome = "finished"
-except Exception as error:
-    outcome = f"{type(error).__name__}: {error}"
-finish(dict(outcome=outcome, seconds=time.monotonic() - started, grads=[p.grad is None for p in model.parameters()]))
+finish(run_once(sabotage))
 """
     )
     results = [json.loads(out.strip().splitlines()[-1]) for out in run_ranks(code, 3, timeout=120)]
@@ -152,22 +157,11 @@ def test_a_rank_that_dies_lets_the_others_fail_within_the_process_group_timeout(
     code = (
         SETUP.replace("TIMEOUT", "10")
         + """
-import time
-model = make_model()
-ddp = nn.parallel.DistributedDataParallel(model)
-x, y = data()
-@toma.accumulate(model=ddp, initial_micro_batch=8)
-def compute_loss(xb, yb):
+def sabotage(calls):
     if rank == 1:
         os._exit(3)   # killed: it never reaches the agreement
-    return F.cross_entropy(ddp(xb), yb)
-started = time.monotonic()
-try:
-    compute_loss(x, y)
-    outcome = "finished"
-except Exception as error:
-    outcome = type(error).__name__
-print(json.dumps(dict(outcome=outcome, seconds=time.monotonic() - started)), flush=True)
+result = run_once(sabotage)
+print(json.dumps(dict(outcome=result["outcome"].split(":")[0], seconds=result["seconds"])), flush=True)
 os._exit(0)
 """
     )
