@@ -8,7 +8,7 @@
 
 import functools
 import types
-from typing import Any, Callable, Hashable, Optional, Type, TypeVar, cast
+from typing import Any, Callable, Dict, Hashable, Optional, Type, TypeVar, cast
 
 import torch
 
@@ -106,6 +106,32 @@ def _describe(wrapped: Callable[..., Any], form: str, extra: str) -> None:
     wrapped.__doc__ = f"Wrapped in {form}: also takes {extra}.\n\n{wrapped.__doc__ or ''}"
 
 
+class _Options:
+    """The options every cached form takes (cache type, context, policy, distributed), checked once and used
+    by each call: which cache entry the call gets, and the engine run with the policy and the agreement."""
+
+    __slots__ = ("cache_type", "context", "policy", "distributed", "own_caches")
+
+    def __init__(
+        self, cache_type: CacheType, context: Optional[Hashable], policy: Any, distributed: Any, prefix: str = ""
+    ) -> None:
+        self.cache_type = _optional_cache_type(cache_type, f"{prefix}cache_type")
+        self.policy = check_policy(policy, f"{prefix}policy")
+        self.context, self.distributed = context, distributed
+        self.own_caches: Optional[BoundedDict] = None  # a decorated function's own caches, one per cache type
+
+    def as_kwargs(self) -> Dict[str, Any]:
+        return dict(cache_type=self.cache_type, context=self.context, policy=self.policy, distributed=self.distributed)
+
+    def cache(self, func: Callable[..., Any], toma_context: Optional[Hashable] = None) -> BatchsizeCache:
+        return _cache_for(
+            self.cache_type, self.context if toma_context is None else toma_context, self.own_caches, func
+        )
+
+    def call(self, step: S, initial: int, toma_context: Optional[Hashable] = None) -> S:
+        return _drive(step, self.cache(step.func, toma_context), initial, self.policy, self.distributed)
+
+
 # --- simple --------------------------------------------------------------------------------------------
 
 
@@ -152,9 +178,8 @@ class explicit:
     ) -> Any:
         """`func(batchsize, *args, **kwargs)`, shrinking `batchsize` on out-of-memory errors; returns its result."""
         initial = check_size(initial_batchsize, "initial_batchsize")
-        cache = _cache_for(_optional_cache_type(toma_cache_type, "toma_cache_type"), toma_context, None, func)
-        policy = check_policy(toma_policy, "toma_policy")
-        return _drive(engine.BatchStep(func, args, kwargs), cache, initial, policy, toma_distributed).result
+        options = _Options(toma_cache_type, toma_context, toma_policy, toma_distributed, prefix="toma_")
+        return options.call(engine.BatchStep(func, args, kwargs), initial).result
 
     @staticmethod
     def range(
@@ -172,9 +197,8 @@ class explicit:
         """`func(chunk_start, chunk_end, *args, **kwargs)` over `[start, end)`, shrinking the step on OOM."""
         start, end = check_index(start, "start"), check_index(end, "end")
         initial = check_size(initial_step, "initial_step")
-        cache = _cache_for(_optional_cache_type(toma_cache_type, "toma_cache_type"), toma_context, None, func)
-        policy = check_policy(toma_policy, "toma_policy")
-        _drive(engine.RangeStep(func, start, end, args, kwargs), cache, initial, policy, toma_distributed)
+        options = _Options(toma_cache_type, toma_context, toma_policy, toma_distributed, prefix="toma_")
+        options.call(engine.RangeStep(func, start, end, args, kwargs), initial)
 
     @staticmethod
     def chunked(
@@ -194,9 +218,8 @@ class explicit:
         dim = check_tensor_dimension(
             tensor, check_dimension(toma_dimension, "toma_dimension"), "tensor", "toma_dimension"
         )
-        cache = _cache_for(_optional_cache_type(toma_cache_type, "toma_cache_type"), toma_context, None, func)
-        policy = check_policy(toma_policy, "toma_policy")
-        _drive(engine.ChunkStep(func, tensor, dim, args, kwargs), cache, initial, policy, toma_distributed)
+        options = _Options(toma_cache_type, toma_context, toma_policy, toma_distributed, prefix="toma_")
+        options.call(engine.ChunkStep(func, tensor, dim, args, kwargs), initial)
 
     @staticmethod
     def accumulate(
@@ -217,10 +240,17 @@ class explicit:
         initial = check_size(initial_micro_batch, "initial_micro_batch")
         reduction = check_reduction(toma_reduction, "toma_reduction")
         scaler = check_scaler(toma_scaler, "toma_scaler")
-        cache = _cache_for(_optional_cache_type(toma_cache_type, "toma_cache_type"), toma_context, None, func)
-        policy = check_policy(toma_policy, "toma_policy")
+        options = _Options(toma_cache_type, toma_context, toma_policy, False, prefix="toma_")
         return accumulate(
-            func, model, initial, args, kwargs, reduction=reduction, scaler=scaler, cache=cache, policy=policy
+            func,
+            model,
+            initial,
+            args,
+            kwargs,
+            reduction=reduction,
+            scaler=scaler,
+            cache=options.cache(func),
+            policy=options.policy,
         )
 
 
@@ -269,19 +299,11 @@ class toma(metaclass=_TomaNamespace):
     ) -> Any:
         """`@toma.batch(initial_batchsize=512)`: the function's first argument becomes the batch size."""
         default = None if initial_batchsize is None else check_size(initial_batchsize, "initial_batchsize")
-        cache_type = _optional_cache_type(cache_type, "cache_type")
-        policy = check_policy(policy, "policy")
+        options = _Options(cache_type, context, policy, distributed)
         if func is None:
-            return functools.partial(
-                toma.batch,
-                initial_batchsize=default,
-                cache_type=cache_type,
-                context=context,
-                policy=policy,
-                distributed=distributed,
-            )
+            return functools.partial(toma.batch, initial_batchsize=default, **options.as_kwargs())
         _check_decorated(func, "toma.batch", "initial_batchsize")
-        own_caches = BoundedDict(16)
+        options.own_caches = BoundedDict(16)
 
         @functools.wraps(func)
         def wrapped(
@@ -291,8 +313,7 @@ class toma(metaclass=_TomaNamespace):
             **kwargs: Any,
         ) -> Any:
             initial = _initial(default, toma_initial_batchsize, "initial_batchsize", "toma_initial_batchsize")
-            cache = _cache_for(cache_type, context if toma_context is None else toma_context, own_caches, func)
-            return _drive(engine.BatchStep(func, args, kwargs), cache, initial, policy, distributed).result
+            return options.call(engine.BatchStep(func, args, kwargs), initial, toma_context).result
 
         _describe(wrapped, "toma.batch", "toma_initial_batchsize= and toma_context=")
         return wrapped
@@ -309,19 +330,11 @@ class toma(metaclass=_TomaNamespace):
     ) -> Any:
         """`@toma.range(initial_step=32)`: `f(start, end, ...)` runs over `[start, end)` chunk by chunk."""
         default = None if initial_step is None else check_size(initial_step, "initial_step")
-        cache_type = _optional_cache_type(cache_type, "cache_type")
-        policy = check_policy(policy, "policy")
+        options = _Options(cache_type, context, policy, distributed)
         if func is None:
-            return functools.partial(
-                toma.range,
-                initial_step=default,
-                cache_type=cache_type,
-                context=context,
-                policy=policy,
-                distributed=distributed,
-            )
+            return functools.partial(toma.range, initial_step=default, **options.as_kwargs())
         _check_decorated(func, "toma.range", "initial_step")
-        own_caches = BoundedDict(16)
+        options.own_caches = BoundedDict(16)
 
         @functools.wraps(func)
         def wrapped(
@@ -334,8 +347,7 @@ class toma(metaclass=_TomaNamespace):
         ) -> None:
             start, end = check_index(start, "start"), check_index(end, "end")
             initial = _initial(default, toma_initial_step, "initial_step", "toma_initial_step")
-            cache = _cache_for(cache_type, context if toma_context is None else toma_context, own_caches, func)
-            _drive(engine.RangeStep(func, start, end, args, kwargs), cache, initial, policy, distributed)
+            options.call(engine.RangeStep(func, start, end, args, kwargs), initial, toma_context)
 
         _describe(wrapped, "toma.range", "toma_initial_step= and toma_context=")
         return wrapped
@@ -354,20 +366,13 @@ class toma(metaclass=_TomaNamespace):
         """`@toma.chunked(initial_step=512)`: `f(chunk, start, end, ...)` runs over chunks of a tensor."""
         default = None if initial_step is None else check_size(initial_step, "initial_step")
         default_dimension = check_dimension(dimension, "dimension")
-        cache_type = _optional_cache_type(cache_type, "cache_type")
-        policy = check_policy(policy, "policy")
+        options = _Options(cache_type, context, policy, distributed)
         if func is None:
             return functools.partial(
-                toma.chunked,
-                initial_step=default,
-                dimension=default_dimension,
-                cache_type=cache_type,
-                context=context,
-                policy=policy,
-                distributed=distributed,
+                toma.chunked, initial_step=default, dimension=default_dimension, **options.as_kwargs()
             )
         _check_decorated(func, "toma.chunked", "initial_step")
-        own_caches = BoundedDict(16)
+        options.own_caches = BoundedDict(16)
 
         @functools.wraps(func)
         def wrapped(
@@ -385,8 +390,7 @@ class toma(metaclass=_TomaNamespace):
                 dim = check_tensor_dimension(
                     tensor, check_index(toma_dimension, "toma_dimension"), "tensor", "toma_dimension"
                 )
-            cache = _cache_for(cache_type, context if toma_context is None else toma_context, own_caches, func)
-            _drive(engine.ChunkStep(func, tensor, dim, args, kwargs), cache, initial, policy, distributed)
+            options.call(engine.ChunkStep(func, tensor, dim, args, kwargs), initial, toma_context)
 
         _describe(wrapped, "toma.chunked", "toma_initial_step=, toma_dimension= and toma_context=")
         return wrapped
@@ -409,8 +413,7 @@ class toma(metaclass=_TomaNamespace):
         default = None if initial_micro_batch is None else check_size(initial_micro_batch, "initial_micro_batch")
         reduction = check_reduction(reduction, "reduction")
         scaler = check_scaler(scaler, "scaler")
-        cache_type = _optional_cache_type(cache_type, "cache_type")
-        policy = check_policy(policy, "policy")
+        options = _Options(cache_type, context, policy, False)
         if func is None:
             return functools.partial(
                 toma.accumulate,
@@ -418,12 +421,12 @@ class toma(metaclass=_TomaNamespace):
                 initial_micro_batch=default,
                 reduction=reduction,
                 scaler=scaler,
-                cache_type=cache_type,
+                cache_type=options.cache_type,
                 context=context,
-                policy=policy,
+                policy=options.policy,
             )
         _check_decorated(func, "toma.accumulate", "initial_micro_batch")
-        own_caches = BoundedDict(16)
+        options.own_caches = BoundedDict(16)
         stats = AccumulationStats()
 
         @functools.wraps(func)
@@ -434,7 +437,7 @@ class toma(metaclass=_TomaNamespace):
             **kwargs: Any,
         ) -> torch.Tensor:
             initial = _initial(default, toma_initial_micro_batch, "initial_micro_batch", "toma_initial_micro_batch")
-            cache = _cache_for(cache_type, context if toma_context is None else toma_context, own_caches, func)
+            cache = options.cache(func, toma_context)
             return accumulate(
                 func,
                 checked_model,
@@ -444,7 +447,7 @@ class toma(metaclass=_TomaNamespace):
                 reduction=reduction,
                 scaler=scaler,
                 cache=cache,
-                policy=policy,
+                policy=options.policy,
                 stats=stats,
             )
 
@@ -464,13 +467,10 @@ class toma(metaclass=_TomaNamespace):
             distributed: Any = False,
         ) -> Callable[[Callable[..., Any]], Any]:
             initial = check_size(initial_batchsize, "initial_batchsize")
-            cache_type = _optional_cache_type(cache_type, "cache_type")
-            policy = check_policy(policy, "policy")
-            context = call_site_key() if context is None else context
+            options = _Options(cache_type, call_site_key() if context is None else context, policy, distributed)
 
             def execute_batch(func: Callable[..., Any]) -> Any:
-                cache = _cache_for(cache_type, context, None, func)
-                return _drive(engine.BatchStep(func, (), {}), cache, initial, policy, distributed).result
+                return options.call(engine.BatchStep(func, (), {}), initial).result
 
             return execute_batch
 
@@ -486,13 +486,10 @@ class toma(metaclass=_TomaNamespace):
         ) -> Callable[[Callable[..., Any]], None]:
             start, end = check_index(start, "start"), check_index(end, "end")
             initial = check_size(initial_step, "initial_step")
-            cache_type = _optional_cache_type(cache_type, "cache_type")
-            policy = check_policy(policy, "policy")
-            context = call_site_key() if context is None else context
+            options = _Options(cache_type, call_site_key() if context is None else context, policy, distributed)
 
             def execute_range(func: Callable[..., Any]) -> None:
-                cache = _cache_for(cache_type, context, None, func)
-                _drive(engine.RangeStep(func, start, end, (), {}), cache, initial, policy, distributed)
+                options.call(engine.RangeStep(func, start, end, (), {}), initial)
 
             return execute_range
 
@@ -508,12 +505,9 @@ class toma(metaclass=_TomaNamespace):
         ) -> Callable[[Callable[..., Any]], None]:
             initial = check_size(initial_step, "initial_step")
             dim = check_tensor_dimension(tensor, check_dimension(dimension, "dimension"), "tensor", "dimension")
-            cache_type = _optional_cache_type(cache_type, "cache_type")
-            policy = check_policy(policy, "policy")
-            context = call_site_key() if context is None else context
+            options = _Options(cache_type, call_site_key() if context is None else context, policy, distributed)
 
             def execute_chunked(func: Callable[..., Any]) -> None:
-                cache = _cache_for(cache_type, context, None, func)
-                _drive(engine.ChunkStep(func, tensor, dim, (), {}), cache, initial, policy, distributed)
+                options.call(engine.ChunkStep(func, tensor, dim, (), {}), initial)
 
             return execute_chunked
