@@ -166,11 +166,15 @@ def all_reduce_gradients(params: List[torch.Tensor], group: Any = None, bucket_b
             raise NotImplementedError("toma: sparse gradients are not supported with several ranks")
         grads.append(p.grad)
     buckets: Dict[Tuple[torch.device, torch.dtype], List[List[torch.Tensor]]] = {}
+    filled: Dict[Tuple[torch.device, torch.dtype], int] = {}  # bytes in each key's last bucket
     for grad in grads:
-        groups = buckets.setdefault((grad.device, grad.dtype), [[]])
-        if groups[-1] and sum(g.numel() for g in groups[-1]) * grad.element_size() + grad.nbytes > bucket_bytes:
+        key = (grad.device, grad.dtype)
+        groups = buckets.setdefault(key, [[]])
+        if groups[-1] and filled[key] + grad.nbytes > bucket_bytes:
             groups.append([])
+            filled[key] = 0
         groups[-1].append(grad)
+        filled[key] = filled.get(key, 0) + grad.nbytes
     pending = []
     for groups in buckets.values():
         for bucket in groups:

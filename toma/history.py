@@ -74,11 +74,10 @@ class TrainingHistory:
         loss_axes, size_axes = figure.subplots(2, 1, sharex=True)
         loss_axes.plot(steps, [record["loss"] for record in self.steps], label="training loss (step)")
         epoch_ends = [epoch["step"] for epoch in self.epochs if "step" in epoch]
-        for name in ("eval_loss",):
-            values = self.column(name)
-            points = [(s, v) for s, v in zip(epoch_ends, values, strict=False) if v is not None and math.isfinite(v)]
-            if points:
-                loss_axes.plot(*zip(*points, strict=True), "o-", label="evaluation loss (epoch)")
+        values = self.column("eval_loss")
+        points = [(s, v) for s, v in zip(epoch_ends, values, strict=False) if v is not None and math.isfinite(v)]
+        if points:
+            loss_axes.plot(*zip(*points, strict=True), "o-", label="evaluation loss (epoch)")
         loss_axes.set_ylabel("loss")
         loss_axes.legend()
         size_axes.step(steps, [record["micro_batch"] for record in self.steps], where="post", label="micro-batch size")
