@@ -201,3 +201,49 @@ def test_cache_for_context_is_one_instance_per_type_and_context():
 def test_all_instances_registry():
     cache = GlobalBatchsizeCache()
     assert cache in BatchsizeCache.all_instances.values()
+
+
+class LayeredCache(BatchsizeCache):
+    """A cache class built on another cache: its constructor asks toma for a cache itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = get_cache_for_context(GlobalBatchsizeCache, ("layered", id(self)))
+
+    def get_batchsize(self, initial_batchsize: int) -> Batchsize:
+        return self.inner.get_batchsize(initial_batchsize)
+
+
+def test_a_cache_class_built_on_another_cache_does_not_deadlock():
+    calls = []
+
+    def work():
+        @toma.batch(initial_batchsize=16, cache_type=LayeredCache)
+        def f(batchsize):
+            calls.append(batchsize)
+            if batchsize > 4:
+                raise_fake_oom()
+
+        f()
+        f()
+        explicit_cache = get_cache_for_context(LayeredCache, "ctx")
+        assert isinstance(explicit_cache.inner, GlobalBatchsizeCache)
+
+    thread = threading.Thread(target=work, daemon=True)
+    thread.start()
+    thread.join(timeout=10)
+    assert not thread.is_alive(), "constructing a cache that uses get_cache_for_context deadlocked"
+    assert calls == [16, 8, 4, 4]
+
+
+def test_racing_creators_all_get_the_one_value(busy_switching):
+    bounded = BoundedDict(8)
+    got = []
+    barrier = threading.Barrier(8)
+
+    def worker(index):
+        barrier.wait()
+        got.append(bounded.get_or_create("key", lambda: object()))
+
+    assert run_threads(worker) == []
+    assert len({id(value) for value in got}) == 1 and len(got) == 8

@@ -113,13 +113,16 @@ class BoundedDict:
         self._lock = threading.Lock()
 
     def get_or_create(self, key: Hashable, create: Any) -> Any:
+        """The value for `key`, made by `create()` on first use. `create` runs outside the lock, so it may
+        itself use this dict (a cache class built on another cache); if two threads race, one value wins."""
         value = self.entries.get(key)
         if value is not None:
             return value
+        created = create()
         with self._lock:
             value = self.entries.get(key)
             if value is None:
-                value = self.entries[key] = create()
+                value = self.entries[key] = created
                 while len(self.entries) > self.max_size:
                     del self.entries[next(iter(self.entries))]
         return value
