@@ -2,9 +2,12 @@
 
 import pytest
 import torch
+from torch._dynamo.exc import InternalTorchDynamoError
 
 from toma import explicit, register_oom_predicate, should_reduce_batch_size, unregister_oom_predicate
 from toma.cpu_memory import is_out_of_cpu_memory
+from toma.distributed import AgreedRetry, RankFailed
+from toma.oom import ControlException
 from toma.torch_cuda_memory import is_cuda_out_of_memory, is_cudnn_snafu
 
 OOM_ERRORS = [
@@ -99,3 +102,62 @@ def test_users_can_extend_the_predicate():
 def test_register_rejects_non_callables():
     with pytest.raises(TypeError, match="predicate"):
         register_oom_predicate("out of memory")
+
+
+def real_cpu_oom(rows: int) -> None:
+    """A real allocator failure: `rows` x 2**45 bytes is far beyond any machine."""
+    torch.empty(rows, 2**45, dtype=torch.uint8)
+
+
+def wrapped_like_torch_compile(rows: int) -> None:
+    try:
+        real_cpu_oom(rows)
+    except RuntimeError as error:
+        raise InternalTorchDynamoError("MemoryError: std::bad_alloc") from error
+
+
+def test_an_error_raised_from_an_oom_is_an_oom():
+    try:
+        wrapped_like_torch_compile(1)
+    except InternalTorchDynamoError as error:
+        wrapped = error
+    assert should_reduce_batch_size(wrapped)
+    twice = ValueError("outer")
+    twice.__cause__ = KeyError("middle")
+    twice.__cause__.__cause__ = MemoryError()
+    assert should_reduce_batch_size(twice), "the whole __cause__ chain is followed"
+    context_only = ValueError("raised while handling an OOM, not from it")
+    context_only.__context__ = MemoryError()
+    assert not should_reduce_batch_size(context_only)
+    cycle = ValueError("a")
+    cycle.__cause__ = KeyError("b")
+    cycle.__cause__.__cause__ = cycle
+    assert not should_reduce_batch_size(cycle)
+
+
+def test_a_wrapped_real_oom_is_retried():
+    sizes = []
+
+    def f(batchsize):
+        sizes.append(batchsize)
+        if batchsize > 2:
+            wrapped_like_torch_compile(batchsize)
+        return batchsize
+
+    assert explicit.batch(f, 8) == 2 and sizes == [8, 4, 2]
+
+
+def test_tomas_control_exceptions_are_never_oom_whatever_their_cause():
+    try:
+        try:
+            real_cpu_oom(1)
+        except RuntimeError as oom:
+            raise RankFailed("toma: rank 1 ran out of memory at its smallest size (1)") from oom
+    except RankFailed as error:
+        failed = error
+    assert isinstance(failed.__cause__, RuntimeError) and should_reduce_batch_size(failed.__cause__)
+    assert not should_reduce_batch_size(failed)
+    retry = AgreedRetry(4, "rank 0 ran out of memory")
+    retry.__cause__ = MemoryError()
+    assert not should_reduce_batch_size(retry)
+    assert not should_reduce_batch_size(KeyError("x")) and issubclass(RankFailed, ControlException)

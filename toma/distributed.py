@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from toma.oom import should_reduce_batch_size
+from toma.oom import ControlException, should_reduce_batch_size
 from toma.policy import SizePolicy
 
 __all__ = [
@@ -37,12 +37,13 @@ __all__ = [
 FINISHED = 2**62  # larger than any size: the MIN over ranks is FINISHED only when every rank finished
 
 
-class RankFailed(Exception):
+class RankFailed(ControlException):
     """Raised on the ranks that did not fail when another rank stopped the logical batch. Deliberately not a
-    RuntimeError: its message names out-of-memory errors, and it must never be mistaken for one."""
+    RuntimeError, and a control exception: its message and cause may be an out-of-memory error, and it must
+    never be mistaken for one."""
 
 
-class AgreedRetry(Exception):
+class AgreedRetry(ControlException):
     """Raised on every rank when the ranks agreed to redo the attempt at `size` (some rank ran out of memory)."""
 
     def __init__(self, size: int, reason: str) -> None:

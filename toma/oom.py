@@ -2,7 +2,7 @@
 
 import gc
 import threading
-from typing import Callable, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -10,6 +10,7 @@ from toma.cpu_memory import is_out_of_cpu_memory
 from toma.torch_cuda_memory import is_cuda_out_of_memory, is_cudnn_snafu
 
 __all__ = [
+    "ControlException",
     "should_reduce_batch_size",
     "register_oom_predicate",
     "unregister_oom_predicate",
@@ -25,8 +26,32 @@ _extra_predicates: Tuple[OomPredicate, ...] = ()
 _predicates_lock = threading.Lock()
 
 
+# How far `raise ... from ...` chains are followed (a guard against cycles built by hand).
+_MAX_CAUSES = 16
+
+
+class ControlException(Exception):
+    """Base of toma's own control-flow exceptions (a rank that failed, an agreed retry): never an
+    out-of-memory error, whatever caused them."""
+
+
 def should_reduce_batch_size(exception: BaseException) -> bool:
-    """True when `exception` means memory ran out, so retrying with less work may succeed."""
+    """True when `exception` means memory ran out, so retrying with less work may succeed.
+
+    An error raised *from* an out-of-memory error (`raise X from oom`, as `torch.compile` wraps a
+    `MemoryError`) counts too: the `__cause__` chain is followed. toma's own control exceptions never count.
+    """
+    cause: Optional[BaseException] = exception
+    for _ in range(_MAX_CAUSES):
+        if cause is None or isinstance(cause, ControlException):
+            return False
+        if _is_out_of_memory(cause):
+            return True
+        cause = cause.__cause__
+    return False
+
+
+def _is_out_of_memory(exception: BaseException) -> bool:
     if isinstance(exception, (torch.OutOfMemoryError, MemoryError)):
         return True
     if isinstance(exception, RuntimeError):  # torch.AcceleratorError included
