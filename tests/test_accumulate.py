@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from helpers import COLLECT_TOMA_LOG, WIDE_MLP_UNDER_A_CAP, raise_fake_oom, requires_cuda, run_python, run_ranks
 from torch import nn
 
-from toma import NoBatchsizeCache, explicit, toma
+from toma import GlobalBatchsizeCache, NoBatchsizeCache, explicit, toma
 
 N = 64
 RTOL, ATOL = 1e-5, 1e-6
@@ -139,6 +139,178 @@ def test_arguments_that_are_not_the_batch_reach_every_micro_batch_whole():
         reference_model(inputs), targets, weight=class_weights, label_smoothing=0.1, reduction="sum"
     ).backward()
     assert_grads_equal(model, [p.grad for p in reference_model.parameters()])
+
+
+# --- token-mean losses: weight= --------------------------------------------------------------------------
+
+VOCAB, LENGTH = 11, 9
+
+
+class TinyCausalLM(nn.Module):
+    """Embeddings, a mixing layer and a vocabulary head: enough for a real next-token loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 8)
+        self.mix = nn.Linear(8, 8)
+        self.head = nn.Linear(8, VOCAB)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.mix(self.embed(ids))))
+
+
+def causal_lm_case(n=N, seed=0):
+    """Rows padded to LENGTH with labels -100 after a random length (some rows have no label token at all)."""
+    torch.manual_seed(seed)
+    model = TinyCausalLM()
+    ids = torch.randint(0, VOCAB, (n, LENGTH))
+    lengths = torch.randint(0, LENGTH + 1, (n,))
+    lengths[:3] = torch.tensor([0, 1, LENGTH])  # no label token, one (which the shift drops), all
+    labels = ids.clone()
+    labels[torch.arange(LENGTH)[None, :] >= lengths[:, None]] = -100
+    return model, ids, labels
+
+
+def causal_lm_loss(model):
+    def compute_loss(ids, labels):  # Hugging Face's causal-LM loss: a mean over the shifted label tokens
+        logits = model(ids)[:, :-1]
+        return F.cross_entropy(logits.reshape(-1, VOCAB), labels[:, 1:].reshape(-1), ignore_index=-100)
+
+    return compute_loss
+
+
+def label_tokens(ids, labels):
+    return (labels[:, 1:] != -100).sum()
+
+
+def causal_lm_reference(n=N):
+    model, ids, labels = causal_lm_case(n)
+    loss = causal_lm_loss(model)(ids, labels)
+    loss.backward()
+    return [p.grad.clone() for p in model.parameters()], loss.detach()
+
+
+@pytest.mark.parametrize("micro", [32, 16, 5, 1])
+@pytest.mark.parametrize("form", ["decorator", "explicit"])
+def test_a_token_mean_loss_with_weight_equals_the_full_batch(micro, form):
+    expected, expected_loss = causal_lm_reference()
+    model, ids, labels = causal_lm_case()
+    compute_loss = causal_lm_loss(model)
+    if form == "decorator":
+        loss = toma.accumulate(model=model, initial_micro_batch=micro, weight=label_tokens)(compute_loss)(ids, labels)
+    else:
+        loss = explicit.accumulate(compute_loss, model, micro, ids, labels, toma_weight=label_tokens)
+    assert_grads_equal(model, expected)
+    torch.testing.assert_close(loss, expected_loss, rtol=RTOL, atol=ATOL)
+    assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_rows_are_the_wrong_weight_for_a_token_mean_loss():
+    """What weight= fixes: weighting by rows is off by far more than rounding for a token mean."""
+    expected, _ = causal_lm_reference()
+    model, ids, labels = causal_lm_case()
+    toma.accumulate(model=model, initial_micro_batch=16)(causal_lm_loss(model))(ids, labels)
+    error = max(float((p.grad - e).norm() / e.norm()) for p, e in zip(model.parameters(), expected, strict=True))
+    assert error > 1e-3
+
+
+def test_a_micro_batch_with_nothing_to_average_adds_nothing_and_no_nan():
+    model, ids, labels = causal_lm_case()
+    labels[:8] = -100  # the first micro-batch of 8 has no label token: its own loss is NaN
+    reference, _, _ = causal_lm_case()
+    expected_loss = causal_lm_loss(reference)(ids, labels)
+    expected_loss.backward()
+    called = []
+
+    def compute_loss(ids, labels):
+        called.append(len(ids))
+        return causal_lm_loss(model)(ids, labels)
+
+    loss = toma.accumulate(model=model, initial_micro_batch=8, weight=label_tokens)(compute_loss)(ids, labels)
+    assert called == [8] * 7, "the empty micro-batch is not run at all"
+    assert_grads_equal(model, [p.grad for p in reference.parameters()])
+    torch.testing.assert_close(loss, expected_loss.detach(), rtol=RTOL, atol=ATOL)
+    model.zero_grad()
+    nothing = toma.accumulate(model=model, initial_micro_batch=8, weight=label_tokens)(compute_loss)(
+        ids, torch.full_like(labels, -100)
+    )
+    assert float(nothing) == 0.0 and all(p.grad is None for p in model.parameters())
+
+
+def test_an_oom_with_weight_redoes_the_batch_exactly():
+    expected, _ = causal_lm_reference()
+    model, ids, labels = causal_lm_case()
+    sizes = []
+
+    @toma.accumulate(model=model, initial_micro_batch=64, weight=label_tokens)
+    def compute_loss(ids, labels):
+        sizes.append(len(ids))
+        if len(ids) > 16:
+            raise_fake_oom()
+        return causal_lm_loss(model)(ids, labels)
+
+    compute_loss(ids, labels)
+    assert sizes == [64, 32, 16, 16, 16, 16]
+    assert compute_loss.stats.weight == float(label_tokens(ids, labels))
+    assert_grads_equal(model, expected)
+
+
+def test_bad_weights_fail_naming_the_argument():
+    model, ids, labels = causal_lm_case()
+    with pytest.raises(TypeError, match="weight must be a function"):
+        toma.accumulate(model=model, initial_micro_batch=8, weight=3)
+    with pytest.raises(ValueError, match="toma_weight weights mean losses"):
+        explicit.accumulate(causal_lm_loss(model), model, 8, ids, labels, toma_reduction="sum", toma_weight=len)
+    with pytest.raises(ValueError, match="weight .* at least 0"):
+        explicit.accumulate(causal_lm_loss(model), model, 8, ids, labels, toma_weight=lambda i, l: -1)
+    assert all(p.grad is None for p in model.parameters())
+
+
+# --- the cached size: only an out-of-memory error shrinks it ------------------------------------------------
+
+
+def test_a_short_batch_does_not_shrink_the_cached_micro_batch():
+    model, inputs, targets = make_case("mlp", n=200)
+    sizes = []
+    compute_loss = toma.accumulate(model=model, initial_micro_batch=256, cache_type=GlobalBatchsizeCache)(
+        recording_loss(model, sizes)
+    )
+    compute_loss(inputs[:10], targets[:10])
+    compute_loss(inputs, targets)
+    compute_loss(inputs, targets)
+    assert sizes == [10, 200, 200]
+
+
+def test_an_oom_in_a_short_batch_shrinks_below_its_rows():
+    model, inputs, targets = make_case("mlp")
+
+    def fail(sizes, rows):
+        if rows > 4:
+            raise_fake_oom()
+
+    sizes = []
+    compute_loss = toma.accumulate(model=model, initial_micro_batch=256, cache_type=GlobalBatchsizeCache)(
+        recording_loss(model, sizes, fail=fail)
+    )
+    compute_loss(inputs[:10], targets[:10])
+    assert sizes == [10, 8, 4, 4, 2], "10 rows fail once, then halving goes on below them: 8, 4"
+    sizes.clear()
+    compute_loss(inputs[:8], targets[:8])
+    assert sizes == [4, 4]
+
+
+def test_a_tensor_split_by_mistake_gets_a_note_naming_toma_whole():
+    model, inputs, targets = make_case("mlp")
+    class_weights = torch.rand(N)  # as many entries as the batch has rows: split with it, by mistake
+
+    @toma.accumulate(model=model, initial_micro_batch=16)
+    def compute_loss(inputs, targets, weights):
+        return F.cross_entropy(model(inputs)[:, :4] @ torch.ones(4, N), targets, weight=weights)
+
+    with pytest.raises(RuntimeError) as info:
+        compute_loss(inputs, targets, class_weights)
+    notes = "".join(getattr(info.value, "__notes__", []))
+    assert "toma.whole" in notes and "args[2] (64,)" in notes and "micro-batches of 16" in notes
 
 
 # --- out of memory anywhere inside a micro-batch ---------------------------------------------------------

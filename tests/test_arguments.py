@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from toma.arguments import check_dimension, check_index, check_policy, check_size, check_tensor_dimension
-from toma.policy import DEFAULT_POLICY, ShrinkByFactor
+from toma.arguments import check_dimension, check_index, check_size, check_tensor_dimension
+from toma.policy import DEFAULT_POLICY, ShrinkByFactor, check_policy
 
 
 def test_check_size_accepts_int_likes():

@@ -10,7 +10,7 @@ from helpers import raise_fake_oom
 
 import toma as toma_package
 from toma import GlobalBatchsizeCache, NoBatchsizeCache, StacktraceMemoryBatchsizeCache, explicit, simple, toma
-from toma.policy import ShrinkByFactor
+from toma.policy import Halving, ShrinkByFactor
 
 ALL_CACHES = [NoBatchsizeCache, GlobalBatchsizeCache, StacktraceMemoryBatchsizeCache]
 
@@ -264,6 +264,32 @@ def chunk_oom_above(limit, log):
     return f
 
 
+@pytest.mark.parametrize("form", ["toma.range", "explicit.range", "simple.range", "toma.execute.range"])
+def test_a_chunk_shorter_than_the_step_is_never_retried_unchanged(form):
+    log = []
+    f = range_oom_above(2, log)
+    if form == "toma.range":
+        toma.range(initial_step=1024)(f)(16, 26)
+    elif form == "explicit.range":
+        explicit.range(f, 16, 26, 1024)
+    elif form == "simple.range":
+        simple.range(f, 16, 26, 1024)
+    else:
+        toma.execute.range(16, 26, 1024)(f)
+    assert log.count((16, 26)) == 1, "the failed 10-row chunk is not tried again as it was"
+    assert log[:2] == [(16, 26), (16, 24)], "halving goes on from 1024 to the first size below the 10 rows"
+    finished = [(s, e) for s, e in log if e - s <= 2]
+    assert finished == [(16, 18), (18, 20), (20, 22), (22, 24), (24, 26)]
+
+
+def test_the_last_short_chunk_that_fails_shrinks_below_itself():
+    log = []
+    toma.chunked(initial_step=4)(lambda chunk, s, e: (log.append((s, e)), e - s > 1 and s >= 8 and raise_fake_oom()))(
+        torch.zeros(11)
+    )
+    assert log == [(0, 4), (4, 8), (8, 11), (8, 10), (8, 9), (9, 10), (10, 11)]
+
+
 def test_toma_chunked_fills_every_chunk_once():
     log = []
     f = toma.chunked(initial_step=8)(chunk_oom_above(2, log))
@@ -383,7 +409,14 @@ def test_reductions_are_logged_with_call_site_and_new_size(caplog):
     assert __file__ in messages[0] and "CUDA out of memory" in messages[0]
 
 
-BAD_SIZES = [(0, ValueError), (-3, ValueError), (True, TypeError), (2.0, TypeError), ("8", TypeError)]
+BAD_SIZES = [
+    (0, ValueError),
+    (-3, ValueError),
+    (True, TypeError),
+    (torch.tensor(True), TypeError),
+    (2.0, TypeError),
+    ("8", TypeError),
+]
 
 
 @pytest.mark.parametrize("value, error", BAD_SIZES)
@@ -480,3 +513,98 @@ def test_explicit_cache_keeps_no_closure_or_callable_object_alive():
     del model
     gc.collect()
     assert [ref() for ref in refs] == [None, None]
+
+
+# --- functions a form cannot run, methods, messages ----------------------------------------------------
+
+
+async def async_batch(batchsize):
+    return batchsize
+
+
+def generator_batch(batchsize):
+    yield batchsize
+
+
+async def async_generator_batch(batchsize):
+    yield batchsize
+
+
+class AsyncCallable:
+    async def __call__(self, batchsize):
+        return batchsize
+
+
+@pytest.mark.parametrize(
+    "func, kind",
+    [
+        (async_batch, "async function"),
+        (generator_batch, "generator function"),
+        (async_generator_batch, "async generator function"),
+        (AsyncCallable(), "async function"),
+        (__import__("functools").partial(async_batch), "async function"),
+    ],
+    ids=["async def", "generator", "async generator", "async __call__", "partial"],
+)
+def test_async_and_generator_functions_are_refused_naming_the_form(func, kind):
+    forms = {
+        "toma.batch": lambda: toma.batch(initial_batchsize=4)(func),
+        "toma.range": lambda: toma.range(initial_step=4)(func),
+        "toma.chunked": lambda: toma.chunked(initial_step=4)(func),
+        "toma.accumulate": lambda: toma.accumulate(model=torch.nn.Linear(1, 1), initial_micro_batch=4)(func),
+        "toma.execute.batch": lambda: toma.execute.batch(4)(func),
+        "toma.execute.range": lambda: toma.execute.range(0, 4, 2)(func),
+        "toma.execute.chunked": lambda: toma.execute.chunked(torch.zeros(4), 2)(func),
+        "explicit.batch": lambda: explicit.batch(func, 4),
+        "explicit.range": lambda: explicit.range(func, 0, 4, 2),
+        "explicit.chunked": lambda: explicit.chunked(func, torch.zeros(4), 2),
+        "explicit.accumulate": lambda: explicit.accumulate(func, torch.nn.Linear(1, 1), 2, torch.zeros(4, 1)),
+        "simple.batch": lambda: simple.batch(func, 4),
+        "simple.range": lambda: simple.range(func, 0, 4, 2),
+        "simple.chunked": lambda: simple.chunked(func, torch.zeros(4), 2),
+    }
+    for form, make in forms.items():
+        with pytest.raises(TypeError, match=rf"^{form} cannot retry the {kind}") as info:
+            make()
+        assert "outside toma" in str(info.value)
+
+
+def test_a_decorated_staticmethod_works_through_the_class_and_an_instance():
+    log = []
+
+    class Model:
+        @toma.batch(initial_batchsize=8, cache_type=GlobalBatchsizeCache)
+        @staticmethod
+        def infer(batchsize, scale):
+            log.append(batchsize)
+            if batchsize > 2:
+                raise_fake_oom()
+            return batchsize * scale
+
+        @toma.range(initial_step=4)
+        @staticmethod
+        def fill(start, end, out):
+            out[start:end] = 1
+
+    assert Model.infer(10) == 20
+    assert Model().infer(10) == 20, "through an instance the wrapper must not receive the instance"
+    out = torch.zeros(6)
+    Model().fill(0, 6, out)
+    assert torch.equal(out, torch.ones(6)) and log == [8, 4, 2, 2]
+
+
+def test_log_lines_do_not_repeat_the_logger_name(caplog):
+    caplog.set_level(logging.INFO, logger="toma")
+    toma.batch(initial_batchsize=8)(oom_above(4, []))()
+    (record,) = [r for r in caplog.records if r.name == "toma"]
+    assert not record.getMessage().startswith("toma:"), "the logger is named toma already: INFO:toma:toma: ..."
+
+
+def test_sizes_accept_numpy_integers_everywhere():
+    np = pytest.importorskip("numpy")
+    log = []
+    assert toma.batch(initial_batchsize=np.int64(8), policy=Halving(minimum=np.int64(4)))(oom_above(1, log)) is not None
+    assert Halving(minimum=np.int32(4)).minimum == 4 and type(Halving(minimum=np.int64(4)).minimum) is int
+    assert explicit.batch(oom_above(4, log), np.int64(16)) == (4, (), {})
+    with pytest.raises(TypeError, match="minimum"):
+        Halving(minimum=torch.tensor(True))

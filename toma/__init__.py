@@ -5,11 +5,13 @@ remembers the size that worked. A drop-in successor of toma 1.1.0.
 """
 
 import sys
+from typing import Type
 
 from toma import memory
 from toma import stacktrace as tst
 from toma.batchsize_cache import (
     CONTEXT_CACHE_SIZE,
+    BatchsizeCache,
     GlobalBatchsizeCache,
     NoBatchsizeCache,
     StacktraceMemoryBatchsizeCache,
@@ -56,5 +58,7 @@ __all__ = [
     "__version__",
 ]
 
-# Makes `toma.DEFAULT_CACHE_TYPE` a live setting that assignments reach.
+# The cache type used where none is given: a live setting (read at call time) that assignments reach, through
+# the package module's class. Declared here so that type checkers know it.
+DEFAULT_CACHE_TYPE: Type[BatchsizeCache]
 sys.modules[__name__].__class__ = PackageModule

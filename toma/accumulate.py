@@ -2,18 +2,21 @@
 
 The logical batch is one unit of work for the engine: an attempt runs forward and backward for every
 micro-batch at one size; an out-of-memory error anywhere in it (forward, backward, after some parameters
-already got gradients) drops that attempt's gradients exactly (`GradientStash`), and the engine redoes the
-whole logical batch at a smaller micro-batch size. The logical batch itself never changes.
+already got gradients) drops that attempt's gradients exactly (`GradientStash`), puts back the training
+modules' buffers and the random state (`toma.rollback`), and the engine redoes the whole logical batch at a
+smaller micro-batch size. The logical batch itself never changes.
 
-With `reduction="mean"` each micro-loss is weighted by its share of the rows, n_i / N, so the gradients are
-those of one full-batch pass also when the last micro-batch is smaller.
+With `reduction="mean"` each micro-loss is weighted by its share of what the logical batch's loss averages
+over: rows (n_i / N), or with `weight=` the count that function gives (label tokens, say), so the gradients
+are those of one full-batch pass also when micro-batches hold different shares.
 """
 
 import contextlib
 import logging
+import re
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
+from typing import Any, Callable, ContextManager, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -23,10 +26,22 @@ from toma import engine
 from toma.batchsize_cache import BatchsizeCache
 from toma.distributed import Agreement, all_reduce_gradients, is_distributed
 from toma.gradients import GradientStash
+from toma.misuse import AccumulationMisuse, MisuseWatch
+from toma.oom import should_reduce_batch_size
 from toma.policy import SizePolicy
-from toma.splitting import BatchSplit
+from toma.rollback import BufferStash, RandomState
+from toma.splitting import BatchSplit, Parts, Window
 
-__all__ = ["accumulate", "AccumulationStats", "check_model", "check_reduction", "check_scaler", "REDUCTIONS"]
+__all__ = [
+    "accumulate",
+    "AccumulationStats",
+    "AccumulationMisuse",
+    "check_model",
+    "check_reduction",
+    "check_scaler",
+    "check_weight",
+    "REDUCTIONS",
+]
 
 log = logging.getLogger("toma")
 
@@ -51,6 +66,24 @@ def check_scaler(scaler: Any, name: str) -> Any:
     if scaler is not None and not callable(getattr(scaler, "scale", None)):
         raise TypeError(f"{name} must be a torch.amp.GradScaler (or None), got {scaler!r}")
     return scaler
+
+
+def check_weight(weight: Any, name: str, reduction: str) -> Optional[Callable[..., Any]]:
+    """`weight=`: None, or a function called like the loss function that returns how many items that
+    micro-batch's mean loss averages over."""
+    if weight is None:
+        return None
+    if not callable(weight):
+        raise TypeError(
+            f"{name} must be a function called with a micro-batch's arguments (like the loss function) that "
+            f"returns how many items its loss averages over, e.g. label tokens; got {weight!r}"
+        )
+    if reduction != "mean":
+        raise ValueError(
+            f"{name} weights mean losses; with reduction={reduction!r} the micro-losses are added as they are, "
+            "so leave it out"
+        )
+    return weight  # type: ignore[no-any-return]
 
 
 class LocalSync:
@@ -156,7 +189,7 @@ def _warn_once_about_batchnorm(model: torch.nn.Module) -> None:
     names = [name for name, m in model.named_modules() if isinstance(m, _BatchNorm) and m.training]
     if names:
         log.warning(
-            "toma: %s has BatchNorm layers (%s) in training mode: with the logical batch split into "
+            "%s has BatchNorm layers (%s) in training mode: with the logical batch split into "
             "micro-batches their statistics are those of each micro-batch, not of the full batch",
             type(model).__name__,
             ", ".join(names[:3]) + (", ..." if len(names) > 3 else ""),
@@ -169,6 +202,37 @@ def _loss_error(func: Callable[..., Any], loss: Any) -> TypeError:
     return TypeError(f"{name} must return the micro-batch's loss as a scalar tensor, got {what}")
 
 
+def _counts(values: List[Any], weight: Callable[..., Any]) -> List[float]:
+    """The micro-batches' counts as floats, with one device synchronisation for tensors on one device."""
+    tensors = [value for value in values if isinstance(value, torch.Tensor)]
+    floats: List[float]
+    if len(tensors) == len(values) and len({t.device for t in tensors}) == 1:
+        floats = torch.stack([t.detach().reshape(()).to(torch.float64) for t in tensors]).tolist()
+    else:
+        floats = [float(value) for value in values]
+    name = getattr(weight, "__qualname__", repr(weight))
+    for value in floats:
+        if not value >= 0 or value == float("inf"):
+            raise ValueError(f"weight ({name}) must return a count of at least 0 for every micro-batch, got {value}")
+    return floats
+
+
+def _hint_whole(error: BaseException, split: BatchSplit, rows: int) -> None:
+    """An error that names the micro-batch's row count while the batch was split may come from a tensor
+    that is not part of the batch but happened to have as many rows: say what was split."""
+    if re.search(rf"(?<![\d.]){rows}(?![\d.])", str(error)) is None:
+        return
+    note = (
+        f"toma: the logical batch of {split.size} rows was split into micro-batches of {rows} along dim 0 of "
+        f"every tensor with {split.size} rows: {split.describe()}. A tensor that is not part of the batch "
+        "(class weights, say) goes to every micro-batch whole when wrapped in toma.whole(...)"
+    )
+    if hasattr(error, "add_note"):
+        error.add_note(note)
+    else:
+        error.__notes__ = [*getattr(error, "__notes__", ()), note]  # type: ignore[attr-defined]
+
+
 @dataclass
 class AccumulationStats:
     """What the calls of one accumulating function went through (best effort across threads)."""
@@ -176,6 +240,10 @@ class AccumulationStats:
     micro_batch: Optional[int] = None  # the size the last finished logical batch ran at
     oom_retries: int = 0  # logical batches redone after an out-of-memory error, over all calls
     calls: int = 0
+    weight: Optional[float] = None  # what the last logical batch's loss averaged over (rows, or weight's total)
+
+
+Batch = Union[BatchSplit, Parts]
 
 
 class AccumulateStep:
@@ -188,65 +256,116 @@ class AccumulateStep:
         self,
         func: Callable[..., Any],
         model: torch.nn.Module,
-        split: BatchSplit,
+        batch: Batch,
         reduction: str,
+        weight: Optional[Callable[..., Any]],
         scaler: Any,
         policy: SizePolicy,
+        name: Optional[str] = None,
     ) -> None:
-        self.func, self.model, self.split, self.policy = func, model, split, policy
+        self.func, self.model, self.batch, self.policy, self.name = func, model, batch, policy, name
         self.mean = reduction == "mean"
-        self.scaler = scaler
+        self.weight, self.scaler = weight, scaler
         self.sync = sync_for(model)
         self.params: List[torch.Tensor] = [p for p in model.parameters() if p.requires_grad]
+        self.buffers = BufferStash(model)
+        # DDP's reducer on one rank swaps gradients for views of its buckets: only parameters can be watched.
+        self.watch = MisuseWatch(self.params, model, check_grads=not isinstance(self.sync, DDPNoSync))
+        self.random: Optional[RandomState] = None
         self.result: Optional[torch.Tensor] = None
+        self.total_weight: Optional[float] = None
         self.attempts = 0
         self.size: Optional[int] = None
 
+    def effective(self, size: int) -> int:
+        """A micro-batch never holds more rows than the largest part of the logical batch."""
+        return min(size, self.batch.largest)
+
+    def _devices_in_use(self) -> List[torch.Tensor]:
+        parts = self.batch.parts if isinstance(self.batch, Parts) else [self.batch]
+        return self.params + [tensor for part in parts for _, tensor in part.tensors[:1]]
+
     def __call__(self, size: int) -> bool:
         self.attempts += 1
+        if self.random is None:
+            self.random = RandomState(self._devices_in_use())
+            self.buffers.save()
+        else:  # a retry: the same random numbers as the failed attempt drew
+            self.random.restore()
+        asked, size = size, self.effective(size)
         self.size = size
-        total_rows = self.split.size
-        if size < total_rows:
+        windows = self.batch.windows(size)
+        if len(windows) > 1:
             _warn_once_about_batchnorm(self.model)
         agreement = self.sync.agreement
         try:
             with GradientStash(self.params, copy=self.sync.copy_grads):
                 try:
-                    result = self._micro_batches(size, total_rows)
+                    result = self._micro_batches(windows)
                 except Exception as error:
                     if agreement is not None:  # tell the other ranks, inside the stash: a retry restores all
-                        agreement.after_attempt(size, error, self.policy)
+                        agreement.after_attempt(asked, error, self.policy, size)
                     raise
                 if agreement is not None:
-                    agreement.after_attempt(size, None, self.policy)
+                    agreement.after_attempt(asked, None, self.policy)
                     self.sync.synchronise(self.params)  # only this call's gradients: earlier ones are set aside
                 self.result = result
         except BaseException:
             self.sync.abort()
+            self.buffers.restore()
             raise
         return True
 
-    def _micro_batches(self, size: int, total_rows: int) -> torch.Tensor:
+    def _factors(self, windows: Sequence[Window], arguments: List[Any]) -> List[Optional[float]]:
+        """What each micro-loss is multiplied by (None: the micro-batch has nothing to average over)."""
+        total_rows = self.batch.size
+        if not self.mean:
+            self.total_weight = float(total_rows)
+            return [1.0] * len(windows)
+        if self.weight is None:
+            self.total_weight = float(total_rows)
+            return [(stop - start) / total_rows for _, start, stop in windows]
+        counts = _counts([self.weight(*args, **kwargs) for args, kwargs in arguments], self.weight)
+        total = sum(counts)
+        self.total_weight = total
+        return [count / total if count > 0 else None for count in counts]
+
+    def _micro_batches(self, windows: Sequence[Window]) -> torch.Tensor:
         autocast = _enabled_autocast()
+        arguments = [split.micro_batch(start, stop) for split, start, stop in windows]
+        factors = self._factors(windows, arguments)
+        running = [index for index, factor in enumerate(factors) if factor is not None]
+        last = running[-1] if running else -1
+        self.watch.start()
         total: Optional[torch.Tensor] = None
-        for start in range(0, total_rows, size):
-            stop = min(start + size, total_rows)
-            args, kwargs = self.split.micro_batch(start, stop)
-            with self.sync.micro_batch(last=stop >= total_rows):
-                loss = self.func(*args, **kwargs)
+        for index in running:
+            split, start, stop = windows[index]
+            args, kwargs = arguments[index]
+            factor = factors[index] or 0.0
+            with self.sync.micro_batch(last=index == last):
+                try:
+                    loss = self.func(*args, **kwargs)
+                except Exception as error:
+                    if stop - start < split.size and not should_reduce_batch_size(error):
+                        _hint_whole(error, split, stop - start)
+                    raise
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                     raise _loss_error(self.func, loss)
-                if self.mean and stop - start < total_rows:
-                    loss = loss * ((stop - start) / total_rows)
+                if factor != 1.0:
+                    loss = loss * factor
                 scaled = loss if self.scaler is None else self.scaler.scale(loss)
                 if autocast:
                     with _autocast_off(autocast):
                         scaled.backward()
                 else:
                     scaled.backward()
+            if total is None:
+                self.watch.first_done()
             loss = loss.detach()
             total = loss if total is None else total + loss
-        assert total is not None
+        self.watch.check(len(running) - 1)
+        if total is None:  # every micro-batch counted 0 items: nothing to learn from, no NaN
+            return torch.zeros((), device=self.params[0].device if self.params else None)
         return total if total.dim() == 0 else total.reshape(())
 
 
@@ -254,26 +373,29 @@ def accumulate(
     func: Callable[..., Any],
     model: torch.nn.Module,
     initial_micro_batch: int,
-    args: Tuple[Any, ...],
-    kwargs: Dict[str, Any],
+    batch: Batch,
     *,
     reduction: str,
     scaler: Any,
     cache: BatchsizeCache,
     policy: SizePolicy,
+    weight: Optional[Callable[..., Any]] = None,
     stats: Optional[AccumulationStats] = None,
+    name: Optional[str] = None,
 ) -> torch.Tensor:
-    """Forward and backward `func(*micro_args, **micro_kwargs)` over the logical batch in micro-batches;
-    returns the logical batch's loss, detached. Arguments are checked by the caller (`toma.forms`)."""
-    split = BatchSplit(args, kwargs)
-    step = AccumulateStep(func, model, split, reduction, scaler, policy)
+    """Forward and backward `func(*micro_args, **micro_kwargs)` over the logical batch (a `BatchSplit` of a
+    call's arguments, or `Parts` of several) in micro-batches; returns the logical batch's loss, detached.
+    Arguments are checked by the caller (`toma.forms`, `toma.trainer`). The cached size is the one asked
+    for, not capped by this batch's rows: a short batch never shrinks it, only an out-of-memory error does."""
+    step = AccumulateStep(func, model, batch, reduction, weight, scaler, policy, name)
     try:
-        engine.drive(step, cache, min(initial_micro_batch, split.size), policy, step.sync.agreement)
+        engine.drive(step, cache, initial_micro_batch, policy, step.sync.agreement)
     finally:
         if stats is not None:
             stats.calls += 1
             stats.oom_retries += max(0, step.attempts - 1)
     if stats is not None:
         stats.micro_batch = step.size
+        stats.weight = step.total_weight
     assert step.result is not None
     return step.result

@@ -1,20 +1,33 @@
 """Early, clear errors for bad arguments, each naming the argument at fault."""
 
+import functools
+import inspect
 import operator
 from typing import Any, Optional
 
 import torch
 
-from toma.policy import DEFAULT_POLICY, SizePolicy
 
-__all__ = ["check_size", "check_index", "check_tensor_dimension", "check_dimension", "check_policy"]
+__all__ = [
+    "check_size",
+    "check_index",
+    "check_tensor_dimension",
+    "check_dimension",
+    "check_function",
+]
+
+
+def _is_bool(value: Any) -> bool:
+    """True for bools, including a boolean tensor (which `operator.index` would turn into 0 or 1)."""
+    return isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool)
 
 
 def check_size(value: Any, name: str) -> int:
-    """A batch or step size: a positive int (bools, floats and strings are refused)."""
+    """A batch or step size: a positive int or int-like value such as `numpy.int64(4)` (bools, floats and
+    strings are refused)."""
     if value is None:
         raise TypeError(f"{name} is required: pass a positive int")
-    if isinstance(value, bool):
+    if _is_bool(value):
         raise TypeError(f"{name} must be a positive int, got the bool {value!r}")
     try:
         size = operator.index(value)
@@ -27,7 +40,7 @@ def check_size(value: Any, name: str) -> int:
 
 def check_index(value: Any, name: str) -> int:
     """A range bound: any int-like value."""
-    if isinstance(value, bool):
+    if _is_bool(value):
         raise TypeError(f"{name} must be an int, got the bool {value!r}")
     try:
         return operator.index(value)
@@ -55,10 +68,44 @@ def check_tensor_dimension(tensor: Any, dimension: int, tensor_name: str, dimens
     return dimension % ndim
 
 
-def check_policy(policy: Optional[SizePolicy], name: str) -> SizePolicy:
-    """A sizing policy (DEFAULT_POLICY, halving, when None)."""
-    if policy is None:
-        return DEFAULT_POLICY
-    if not callable(getattr(policy, "shrink", None)):
-        raise TypeError(f"{name} must be a sizing policy such as toma.policy.ShrinkByFactor(0.8), got {policy!r}")
-    return policy
+# Code flags of functions whose body does not run when they are called: it runs later, outside any retry.
+_DEFERRED = (
+    (inspect.CO_COROUTINE | inspect.CO_ITERABLE_COROUTINE, "async function", "a coroutine"),
+    (inspect.CO_ASYNC_GENERATOR, "async generator function", "an async generator"),
+    (inspect.CO_GENERATOR, "generator function", "a generator"),
+)
+
+
+def _code_of(func: Any) -> Any:
+    target = func
+    for _ in range(16):  # staticmethods, bound methods and partials, however deeply nested
+        inner = getattr(target, "__func__", None)
+        if inner is None and isinstance(target, functools.partial):
+            inner = target.func
+        if inner is None:
+            break
+        target = inner
+    code = getattr(target, "__code__", None)
+    if code is None:  # a callable object: its class's __call__
+        code = getattr(getattr(type(target), "__call__", None), "__code__", None)
+    return code
+
+
+def check_function(func: Any, form: str, size_name: Optional[str] = None) -> None:
+    """The function a form runs: callable, and one whose body runs when it is called (not an async or
+    generator function, whose out-of-memory errors would happen later, outside the retry)."""
+    if not callable(func) and not isinstance(func, staticmethod):
+        hint = f" Did you mean @{form}({size_name}={func!r})?" if size_name else ""
+        raise TypeError(f"{form} runs a function; got {func!r}.{hint}")
+    code = _code_of(func)
+    if code is None:
+        return
+    for flags, kind, made in _DEFERRED:
+        if code.co_flags & flags:
+            name = getattr(func, "__qualname__", None) or code.co_name
+            raise TypeError(
+                f"{form} cannot retry the {kind} {name!r}: calling it only creates {made}, and its body (with "
+                f"any out-of-memory error) runs later, outside toma. Wrap a plain function that runs it to the "
+                f"end instead"
+                + (" (asyncio.run(...) for a coroutine)" if "coroutine" in made else " (list(...) for a generator)")
+            )

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from toma.oom import ControlException, should_reduce_batch_size
-from toma.policy import SizePolicy
+from toma.policy import SizePolicy, shrink_below
 
 __all__ = [
     "Agreement",
@@ -82,17 +82,22 @@ class Agreement:
         """The size every rank starts with: the smallest any of them would start with."""
         return self._min(size)
 
-    def after_attempt(self, size: int, error: Optional[BaseException], policy: SizePolicy) -> None:
+    def after_attempt(
+        self, size: int, error: Optional[BaseException], policy: SizePolicy, failed: Optional[int] = None
+    ) -> None:
         """Called on every rank after every attempt at `size`, inside the `except` block that caught `error`
-        (None when the attempt finished). Returns when all finished, or when this rank's own `error` is the
-        one to re-raise; raises AgreedRetry when all must redo the attempt, RankFailed when another rank
-        failed."""
+        (None when the attempt finished; `failed`: the work that ran out of memory, when less than `size`).
+        Returns when all finished, or when this rank's own `error` is the one to re-raise; raises AgreedRetry
+        when all must redo the attempt, RankFailed when another rank failed."""
         oom = error is not None and should_reduce_batch_size(error)
         if error is None:
             proposal = FINISHED
         elif oom:
-            smaller = policy.shrink(size)
-            valid = smaller is not None and 1 <= smaller < size
+            try:
+                smaller = shrink_below(policy, size, size if failed is None else failed)
+            except ValueError:
+                smaller = None
+            valid = smaller is not None
             # Out of memory at the smallest size: every rank stops (the most negative codes win the MIN).
             proposal = smaller if valid else -(1 + self.world_size + self.rank)  # type: ignore[assignment]
         else:
@@ -123,18 +128,21 @@ class AgreedStep:
 
     def __init__(self, step: Any, agreement: Agreement, policy: SizePolicy) -> None:
         self.step, self.agreement, self.policy = step, agreement, policy
-        self.func, self.size_name = step.func, step.size_name
+        self.func, self.size_name, self.name = step.func, step.size_name, step.name
 
     @property
     def finished(self) -> bool:
         return bool(self.step.finished)
+
+    def effective(self, size: int) -> int:
+        return int(self.step.effective(size))
 
     def __call__(self, size: int) -> bool:
         mark = self.step.mark()
         try:
             done = self.step(size)
         except Exception as error:
-            self.agreement.after_attempt(size, error, self.policy)
+            self.agreement.after_attempt(size, error, self.policy, self.step.effective(size))
             raise
         try:
             self.agreement.after_attempt(size, None, self.policy)

@@ -15,7 +15,7 @@ from toma.batchsize_cache import Batchsize, BatchsizeCache
 from toma.distributed import AgreedRetry, Agreement
 from toma.free_memory import GAUGE
 from toma.oom import release_memory, should_reduce_batch_size
-from toma.policy import SizePolicy
+from toma.policy import SizePolicy, shrink_below
 
 __all__ = ["Step", "run", "drive", "BatchStep", "RangeStep", "ChunkStep"]
 
@@ -23,13 +23,22 @@ log = logging.getLogger("toma")
 
 
 class Step(Protocol):
-    """One unit of work at a given size; True when there is nothing left to do."""
+    """One unit of work at a given size; True when there is nothing left to do.
+
+    `effective(size)` is how much work an attempt at `size` really does (the rows left in a range, the rows of
+    a short batch): after an out-of-memory error the engine shrinks from it, not from `size`, so a chunk is
+    never retried unchanged. `name` (None: the function's name) and `size_name` say what a log line names.
+    Both `effective` and `name` may be left out.
+    """
 
     func: Callable[..., Any]
     size_name: str
+    name: Optional[str]
 
     @property
     def finished(self) -> bool: ...
+
+    def effective(self, size: int) -> int: ...
 
     def __call__(self, size: int) -> bool: ...
 
@@ -41,8 +50,14 @@ def _add_note(exception: BaseException, note: str) -> None:
         exception.__notes__ = [*getattr(exception, "__notes__", ()), note]  # type: ignore[attr-defined]
 
 
-def _name(func: Callable[..., Any]) -> str:
-    return getattr(func, "__qualname__", None) or repr(func)
+def _name(step: Step) -> str:
+    return getattr(step, "name", None) or getattr(step.func, "__qualname__", None) or repr(step.func)
+
+
+def _effective(step: Step, size: int) -> int:
+    """How much work the failed attempt at `size` did (steps written before `effective` existed: `size`)."""
+    effective = getattr(step, "effective", None)
+    return size if effective is None else int(effective(size))
 
 
 def _first_line(exception: BaseException) -> str:
@@ -76,27 +91,27 @@ def run(
         except Exception as exception:
             if not should_reduce_batch_size(exception):
                 raise
-            smaller = policy.shrink(size)
-            if smaller is not None and not 1 <= smaller < size:
-                raise ValueError(
-                    f"{policy!r}.shrink({size}) returned {smaller!r}: a policy must return a smaller size "
-                    "of at least 1, or None when there is none"
-                ) from exception
+            failed = _effective(step, size)
+            try:
+                smaller = shrink_below(policy, size, failed)
+            except ValueError as invalid:
+                raise invalid from exception
             if smaller is None:
                 _add_note(
                     exception,
-                    f"toma: {_name(step.func)} ran out of memory at the smallest {step.size_name} ({size}); "
+                    f"toma: {_name(step)} ran out of memory at the smallest {step.size_name} ({failed}); "
                     f"there is nothing left to reduce. Called from {stacktrace.describe_call_site()}.",
                 )
                 raise
+            size = failed
             reason = _first_line(exception)
             next_size = smaller
         # Only here, with the except block left, is the failed attempt's traceback (and so its frames
         # and tensors) unreachable; collecting inside the block would free nothing.
         entry.shrink_to(next_size)
         log.info(
-            "toma: %s ran out of memory at %s %d; retrying with %d (called from %s): %s",
-            _name(step.func),
+            "%s ran out of memory at %s %d; retrying with %d (called from %s): %s",
+            _name(step),
             step.size_name,
             size,
             next_size,
@@ -125,11 +140,16 @@ class BatchStep:
 
     size_name = "batch size"
     finished = False  # a batch call always has its one attempt to make
-    __slots__ = ("func", "args", "kwargs", "result")
+    __slots__ = ("func", "args", "kwargs", "result", "name")
 
-    def __init__(self, func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
-        self.func, self.args, self.kwargs = func, args, kwargs
+    def __init__(
+        self, func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any], name: Optional[str] = None
+    ) -> None:
+        self.func, self.args, self.kwargs, self.name = func, args, kwargs, name
         self.result: Any = None
+
+    def effective(self, size: int) -> int:
+        return size
 
     def __call__(self, size: int) -> bool:
         self.result = self.func(size, *self.args, **self.kwargs)
@@ -146,17 +166,27 @@ class RangeStep:
     """`func(start, stop, *args, **kwargs)` for consecutive chunks of `[start, end)`; resumes after an OOM."""
 
     size_name = "step"
-    __slots__ = ("func", "args", "kwargs", "current", "end")
+    __slots__ = ("func", "args", "kwargs", "current", "end", "name")
 
     def __init__(
-        self, func: Callable[..., Any], start: int, end: int, args: Tuple[Any, ...], kwargs: Dict[str, Any]
+        self,
+        func: Callable[..., Any],
+        start: int,
+        end: int,
+        args: Tuple[Any, ...],
+        kwargs: Dict[str, Any],
+        name: Optional[str] = None,
     ) -> None:
-        self.func, self.args, self.kwargs = func, args, kwargs
+        self.func, self.args, self.kwargs, self.name = func, args, kwargs, name
         self.current, self.end = start, end
 
     @property
     def finished(self) -> bool:
         return self.current >= self.end
+
+    def effective(self, size: int) -> int:
+        """The length of the chunk an attempt at `size` covers: less than `size` near the end."""
+        return min(size, self.end - self.current)
 
     def call(self, start: int, stop: int) -> None:
         self.func(start, stop, *self.args, **self.kwargs)

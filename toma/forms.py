@@ -8,13 +8,20 @@
 
 import functools
 import types
-from typing import Any, Callable, Dict, Hashable, Optional, Type, TypeVar, cast
+from typing import Any, Callable, Concatenate, Dict, Hashable, Optional, ParamSpec, Type, TypeVar, cast, overload
 
 import torch
 
 from toma import engine
-from toma.accumulate import AccumulationStats, accumulate, check_model, check_reduction, check_scaler
-from toma.arguments import check_dimension, check_index, check_policy, check_size, check_tensor_dimension
+from toma.accumulate import (
+    AccumulationStats,
+    accumulate,
+    check_model,
+    check_reduction,
+    check_scaler,
+    check_weight,
+)
+from toma.arguments import check_dimension, check_function, check_index, check_size, check_tensor_dimension
 from toma.batchsize_cache import (
     BatchsizeCache,
     BoundedDict,
@@ -27,13 +34,15 @@ from toma.batchsize_cache import (
     set_default_cache_type,
 )
 from toma.distributed import AgreedStep, agreement_for
-from toma.policy import DEFAULT_POLICY, SizePolicy
-from toma.splitting import whole
+from toma.policy import DEFAULT_POLICY, SizePolicy, check_policy
+from toma.signatures import AccumulateFunction, BatchFunction, ChunkedFunction, RangeFunction
+from toma.splitting import BatchSplit, whole
 from toma.stacktrace import call_site_key
 
 __all__ = ["toma", "explicit", "simple", "PackageModule"]
 
-F = TypeVar("F", bound=Callable[..., Any])
+P = ParamSpec("P")
+R = TypeVar("R")
 S = TypeVar("S", bound=engine.Step)
 CacheType = Optional[Type[BatchsizeCache]]
 
@@ -97,13 +106,17 @@ def _initial(default: Optional[int], override: Any, name: str, override_name: st
     return default
 
 
-def _check_decorated(func: Any, form: str, size_name: str) -> None:
-    if not callable(func):
-        raise TypeError(f"{form} decorates a function; got {func!r}. Did you mean @{form}({size_name}={func!r})?")
-
-
 def _describe(wrapped: Callable[..., Any], form: str, extra: str) -> None:
     wrapped.__doc__ = f"Wrapped in {form}: also takes {extra}.\n\n{wrapped.__doc__ or ''}"
+
+
+def _decorate(func: Any, form: str, size_name: str, wrap: Callable[[Callable[..., Any]], Any]) -> Any:
+    """Check `func` and wrap it; a staticmethod stays one (wrapping the function inside), so the result
+    works through the class and through an instance alike."""
+    check_function(func, form, size_name)
+    if isinstance(func, staticmethod):
+        return staticmethod(wrap(func.__func__))
+    return wrap(func)
 
 
 class _Options:
@@ -132,6 +145,10 @@ class _Options:
         return _drive(step, self.cache(step.func, toma_context), initial, self.policy, self.distributed)
 
 
+def _call_batch(func: Callable[..., R], options: _Options, initial: int, args: Any, kwargs: Any) -> R:
+    return cast(R, options.call(engine.BatchStep(func, args, kwargs), initial).result)
+
+
 # --- simple --------------------------------------------------------------------------------------------
 
 
@@ -139,21 +156,34 @@ class simple:
     """Plain calls without a cache: each call starts at its initial size."""
 
     @staticmethod
-    def batch(func: Callable[..., Any], initial_batchsize: int, *args: Any, **kwargs: Any) -> Any:
+    def batch(func: Callable[Concatenate[int, P], R], initial_batchsize: int, *args: P.args, **kwargs: P.kwargs) -> R:
         """`func(batchsize, *args, **kwargs)`, halving `batchsize` on out-of-memory errors; returns its result."""
+        check_function(func, "simple.batch")
         initial = check_size(initial_batchsize, "initial_batchsize")
-        return engine.drive(engine.BatchStep(func, args, kwargs), _NO_CACHE, initial, DEFAULT_POLICY).result
+        step = engine.BatchStep(func, args, kwargs)
+        return cast(R, engine.drive(step, _NO_CACHE, initial, DEFAULT_POLICY).result)
 
     @staticmethod
-    def range(func: Callable[..., Any], start: int, end: int, initial_step: int, *args: Any, **kwargs: Any) -> None:
+    def range(
+        func: Callable[Concatenate[int, int, P], Any],
+        start: int,
+        end: int,
+        initial_step: int,
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> None:
         """`func(chunk_start, chunk_end, *args, **kwargs)` over `[start, end)`, halving the step on OOM."""
+        check_function(func, "simple.range")
         start, end = check_index(start, "start"), check_index(end, "end")
         initial = check_size(initial_step, "initial_step")
         engine.drive(engine.RangeStep(func, start, end, args, kwargs), _NO_CACHE, initial, DEFAULT_POLICY)
 
     @staticmethod
-    def chunked(func: Callable[..., Any], tensor: torch.Tensor, initial_step: int, dimension: int = 0) -> None:
+    def chunked(
+        func: Callable[[torch.Tensor, int, int], Any], tensor: torch.Tensor, initial_step: int, dimension: int = 0
+    ) -> None:
         """`func(chunk, chunk_start, chunk_end)` over chunks of `tensor` along `dimension`, halving on OOM."""
+        check_function(func, "simple.chunked")
         initial = check_size(initial_step, "initial_step")
         dim = check_tensor_dimension(tensor, check_dimension(dimension, "dimension"), "tensor", "dimension")
         engine.drive(engine.ChunkStep(func, tensor, dim, (), {}), _NO_CACHE, initial, DEFAULT_POLICY)
@@ -167,7 +197,7 @@ class explicit:
 
     @staticmethod
     def batch(
-        func: Callable[..., Any],
+        func: Callable[..., R],
         initial_batchsize: int,
         *args: Any,
         toma_context: Optional[Hashable] = None,
@@ -175,11 +205,12 @@ class explicit:
         toma_policy: Optional[SizePolicy] = None,
         toma_distributed: Any = False,
         **kwargs: Any,
-    ) -> Any:
+    ) -> R:
         """`func(batchsize, *args, **kwargs)`, shrinking `batchsize` on out-of-memory errors; returns its result."""
+        check_function(func, "explicit.batch")
         initial = check_size(initial_batchsize, "initial_batchsize")
         options = _Options(toma_cache_type, toma_context, toma_policy, toma_distributed, prefix="toma_")
-        return options.call(engine.BatchStep(func, args, kwargs), initial).result
+        return _call_batch(func, options, initial, args, kwargs)
 
     @staticmethod
     def range(
@@ -195,6 +226,7 @@ class explicit:
         **kwargs: Any,
     ) -> None:
         """`func(chunk_start, chunk_end, *args, **kwargs)` over `[start, end)`, shrinking the step on OOM."""
+        check_function(func, "explicit.range")
         start, end = check_index(start, "start"), check_index(end, "end")
         initial = check_size(initial_step, "initial_step")
         options = _Options(toma_cache_type, toma_context, toma_policy, toma_distributed, prefix="toma_")
@@ -214,6 +246,7 @@ class explicit:
         **kwargs: Any,
     ) -> None:
         """`func(chunk, chunk_start, chunk_end, *args, **kwargs)` over chunks of `tensor`, shrinking on OOM."""
+        check_function(func, "explicit.chunked")
         initial = check_size(initial_step, "initial_step")
         dim = check_tensor_dimension(
             tensor, check_dimension(toma_dimension, "toma_dimension"), "tensor", "toma_dimension"
@@ -223,11 +256,12 @@ class explicit:
 
     @staticmethod
     def accumulate(
-        func: Callable[..., Any],
+        func: Callable[..., torch.Tensor],
         model: torch.nn.Module,
         initial_micro_batch: int,
         *args: Any,
         toma_reduction: str = "mean",
+        toma_weight: Optional[Callable[..., Any]] = None,
         toma_scaler: Any = None,
         toma_context: Optional[Hashable] = None,
         toma_cache_type: CacheType = None,
@@ -236,18 +270,20 @@ class explicit:
     ) -> torch.Tensor:
         """Forward and backward `func(*args, **kwargs)` over the logical batch in micro-batches that fit,
         gradients as from one full-batch pass; returns the logical batch's loss, detached."""
+        check_function(func, "explicit.accumulate")
         model = check_model(model, "model")
         initial = check_size(initial_micro_batch, "initial_micro_batch")
         reduction = check_reduction(toma_reduction, "toma_reduction")
+        weight = check_weight(toma_weight, "toma_weight", reduction)
         scaler = check_scaler(toma_scaler, "toma_scaler")
         options = _Options(toma_cache_type, toma_context, toma_policy, False, prefix="toma_")
         return accumulate(
             func,
             model,
             initial,
-            args,
-            kwargs,
+            BatchSplit(args, kwargs),
             reduction=reduction,
+            weight=weight,
             scaler=scaler,
             cache=options.cache(func),
             policy=options.policy,
@@ -280,6 +316,7 @@ class PackageModule(types.ModuleType):
 class toma(metaclass=_TomaNamespace):
     """Decorators that retry a function with a smaller batch or step after an out-of-memory error."""
 
+    DEFAULT_CACHE_TYPE: Type[BatchsizeCache]  # the live setting (see _TomaNamespace), declared for checkers
     NoBatchsizeCache = NoBatchsizeCache
     GlobalBatchsizeCache = GlobalBatchsizeCache
     StacktraceMemoryBatchsizeCache = StacktraceMemoryBatchsizeCache
@@ -287,9 +324,33 @@ class toma(metaclass=_TomaNamespace):
     simple = simple
     whole = whole
 
+    @overload
     @staticmethod
     def batch(
-        func: Optional[F] = None,
+        func: Callable[Concatenate[int, P], R],
+        *,
+        initial_batchsize: Optional[int] = None,
+        cache_type: CacheType = None,
+        context: Optional[Hashable] = None,
+        policy: Optional[SizePolicy] = None,
+        distributed: Any = False,
+    ) -> BatchFunction[P, R]: ...
+
+    @overload
+    @staticmethod
+    def batch(
+        func: None = None,
+        *,
+        initial_batchsize: Optional[int] = None,
+        cache_type: CacheType = None,
+        context: Optional[Hashable] = None,
+        policy: Optional[SizePolicy] = None,
+        distributed: Any = False,
+    ) -> Callable[[Callable[Concatenate[int, P], R]], BatchFunction[P, R]]: ...
+
+    @staticmethod
+    def batch(
+        func: Any = None,
         *,
         initial_batchsize: Optional[int] = None,
         cache_type: CacheType = None,
@@ -302,25 +363,52 @@ class toma(metaclass=_TomaNamespace):
         options = _Options(cache_type, context, policy, distributed)
         if func is None:
             return functools.partial(toma.batch, initial_batchsize=default, **options.as_kwargs())
-        _check_decorated(func, "toma.batch", "initial_batchsize")
-        options.own_caches = BoundedDict(16)
 
-        @functools.wraps(func)
-        def wrapped(
-            *args: Any,
-            toma_initial_batchsize: Optional[int] = None,
-            toma_context: Optional[Hashable] = None,
-            **kwargs: Any,
-        ) -> Any:
-            initial = _initial(default, toma_initial_batchsize, "initial_batchsize", "toma_initial_batchsize")
-            return options.call(engine.BatchStep(func, args, kwargs), initial, toma_context).result
+        def wrap(func: Callable[..., Any]) -> Callable[..., Any]:
+            options.own_caches = BoundedDict(16)
 
-        _describe(wrapped, "toma.batch", "toma_initial_batchsize= and toma_context=")
-        return wrapped
+            @functools.wraps(func)
+            def wrapped(
+                *args: Any,
+                toma_initial_batchsize: Optional[int] = None,
+                toma_context: Optional[Hashable] = None,
+                **kwargs: Any,
+            ) -> Any:
+                initial = _initial(default, toma_initial_batchsize, "initial_batchsize", "toma_initial_batchsize")
+                return options.call(engine.BatchStep(func, args, kwargs), initial, toma_context).result
+
+            _describe(wrapped, "toma.batch", "toma_initial_batchsize= and toma_context=")
+            return wrapped
+
+        return _decorate(func, "toma.batch", "initial_batchsize", wrap)
+
+    @overload
+    @staticmethod
+    def range(
+        func: Callable[Concatenate[int, int, P], Any],
+        *,
+        initial_step: Optional[int] = None,
+        cache_type: CacheType = None,
+        context: Optional[Hashable] = None,
+        policy: Optional[SizePolicy] = None,
+        distributed: Any = False,
+    ) -> RangeFunction[P]: ...
+
+    @overload
+    @staticmethod
+    def range(
+        func: None = None,
+        *,
+        initial_step: Optional[int] = None,
+        cache_type: CacheType = None,
+        context: Optional[Hashable] = None,
+        policy: Optional[SizePolicy] = None,
+        distributed: Any = False,
+    ) -> Callable[[Callable[Concatenate[int, int, P], Any]], RangeFunction[P]]: ...
 
     @staticmethod
     def range(
-        func: Optional[F] = None,
+        func: Any = None,
         *,
         initial_step: Optional[int] = None,
         cache_type: CacheType = None,
@@ -333,28 +421,57 @@ class toma(metaclass=_TomaNamespace):
         options = _Options(cache_type, context, policy, distributed)
         if func is None:
             return functools.partial(toma.range, initial_step=default, **options.as_kwargs())
-        _check_decorated(func, "toma.range", "initial_step")
-        options.own_caches = BoundedDict(16)
 
-        @functools.wraps(func)
-        def wrapped(
-            start: int,
-            end: int,
-            *args: Any,
-            toma_initial_step: Optional[int] = None,
-            toma_context: Optional[Hashable] = None,
-            **kwargs: Any,
-        ) -> None:
-            start, end = check_index(start, "start"), check_index(end, "end")
-            initial = _initial(default, toma_initial_step, "initial_step", "toma_initial_step")
-            options.call(engine.RangeStep(func, start, end, args, kwargs), initial, toma_context)
+        def wrap(func: Callable[..., Any]) -> Callable[..., Any]:
+            options.own_caches = BoundedDict(16)
 
-        _describe(wrapped, "toma.range", "toma_initial_step= and toma_context=")
-        return wrapped
+            @functools.wraps(func)
+            def wrapped(
+                start: int,
+                end: int,
+                *args: Any,
+                toma_initial_step: Optional[int] = None,
+                toma_context: Optional[Hashable] = None,
+                **kwargs: Any,
+            ) -> None:
+                start, end = check_index(start, "start"), check_index(end, "end")
+                initial = _initial(default, toma_initial_step, "initial_step", "toma_initial_step")
+                options.call(engine.RangeStep(func, start, end, args, kwargs), initial, toma_context)
+
+            _describe(wrapped, "toma.range", "toma_initial_step= and toma_context=")
+            return wrapped
+
+        return _decorate(func, "toma.range", "initial_step", wrap)
+
+    @overload
+    @staticmethod
+    def chunked(
+        func: Callable[Concatenate[torch.Tensor, int, int, P], Any],
+        *,
+        initial_step: Optional[int] = None,
+        dimension: Optional[int] = None,
+        cache_type: CacheType = None,
+        context: Optional[Hashable] = None,
+        policy: Optional[SizePolicy] = None,
+        distributed: Any = False,
+    ) -> ChunkedFunction[P]: ...
+
+    @overload
+    @staticmethod
+    def chunked(
+        func: None = None,
+        *,
+        initial_step: Optional[int] = None,
+        dimension: Optional[int] = None,
+        cache_type: CacheType = None,
+        context: Optional[Hashable] = None,
+        policy: Optional[SizePolicy] = None,
+        distributed: Any = False,
+    ) -> Callable[[Callable[Concatenate[torch.Tensor, int, int, P], Any]], ChunkedFunction[P]]: ...
 
     @staticmethod
     def chunked(
-        func: Optional[F] = None,
+        func: Any = None,
         *,
         initial_step: Optional[int] = None,
         dimension: Optional[int] = None,
@@ -371,47 +488,84 @@ class toma(metaclass=_TomaNamespace):
             return functools.partial(
                 toma.chunked, initial_step=default, dimension=default_dimension, **options.as_kwargs()
             )
-        _check_decorated(func, "toma.chunked", "initial_step")
-        options.own_caches = BoundedDict(16)
 
-        @functools.wraps(func)
-        def wrapped(
-            tensor: torch.Tensor,
-            *args: Any,
-            toma_initial_step: Optional[int] = None,
-            toma_dimension: Optional[int] = None,
-            toma_context: Optional[Hashable] = None,
-            **kwargs: Any,
-        ) -> None:
-            initial = _initial(default, toma_initial_step, "initial_step", "toma_initial_step")
-            if toma_dimension is None:
-                dim = check_tensor_dimension(tensor, default_dimension, "tensor", "dimension")
-            else:
-                dim = check_tensor_dimension(
-                    tensor, check_index(toma_dimension, "toma_dimension"), "tensor", "toma_dimension"
-                )
-            options.call(engine.ChunkStep(func, tensor, dim, args, kwargs), initial, toma_context)
+        def wrap(func: Callable[..., Any]) -> Callable[..., Any]:
+            options.own_caches = BoundedDict(16)
 
-        _describe(wrapped, "toma.chunked", "toma_initial_step=, toma_dimension= and toma_context=")
-        return wrapped
+            @functools.wraps(func)
+            def wrapped(
+                tensor: torch.Tensor,
+                *args: Any,
+                toma_initial_step: Optional[int] = None,
+                toma_dimension: Optional[int] = None,
+                toma_context: Optional[Hashable] = None,
+                **kwargs: Any,
+            ) -> None:
+                initial = _initial(default, toma_initial_step, "initial_step", "toma_initial_step")
+                if toma_dimension is None:
+                    dim = check_tensor_dimension(tensor, default_dimension, "tensor", "dimension")
+                else:
+                    dim = check_tensor_dimension(
+                        tensor, check_index(toma_dimension, "toma_dimension"), "tensor", "toma_dimension"
+                    )
+                options.call(engine.ChunkStep(func, tensor, dim, args, kwargs), initial, toma_context)
+
+            _describe(wrapped, "toma.chunked", "toma_initial_step=, toma_dimension= and toma_context=")
+            return wrapped
+
+        return _decorate(func, "toma.chunked", "initial_step", wrap)
+
+    @overload
+    @staticmethod
+    def accumulate(
+        func: Callable[P, torch.Tensor],
+        *,
+        model: torch.nn.Module,
+        initial_micro_batch: Optional[int] = None,
+        reduction: str = "mean",
+        weight: Optional[Callable[..., Any]] = None,
+        scaler: Any = None,
+        cache_type: CacheType = None,
+        context: Optional[Hashable] = None,
+        policy: Optional[SizePolicy] = None,
+    ) -> AccumulateFunction[P]: ...
+
+    @overload
+    @staticmethod
+    def accumulate(
+        func: None = None,
+        *,
+        model: torch.nn.Module,
+        initial_micro_batch: Optional[int] = None,
+        reduction: str = "mean",
+        weight: Optional[Callable[..., Any]] = None,
+        scaler: Any = None,
+        cache_type: CacheType = None,
+        context: Optional[Hashable] = None,
+        policy: Optional[SizePolicy] = None,
+    ) -> Callable[[Callable[P, torch.Tensor]], AccumulateFunction[P]]: ...
 
     @staticmethod
     def accumulate(
-        func: Optional[F] = None,
+        func: Any = None,
         *,
         model: Optional[torch.nn.Module] = None,
         initial_micro_batch: Optional[int] = None,
         reduction: str = "mean",
+        weight: Optional[Callable[..., Any]] = None,
         scaler: Any = None,
         cache_type: CacheType = None,
         context: Optional[Hashable] = None,
         policy: Optional[SizePolicy] = None,
     ) -> Any:
         """`@toma.accumulate(model=model, initial_micro_batch=256)` on a function returning a micro-batch's
-        loss: each call runs forward and backward over the logical batch in micro-batches that fit."""
+        loss: each call runs forward and backward over the logical batch in micro-batches that fit.
+        `weight(*args, **kwargs)` gives the number of items a micro-batch's mean loss averages over (label
+        tokens, say) when that is not its rows."""
         checked_model = check_model(model, "model")
         default = None if initial_micro_batch is None else check_size(initial_micro_batch, "initial_micro_batch")
         reduction = check_reduction(reduction, "reduction")
+        checked_weight = check_weight(weight, "weight", reduction)
         scaler = check_scaler(scaler, "scaler")
         options = _Options(cache_type, context, policy, False)
         if func is None:
@@ -420,40 +574,45 @@ class toma(metaclass=_TomaNamespace):
                 model=checked_model,
                 initial_micro_batch=default,
                 reduction=reduction,
+                weight=checked_weight,
                 scaler=scaler,
                 cache_type=options.cache_type,
                 context=context,
                 policy=options.policy,
             )
-        _check_decorated(func, "toma.accumulate", "initial_micro_batch")
-        options.own_caches = BoundedDict(16)
-        stats = AccumulationStats()
 
-        @functools.wraps(func)
-        def wrapped(
-            *args: Any,
-            toma_initial_micro_batch: Optional[int] = None,
-            toma_context: Optional[Hashable] = None,
-            **kwargs: Any,
-        ) -> torch.Tensor:
-            initial = _initial(default, toma_initial_micro_batch, "initial_micro_batch", "toma_initial_micro_batch")
-            cache = options.cache(func, toma_context)
-            return accumulate(
-                func,
-                checked_model,
-                initial,
-                args,
-                kwargs,
-                reduction=reduction,
-                scaler=scaler,
-                cache=cache,
-                policy=options.policy,
-                stats=stats,
-            )
+        def wrap(func: Callable[..., Any]) -> Callable[..., Any]:
+            options.own_caches = BoundedDict(16)
+            stats = AccumulationStats()
 
-        wrapped.stats = stats  # type: ignore[attr-defined]
-        _describe(wrapped, "toma.accumulate", "toma_initial_micro_batch= and toma_context=")
-        return wrapped
+            @functools.wraps(func)
+            def wrapped(
+                *args: Any,
+                toma_initial_micro_batch: Optional[int] = None,
+                toma_context: Optional[Hashable] = None,
+                **kwargs: Any,
+            ) -> torch.Tensor:
+                initial = _initial(
+                    default, toma_initial_micro_batch, "initial_micro_batch", "toma_initial_micro_batch"
+                )
+                return accumulate(
+                    func,
+                    checked_model,
+                    initial,
+                    BatchSplit(args, kwargs),
+                    reduction=reduction,
+                    weight=checked_weight,
+                    scaler=scaler,
+                    cache=options.cache(func, toma_context),
+                    policy=options.policy,
+                    stats=stats,
+                )
+
+            wrapped.stats = stats  # type: ignore[attr-defined]
+            _describe(wrapped, "toma.accumulate", "toma_initial_micro_batch= and toma_context=")
+            return wrapped
+
+        return _decorate(func, "toma.accumulate", "initial_micro_batch", wrap)
 
     class execute:
         """Run the decorated block at once (`@toma.execute.batch(512)` above a `def`); cached per call site."""
@@ -465,12 +624,13 @@ class toma(metaclass=_TomaNamespace):
             context: Optional[Hashable] = None,
             policy: Optional[SizePolicy] = None,
             distributed: Any = False,
-        ) -> Callable[[Callable[..., Any]], Any]:
+        ) -> Callable[[Callable[[int], R]], R]:
             initial = check_size(initial_batchsize, "initial_batchsize")
             options = _Options(cache_type, call_site_key() if context is None else context, policy, distributed)
 
-            def execute_batch(func: Callable[..., Any]) -> Any:
-                return options.call(engine.BatchStep(func, (), {}), initial).result
+            def execute_batch(func: Callable[[int], R]) -> R:
+                check_function(func, "toma.execute.batch")
+                return _call_batch(func, options, initial, (), {})
 
             return execute_batch
 
@@ -483,12 +643,13 @@ class toma(metaclass=_TomaNamespace):
             context: Optional[Hashable] = None,
             policy: Optional[SizePolicy] = None,
             distributed: Any = False,
-        ) -> Callable[[Callable[..., Any]], None]:
+        ) -> Callable[[Callable[[int, int], Any]], None]:
             start, end = check_index(start, "start"), check_index(end, "end")
             initial = check_size(initial_step, "initial_step")
             options = _Options(cache_type, call_site_key() if context is None else context, policy, distributed)
 
-            def execute_range(func: Callable[..., Any]) -> None:
+            def execute_range(func: Callable[[int, int], Any]) -> None:
+                check_function(func, "toma.execute.range")
                 options.call(engine.RangeStep(func, start, end, (), {}), initial)
 
             return execute_range
@@ -502,12 +663,13 @@ class toma(metaclass=_TomaNamespace):
             context: Optional[Hashable] = None,
             policy: Optional[SizePolicy] = None,
             distributed: Any = False,
-        ) -> Callable[[Callable[..., Any]], None]:
+        ) -> Callable[[Callable[[torch.Tensor, int, int], Any]], None]:
             initial = check_size(initial_step, "initial_step")
             dim = check_tensor_dimension(tensor, check_dimension(dimension, "dimension"), "tensor", "dimension")
             options = _Options(cache_type, call_site_key() if context is None else context, policy, distributed)
 
-            def execute_chunked(func: Callable[..., Any]) -> None:
+            def execute_chunked(func: Callable[[torch.Tensor, int, int], Any]) -> None:
+                check_function(func, "toma.execute.chunked")
                 options.call(engine.ChunkStep(func, tensor, dim, (), {}), initial)
 
             return execute_chunked

@@ -4,9 +4,11 @@ A policy is a small object with one method, `shrink(size)`, so a new back-off is
 """
 
 import math
-from typing import Optional
+from typing import Any, Optional, SupportsIndex
 
-__all__ = ["SizePolicy", "ShrinkByFactor", "Halving", "DEFAULT_POLICY"]
+from toma.arguments import check_size
+
+__all__ = ["SizePolicy", "ShrinkByFactor", "Halving", "DEFAULT_POLICY", "check_policy", "shrink_below"]
 
 
 class SizePolicy:
@@ -22,17 +24,13 @@ class ShrinkByFactor(SizePolicy):
     `ShrinkByFactor(0.9)` is a gentler back-off than halving: 256 -> 230 -> 207 -> 186 ...
     """
 
-    def __init__(self, factor: float = 0.5, minimum: int = 1) -> None:
+    def __init__(self, factor: float = 0.5, minimum: SupportsIndex = 1) -> None:
         if isinstance(factor, bool) or not isinstance(factor, (int, float)):
             raise TypeError(f"factor must be a number between 0 and 1, got {factor!r}")
         if not 0 < factor < 1:
             raise ValueError(f"factor must be between 0 and 1 (exclusive), got {factor!r}")
-        if isinstance(minimum, bool) or not isinstance(minimum, int):
-            raise TypeError(f"minimum must be an int, got {minimum!r}")
-        if minimum < 1:
-            raise ValueError(f"minimum must be at least 1, got {minimum!r}")
         self.factor = factor
-        self.minimum = minimum
+        self.minimum = check_size(minimum, "minimum")
 
     def shrink(self, size: int) -> Optional[int]:
         if size <= self.minimum:
@@ -47,7 +45,7 @@ class ShrinkByFactor(SizePolicy):
 class Halving(ShrinkByFactor):
     """toma's classic back-off: 512 -> 256 -> 128 ... -> 1."""
 
-    def __init__(self, minimum: int = 1) -> None:
+    def __init__(self, minimum: SupportsIndex = 1) -> None:
         super().__init__(0.5, minimum)
 
     def __repr__(self) -> str:
@@ -55,3 +53,28 @@ class Halving(ShrinkByFactor):
 
 
 DEFAULT_POLICY: SizePolicy = Halving()
+
+
+def check_policy(policy: Any, name: str) -> SizePolicy:
+    """A sizing policy (DEFAULT_POLICY, halving, when None)."""
+    if policy is None:
+        return DEFAULT_POLICY
+    if not callable(getattr(policy, "shrink", None)):
+        raise TypeError(f"{name} must be a sizing policy such as toma.policy.ShrinkByFactor(0.8), got {policy!r}")
+    return policy  # type: ignore[no-any-return]
+
+
+def shrink_below(policy: SizePolicy, size: int, failed: int) -> Optional[int]:
+    """The policy's first size below `failed` (the work that ran out of memory) going down from `size`, or None
+    when there is none: the policy's own sequence (512, 256, ... for halving), and never the same chunk again
+    when the chunk was shorter than `size`."""
+    while True:
+        smaller = policy.shrink(size)
+        if smaller is not None and not 1 <= smaller < size:
+            raise ValueError(
+                f"{policy!r}.shrink({size}) returned {smaller!r}: a policy must return a smaller size "
+                "of at least 1, or None when there is none"
+            )
+        if smaller is None or smaller < failed:
+            return smaller
+        size = smaller

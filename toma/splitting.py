@@ -1,17 +1,22 @@
 """Splitting a call's arguments into micro-batches along the batch dimension (dim 0).
 
 Every tensor with at least one dimension is part of the batch, also inside tuples, lists and dicts, and
-all of them must agree on its size. Everything else (numbers, strings, modules, 0-dim tensors, and
-tensors wrapped in `whole`) goes to every micro-batch as it is. Micro-batches are views: no copies.
+all of them must agree on its size. A list or tuple without tensors whose length is that size (the texts
+or ids of the rows) is split with them. Everything else (numbers, strings, other lists, modules, 0-dim
+tensors, and values wrapped in `whole`) goes to every micro-batch as it is. Micro-batches are views: no
+copies.
+
+A logical batch may also be made of several parts that cannot be joined (loader batches padded to
+different widths): `Parts` cuts its micro-batches within each part.
 """
 
 import copy
 from collections.abc import Mapping
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Set, Tuple
 
 import torch
 
-__all__ = ["whole", "BatchSplit", "map_tensors"]
+__all__ = ["whole", "BatchSplit", "Parts", "Window", "map_tensors", "is_row_sequence_candidate"]
 
 
 class whole:
@@ -26,22 +31,61 @@ class whole:
         return f"whole({self.value!r})"
 
 
-def _find_batch_tensors(obj: Any, path: str, found: List[Tuple[str, torch.Tensor]]) -> bool:
-    """Collect (path, tensor) for the batch tensors in `obj`; True if `obj` changes per micro-batch."""
-    if isinstance(obj, torch.Tensor):
-        if obj.dim() == 0:
-            return False
-        found.append((path, obj))
-        return True
-    if isinstance(obj, whole):
+def _is_record(obj: Any) -> bool:
+    return isinstance(obj, tuple) and hasattr(obj, "_fields")
+
+
+def _holds_tensors(obj: Any) -> bool:
+    if isinstance(obj, (torch.Tensor, whole)):
         return True
     if isinstance(obj, (tuple, list)):
-        hits = [_find_batch_tensors(item, f"{path}[{i}]", found) for i, item in enumerate(obj)]
-        return any(hits)
+        return any(_holds_tensors(item) for item in obj)
     if isinstance(obj, Mapping):
-        hits = [_find_batch_tensors(value, f"{path}[{key!r}]", found) for key, value in obj.items()]
-        return any(hits)
+        return any(_holds_tensors(value) for value in obj.values())
     return False
+
+
+def is_row_sequence_candidate(obj: Any) -> bool:
+    """A list or tuple of plain values (no tensors inside, not a namedtuple): one item per row when its
+    length is the batch's row count."""
+    return isinstance(obj, (list, tuple)) and not _is_record(obj) and not _holds_tensors(obj)
+
+
+class _Scan:
+    """One walk over a call's arguments: the batch tensors (with their paths), and the plain sequences that
+    become per-row data once the row count is known."""
+
+    def __init__(self) -> None:
+        self.tensors: List[Tuple[str, torch.Tensor]] = []
+        self.sequences: List[Tuple[List[Any], Any]] = []  # (containers from the top down, the sequence)
+        self.changing: Set[int] = set()  # ids of containers that hold something to split
+
+    def walk(self, obj: Any, path: str, parents: List[Any]) -> bool:
+        """True if `obj` changes per micro-batch whatever the row count (a batch tensor or a `whole`)."""
+        if isinstance(obj, torch.Tensor):
+            if obj.dim() == 0:
+                return False
+            self.tensors.append((path, obj))
+            return True
+        if isinstance(obj, whole):
+            return True
+        if isinstance(obj, (tuple, list)):
+            if is_row_sequence_candidate(obj):
+                if obj:
+                    self.sequences.append((parents, obj))
+                return False
+            items: Any = enumerate(obj)
+        elif isinstance(obj, Mapping):
+            items = obj.items()
+        else:
+            return False
+        inner = parents + [obj]
+        hits = [self.walk(value, f"{path}[{key!r}]" if isinstance(obj, Mapping) else f"{path}[{key}]", inner)
+                for key, value in items]
+        if any(hits):
+            self.changing.add(id(obj))
+            return True
+        return False
 
 
 def _rebuild_mapping(obj: Mapping, items: Dict[Any, Any]) -> Any:
@@ -56,6 +100,12 @@ def _rebuild_mapping(obj: Mapping, items: Dict[Any, Any]) -> Any:
         return items
 
 
+def _rebuild_sequence(obj: Any, items: List[Any]) -> Any:
+    if isinstance(obj, list):
+        return items
+    return type(obj)(*items) if _is_record(obj) else tuple(items)
+
+
 def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     """`obj` with `fn` applied to every tensor inside tuples, lists and mappings (types kept), and every
     `whole` unwrapped."""
@@ -63,56 +113,30 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
         return fn(obj)
     if isinstance(obj, whole):
         return obj.value
-    if isinstance(obj, tuple):
-        items = [map_tensors(item, fn) for item in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
-    if isinstance(obj, list):
-        return [map_tensors(item, fn) for item in obj]
+    if isinstance(obj, (tuple, list)):
+        return _rebuild_sequence(obj, [map_tensors(item, fn) for item in obj])
     if isinstance(obj, Mapping):
         return _rebuild_mapping(obj, {key: map_tensors(value, fn) for key, value in obj.items()})
     return obj
 
 
-def _slice(obj: Any, start: int, stop: int) -> Any:
-    return map_tensors(obj, lambda tensor: tensor if tensor.dim() == 0 else tensor[start:stop])
-
-
-def _fill(container: Any, slots: List[Tuple[Any, bool]], start: int, stop: int, full: bool) -> Any:
-    """Replace `container[slot]` by its micro-batch for each slot (a plain tensor needs no slicing when full)."""
-    for slot, is_tensor in slots:
-        if not is_tensor:
-            container[slot] = _slice(container[slot], start, stop)
-        elif not full:
-            container[slot] = container[slot][start:stop]
-    return container
-
-
 class BatchSplit:
     """A call's `(args, kwargs)`, split into micro-batches `[start, stop)` of the logical batch."""
 
-    __slots__ = ("args", "kwargs", "size", "_arg_slots", "_kwarg_slots", "_plain")
+    __slots__ = ("args", "kwargs", "size", "tensors", "_arg_slots", "_kwarg_slots", "_plain", "_changing")
 
     def __init__(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
-        found: List[Tuple[str, torch.Tensor]] = []
-        # Which top-level arguments change per micro-batch, and whether each is a plain tensor (a fast slice).
-        self._arg_slots = [
-            (i, isinstance(arg, torch.Tensor))
-            for i, arg in enumerate(args)
-            if _find_batch_tensors(arg, f"args[{i}]", found)
-        ]
-        self._kwarg_slots = [
-            (key, isinstance(value, torch.Tensor))
-            for key, value in kwargs.items()
-            if _find_batch_tensors(value, f"kwargs[{key!r}]", found)
-        ]
-        if not found:
+        scan = _Scan()
+        arg_hits = [scan.walk(arg, f"args[{i}]", []) for i, arg in enumerate(args)]
+        kwarg_hits = {key: scan.walk(value, f"kwargs[{key!r}]", []) for key, value in kwargs.items()}
+        if not scan.tensors:
             raise ValueError(
                 "no tensor argument with a batch dimension to split: pass the logical batch as tensors "
                 "(also inside tuples, lists or dicts) whose dim 0 is the batch"
             )
-        first_path, first = found[0]
+        first_path, first = scan.tensors[0]
         size = first.shape[0]
-        disagreeing = [(path, tensor.shape[0]) for path, tensor in found if tensor.shape[0] != size]
+        disagreeing = [(path, tensor.shape[0]) for path, tensor in scan.tensors if tensor.shape[0] != size]
         if disagreeing:
             others = ", ".join(f"{path} has {rows}" for path, rows in disagreeing)
             raise ValueError(
@@ -121,8 +145,51 @@ class BatchSplit:
             )
         if size == 0:
             raise ValueError(f"the logical batch is empty: {first_path} has 0 rows")
-        self.args, self.kwargs, self.size = args, kwargs, size
+        changing = scan.changing
+        for parents, sequence in scan.sequences:
+            if len(sequence) == size:  # the rows' own texts, ids, ...: split with them
+                changing.add(id(sequence))
+                changing.update(id(parent) for parent in parents)
+        self.args, self.kwargs, self.size, self.tensors = args, kwargs, size, scan.tensors
+        self._changing = changing
+        # Which top-level arguments change per micro-batch, and whether each is a plain tensor (a fast slice).
+        self._arg_slots = [
+            (i, isinstance(arg, torch.Tensor))
+            for i, arg in enumerate(args)
+            if arg_hits[i] or id(arg) in changing
+        ]
+        self._kwarg_slots = [
+            (key, isinstance(value, torch.Tensor))
+            for key, value in kwargs.items()
+            if kwarg_hits[key] or id(value) in changing
+        ]
         self._plain = all(is_tensor for _, is_tensor in self._arg_slots + self._kwarg_slots)
+
+    @property
+    def largest(self) -> int:
+        return int(self.size)
+
+    def _cut(self, obj: Any, start: int, stop: int) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return obj if obj.dim() == 0 else obj[start:stop]
+        if isinstance(obj, whole):
+            return obj.value
+        if id(obj) not in self._changing:
+            return obj
+        if isinstance(obj, (tuple, list)):
+            if is_row_sequence_candidate(obj):
+                return obj[start:stop]
+            return _rebuild_sequence(obj, [self._cut(item, start, stop) for item in obj])
+        return _rebuild_mapping(obj, {key: self._cut(value, start, stop) for key, value in obj.items()})
+
+    def _fill(self, container: Any, slots: List[Tuple[Any, bool]], start: int, stop: int, full: bool) -> Any:
+        """Replace `container[slot]` by its micro-batch for each slot (a plain tensor needs no slicing when full)."""
+        for slot, is_tensor in slots:
+            if not is_tensor:
+                container[slot] = self._cut(container[slot], start, stop)
+            elif not full:
+                container[slot] = container[slot][start:stop]
+        return container
 
     def micro_batch(self, start: int, stop: int) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
         """The arguments for rows `[start, stop)`; the call's own arguments when that is all of them."""
@@ -131,7 +198,39 @@ class BatchSplit:
         if full and self._plain:
             return args, kwargs
         if self._arg_slots:
-            args = tuple(_fill(list(args), self._arg_slots, start, stop, full))
+            args = tuple(self._fill(list(args), self._arg_slots, start, stop, full))
         if self._kwarg_slots:
-            kwargs = _fill(dict(kwargs), self._kwarg_slots, start, stop, full)
+            kwargs = self._fill(dict(kwargs), self._kwarg_slots, start, stop, full)
         return args, kwargs
+
+    def windows(self, size: int) -> List["Window"]:
+        """The micro-batches `(split, start, stop)` of at most `size` rows that cover the batch."""
+        return [(self, start, min(start + size, self.size)) for start in range(0, self.size, size)]
+
+    def describe(self, limit: int = 4) -> str:
+        """The split tensors, as `args[0] (64, 6), args[1] (64,)`, for messages."""
+        shown = ", ".join(f"{path} {tuple(tensor.shape)}" for path, tensor in self.tensors[:limit])
+        return shown + (", ..." if len(self.tensors) > limit else "")
+
+
+Window = Tuple[BatchSplit, int, int]
+
+
+class Parts:
+    """A logical batch of several `BatchSplit`s (loader batches of different shapes): micro-batches are cut
+    within each part and never span two, so no part needs padding to another's shape."""
+
+    __slots__ = ("parts", "size", "largest")
+
+    def __init__(self, parts: Sequence[BatchSplit]) -> None:
+        if not parts:
+            raise ValueError("a logical batch needs at least one part")
+        self.parts = list(parts)
+        self.size = sum(part.size for part in self.parts)
+        self.largest = max(part.size for part in self.parts)
+
+    def windows(self, size: int) -> List[Window]:
+        return [window for part in self.parts for window in part.windows(size)]
+
+    def describe(self, limit: int = 4) -> str:
+        return self.parts[0].describe(limit)

@@ -1,0 +1,119 @@
+"""What a failed attempt changed besides gradients is undone before the retry: module buffers and randomness."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import raise_fake_oom, requires_cuda
+from torch import nn
+
+from toma import NoBatchsizeCache, explicit, toma
+from toma.rollback import BufferStash, RandomState
+
+N = 64
+
+
+def bn_dropout_model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 4))
+
+
+def data(seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(N, 6, generator=generator), torch.randint(0, 4, (N,), generator=generator)
+
+
+def run(initial, fail_above=None, seed=5):
+    """One accumulated call from a fixed seed; micro-batches above `fail_above` rows run out of memory in
+    their backward pass, after the forward passes have updated BatchNorm's statistics and drawn dropout."""
+    model = bn_dropout_model()
+    inputs, targets = data()
+    sizes = []
+
+    def compute_loss(inputs, targets):
+        sizes.append(len(inputs))
+        loss = F.cross_entropy(model(inputs), targets)
+        if fail_above is not None and len(inputs) > fail_above and len(sizes) > 1:
+            raise_fake_oom()  # in the second micro-batch: the first one already changed everything
+        return loss
+
+    torch.manual_seed(seed)
+    explicit.accumulate(compute_loss, model, initial, inputs, targets, toma_cache_type=NoBatchsizeCache)
+    after = torch.rand(3)  # where the random stream stands after the call
+    return model, sizes, after
+
+
+def test_batchnorm_statistics_count_only_the_attempt_that_finished():
+    retried, sizes, _ = run(32, fail_above=16)
+    reference, reference_sizes, _ = run(16)
+    assert sizes == [32, 32, 16, 16, 16, 16] and reference_sizes == [16] * 4
+    bn, reference_bn = retried[1], reference[1]
+    assert int(bn.num_batches_tracked) == 4, "the failed attempt's forward passes are not counted again"
+    torch.testing.assert_close(bn.running_mean, reference_bn.running_mean, rtol=0, atol=0)
+    torch.testing.assert_close(bn.running_var, reference_bn.running_var, rtol=0, atol=0)
+
+
+def test_a_retry_draws_the_same_random_numbers_as_a_call_that_fit_at_the_final_size():
+    retried, _, after = run(32, fail_above=16)
+    reference, _, reference_after = run(16)
+    for p, q in zip(retried.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+    assert torch.equal(after, reference_after), "the random stream goes on from where the final attempt left it"
+
+
+def test_an_error_that_is_not_oom_leaves_the_buffers_as_they_were():
+    model = bn_dropout_model()
+    inputs, targets = data()
+    before = {name: buffer.clone() for name, buffer in model.named_buffers()}
+
+    @toma.accumulate(model=model, initial_micro_batch=16)
+    def compute_loss(inputs, targets):
+        loss = F.cross_entropy(model(inputs), targets)
+        if int(model[1].num_batches_tracked) == 3:
+            raise ValueError("a bug in the loss")
+        return loss
+
+    with pytest.raises(ValueError, match="a bug"):
+        compute_loss(inputs, targets)
+    for name, buffer in model.named_buffers():
+        assert torch.equal(buffer, before[name]), name
+
+
+def test_buffers_of_modules_in_eval_mode_are_left_alone():
+    model = bn_dropout_model()
+    model[1].eval()
+    stash = BufferStash(model)
+    assert stash.slots == []
+    model.train()
+    assert {name for _, name, _ in BufferStash(model).slots} == {"running_mean", "running_var", "num_batches_tracked"}
+
+
+def test_the_buffer_stash_puts_back_values_and_the_tensor_objects():
+    model = bn_dropout_model()
+    bn = model[1]
+    mean = bn.running_mean
+    stash = BufferStash(model)
+    stash.save()
+    mean.add_(1.0)
+    bn.running_var = torch.full_like(bn.running_var, 7.0)  # an attempt that assigned a new tensor
+    stash.restore()
+    assert bn.running_mean is mean and torch.equal(mean, torch.zeros(16))
+    assert torch.equal(bn.running_var, torch.ones(16))
+
+
+def test_random_state_restores_the_cpu_generator():
+    torch.manual_seed(3)
+    state = RandomState([torch.zeros(2)])
+    first = torch.rand(4)
+    state.restore()
+    assert torch.equal(torch.rand(4), first)
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_random_state_restores_the_generator_of_the_cuda_device_in_use():
+    torch.manual_seed(3)
+    state = RandomState([torch.zeros(2, device="cuda")])
+    assert [device.type for device, _ in state.devices] == ["cuda"]
+    first = torch.rand(4, device="cuda")
+    state.restore()
+    assert torch.equal(torch.rand(4, device="cuda"), first)
