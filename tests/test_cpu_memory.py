@@ -192,3 +192,35 @@ def test_every_form_survives_a_real_cpu_out_of_memory():
         assert all(expected in message for message in result["messages"]), result["messages"]
         assert all("retrying with" in message for message in result["messages"])
         assert set(result["leaked"]) <= {0}, f"{name}: a failed attempt's tensor outlived it: {result['leaked']}"
+
+
+@pytest.mark.slow
+def test_an_out_of_memory_error_leaves_the_cap_whole():
+    # After a failed allocation glibc retries in a new malloc arena, reserving 64 MiB of address space for
+    # good: with it, 256 MiB no longer fits in 288 MiB of headroom and the search ends at 128.
+    out = run_python(
+        """
+        import json, psutil, torch
+        torch.set_num_threads(2)
+        from toma import simple
+        from toma.cpu_memory import predictable_heap, set_cpu_memory_headroom
+        predictable_heap()
+        process, seen = psutil.Process(), []
+
+        def attempt(batchsize):
+            seen.append(process.memory_info().vms)
+            rows = torch.ones(batchsize, 2**18)  # batchsize MiB, filled and summed on both threads
+            return batchsize, float(rows.sum())
+
+        attempt(1)  # starts torch's worker thread, whose stack counts too, before the cap
+        seen.clear()
+        set_cpu_memory_headroom(288 / 1024)
+        size, _ = simple.batch(attempt, 1024)
+        print(json.dumps(dict(size=size, seen=seen)))
+        """
+    )
+    result = json.loads(out.stdout)
+    first, *later = result["seen"]
+    growth = [(vms - first) / 2**20 for vms in later]
+    assert len(later) == 2 and all(abs(mib) < 16 for mib in growth), f"address space after each OOM: {growth} MiB"
+    assert result["size"] == 256, "256 MiB fits in 288 MiB of headroom"

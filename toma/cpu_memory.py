@@ -62,6 +62,7 @@ def set_cpu_memory_limit(num_gigabytes: float) -> None:
     A CUDA process reserves a very large virtual range when CUDA starts, so under a cap CUDA may fail
     to initialise, and once CUDA is up a cap below its reservation makes every allocation fail: use it in
     CPU-only processes, or set it well above the address space the process already has.
+    Call `predictable_heap()` first, or freed memory and glibc's malloc arenas eat into the cap.
     """
     if isinstance(num_gigabytes, bool) or not isinstance(num_gigabytes, (int, float)):
         raise TypeError(f"num_gigabytes must be a number of GiB, got {num_gigabytes!r}")
@@ -92,10 +93,14 @@ def predictable_heap() -> None:
 
     glibc raises its mmap threshold after large frees; multi-MiB tensors then come from the heap, and their
     memory stays counted as address space until some later free trims the heap, hundreds of MiB at a time.
-    A fixed threshold of 1 MiB (M_MMAP_THRESHOLD) keeps large tensors in mappings that go when freed. Call
-    it early, before the large allocations; a no-op where the C library is not glibc.
+    A fixed threshold of 1 MiB (M_MMAP_THRESHOLD) keeps large tensors in mappings that go when freed.
+    glibc also reserves 64 MiB of address space, for good, for every new malloc arena: one after the first
+    failed allocation (it retries in a fresh arena) and one per thread that allocates. A single arena
+    (M_ARENA_MAX) keeps the cap whole, at the price of threads sharing malloc's lock. Call it early, before
+    the large allocations and threads; a no-op where the C library is not glibc.
     """
-    _glibc("mallopt", -3, 2**20)
+    _glibc("mallopt", -3, 2**20)  # M_MMAP_THRESHOLD
+    _glibc("mallopt", -8, 1)  # M_ARENA_MAX
 
 
 def settled_address_space() -> int:
