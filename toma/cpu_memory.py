@@ -69,7 +69,7 @@ def set_cpu_memory_limit(num_gigabytes: float) -> None:
     if not num_gigabytes > 0:
         raise ValueError(f"num_gigabytes must be positive, got {num_gigabytes!r}")
     if resource is None:
-        log.warning("toma: set_cpu_memory_limit is not supported on %s; no limit set", sys.platform)
+        log.warning("set_cpu_memory_limit is not supported on %s; no limit set", sys.platform)
         return
     num_bytes = int(num_gigabytes * 2**30)
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
@@ -77,7 +77,7 @@ def set_cpu_memory_limit(num_gigabytes: float) -> None:
         num_bytes = min(num_bytes, hard)
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
-        log.warning("toma: set_cpu_memory_limit in a process that uses CUDA; CUDA's address space counts too")
+        log.warning("set_cpu_memory_limit in a process that uses CUDA; CUDA's address space counts too")
     resource.setrlimit(resource.RLIMIT_AS, (num_bytes, num_bytes))
 
 

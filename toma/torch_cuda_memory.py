@@ -123,5 +123,5 @@ def cuda_meminfo() -> str:
         f"max allocated {torch.cuda.max_memory_allocated() / _GiB:.3f} GiB, "
         f"max reserved {torch.cuda.max_memory_reserved() / _GiB:.3f} GiB"
     )
-    log.info("toma: CUDA memory: %s", summary)
+    log.info("CUDA memory: %s", summary)
     return summary
