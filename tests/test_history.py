@@ -49,3 +49,27 @@ def test_plot_without_matplotlib_says_how_to_get_it(tmp_path, monkeypatch):
     with pytest.raises(ImportError, match="pip install matplotlib") as info:
         sample().plot(str(tmp_path / "history.png"))
     assert str(info.value) == PLOT_HINT
+
+
+def trained_history():
+    """Three epochs of 96 rows in logical batches of 40 (40, 40, 16), evaluated with a loss and an accuracy."""
+    steps, epochs, step = [], [], 0
+    for epoch in (1, 2, 3):
+        for rows in (40, 40, 16):
+            step += 1
+            steps.append(dict(step=step, epoch=epoch, loss=1.0 / step, micro_batch=20, rows=rows, oom_retries=0))
+        epochs.append(dict(epoch=epoch, step=step, loss=0.5, eval_loss=0.6 / epoch, eval_accuracy=0.3 * epoch))
+    return TrainingHistory(epochs, steps)
+
+
+def test_the_plot_shows_evaluation_metrics_epoch_ends_and_a_steady_logical_batch(tmp_path):
+    pytest.importorskip("matplotlib")
+    figure = trained_history().plot(str(tmp_path / "history.png"))
+    lines = {line.get_label(): line for axes in figure.axes for line in axes.get_lines()}
+    assert list(lines["eval_accuracy (epoch)"].get_ydata()) == pytest.approx([0.3, 0.6, 0.9])
+    assert list(lines["evaluation loss (epoch)"].get_xdata()) == [3, 6, 9]
+    assert set(lines["logical batch"].get_ydata()) == {40}, "no saw-tooth at each epoch's short last batch"
+    assert list(lines["short last batch"].get_xdata()) == [3, 6, 9]
+    boundaries = [line for axes in figure.axes for line in axes.get_lines() if line.get_gid() == "epoch end"]
+    assert len(boundaries) == 2 * len(figure.axes) and len(figure.axes) == 3
+    assert (tmp_path / "history.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -173,7 +173,7 @@ print(json.dumps(dict(results=results, reference=reference, messages=messages)))
     )
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["messages"] and all("can't allocate memory" in m for m in result["messages"])
-    assert all("_predict_rows" in m for m in result["messages"])
+    assert all(m.startswith("Trainer.evaluate ran out of memory at evaluation chunk size") for m in result["messages"])
     assert result["results"]["loss"] == pytest.approx(result["reference"]["loss"], rel=1e-5)
     assert result["results"]["accuracy"] == pytest.approx(result["reference"]["accuracy"], rel=1e-6)
 
@@ -193,7 +193,7 @@ class Recorder(Callback):
 
     def on_epoch_end(self, trainer):
         self.epochs.append((trainer.current_epoch, trainer.history.epochs[-1]["loss"]))
-        if trainer.current_epoch + 1 == self.stop_at_epoch:
+        if trainer.current_epoch == self.stop_at_epoch:
             raise StopTraining
 
 
@@ -203,7 +203,8 @@ def test_callbacks_see_the_trainer_state():
     history = trainer.fit(2)
     assert [(epoch, step) for epoch, step, _ in recorder.steps] == [(0, 1), (0, 2), (0, 3), (1, 4), (1, 5), (1, 6)]
     assert [loss for _, _, loss in recorder.steps] == [s["loss"] for s in history.steps]
-    assert recorder.epochs == [(0, history.epochs[0]["loss"]), (1, history.epochs[1]["loss"])]
+    # on_epoch_end sees the epochs finished, the one just ended included
+    assert recorder.epochs == [(1, history.epochs[0]["loss"]), (2, history.epochs[1]["loss"])]
 
 
 def test_stop_training_in_a_step_ends_fit_after_that_step():
@@ -292,3 +293,174 @@ def test_bad_input_fails_before_any_work():
     for p, b in zip(model.parameters(), before, strict=True):
         assert torch.equal(p, b) and p.grad is None
     assert toma.Trainer is Trainer
+
+
+# --- what loaders really yield -----------------------------------------------------------------------------
+
+
+def test_a_short_step_does_not_shrink_the_micro_batch_of_later_steps():
+    trainer, model = make_trainer()
+    inputs, targets = dataset().tensors
+    trainer.step(inputs[:5], targets[:5])
+    assert trainer.micro_batch == 5
+    trainer.fit(1)
+    assert [s["micro_batch"] for s in trainer.history.steps] == [32, 32, 32], "only an OOM shrinks the size"
+
+
+class Tagged(torch.utils.data.Dataset):
+    """Rows with a string each (their id, as text): a loader yields (tensor, list of str) batches."""
+
+    def __init__(self):
+        self.inputs, self.targets = dataset().tensors
+
+    def __len__(self):
+        return N
+
+    def __getitem__(self, index):
+        return torch.cat([self.inputs[index], torch.tensor([float(index)])]), f"row {index}"
+
+
+def test_lists_of_one_string_per_row_stay_with_their_rows_when_batches_are_recut():
+    model, optimizer = model_and_optimizer()
+    targets = dataset().tensors[1]
+    seen = []
+
+    def forward(batch):
+        features, names = batch
+        ids = features[:, -1].long().tolist()
+        seen.append((len(ids), [f"row {i}" for i in ids] == list(names)))
+        return F.cross_entropy(model(features[:, :-1]), targets[ids])
+
+    data = DataLoader(Tagged(), batch_size=4, shuffle=False)
+    trainer = Trainer(model, optimizer, None, data, batch_size=8, initial_micro_batch=3, forward=forward, verbose=0)
+    trainer.fit(1)
+    assert seen and all(aligned for _, aligned in seen), "every micro-batch sees its own rows' strings"
+    assert sum(n for n, _ in seen) == N and {n for n, _ in seen} == {3, 2}
+
+
+def test_a_part_that_cannot_be_split_with_the_rows_is_a_clear_error():
+    model, optimizer = model_and_optimizer()
+    batches = [(torch.zeros(4, FEATURES), ["a", "b", "c"]), (torch.zeros(4, FEATURES), ["d", "e", "f"])]
+    trainer = Trainer(model, optimizer, None, batches, batch_size=8, forward=lambda b: model(b[0]).sum(), verbose=0)
+    with pytest.raises(ValueError, match=r"cannot join batches.*batch\[1\] \(list\).*one item per row"):
+        trainer.fit(1)
+
+
+PAD, VOCAB = -100, 7
+
+
+def padded_batches(seed=0, count=6, size=4):
+    """Token batches as a padding collate function makes them: each padded to its own longest row."""
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(count):
+        lengths = torch.randint(1, 9, (size,), generator=generator)
+        width = int(lengths.max())
+        ids = torch.randint(0, VOCAB, (size, width), generator=generator)
+        labels = ids.clone()
+        labels[torch.arange(width)[None, :] >= lengths[:, None]] = PAD
+        batches.append({"input_ids": ids, "labels": labels})
+    return batches
+
+
+class TinyLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.head = nn.Embedding(VOCAB, 8), nn.Linear(8, VOCAB)
+
+    def forward(self, input_ids, labels=None):
+        logits = self.head(torch.tanh(self.embed(input_ids)))
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1), ignore_index=PAD)
+        return {"loss": loss, "logits": logits}  # what a Hugging Face causal LM returns, as a dict
+
+
+def label_tokens(batch):
+    return (batch["labels"][:, 1:] != PAD).sum()
+
+
+def test_loader_batches_of_different_widths_train_exactly_with_weight():
+    model = TinyLM()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    batches = padded_batches()
+    trainer = Trainer(
+        model, optimizer, None, batches, batch_size=12, forward=lambda b: model(**b), weight=label_tokens, verbose=0
+    )
+    trainer.fit(1)
+    assert [s["rows"] for s in trainer.history.steps] == [12, 12]
+
+    reference = TinyLM()
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for logical in (batches[:3], batches[3:]):  # the token mean over each logical batch of 3 loader batches
+        reference_optimizer.zero_grad()
+        tokens = sum(int(label_tokens(b)) for b in logical)
+        total = sum(reference(**b)["loss"] * int(label_tokens(b)) for b in logical)
+        (total / tokens).backward()
+        reference_optimizer.step()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    results = trainer.evaluate(batches, metrics=["accuracy"])
+    assert 0 <= results["accuracy"] <= 1 and results["loss"] > 0
+
+
+def test_metrics_with_forward_use_the_outputs_logits_and_the_batch_labels():
+    model = TinyLM()
+    batches = padded_batches(count=3)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), None, batches, batch_size=4,
+                      forward=lambda b: model(**b), weight=label_tokens, verbose=0)
+
+    def next_token_accuracy(logits, labels):
+        return accuracy(logits[:, :-1], labels[:, 1:])
+
+    results = trainer.evaluate(batches, metrics={"next_token_accuracy": next_token_accuracy})
+    hits = tokens = 0
+    losses = 0.0
+    with torch.no_grad():
+        for b in batches:
+            out = model(**b)
+            mask = b["labels"][:, 1:] != PAD
+            hits += int(((out["logits"][:, :-1].argmax(-1) == b["labels"][:, 1:]) & mask).sum())
+            tokens += int(mask.sum())
+            losses += float(out["loss"]) * int(mask.sum())
+    assert results["next_token_accuracy"] == pytest.approx(hits / tokens, rel=1e-6)
+    assert results["loss"] == pytest.approx(losses / tokens, rel=1e-5)
+    bare = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), None, batches, batch_size=4,
+                   forward=lambda b: model(**b)["loss"], verbose=0)
+    with pytest.raises(TypeError, match="logits"):
+        bare.evaluate(batches, metrics=["accuracy"])
+
+
+def test_metrics_by_name_and_a_clear_error_for_an_unknown_one():
+    trainer, model = make_trainer()
+    by_name = trainer.evaluate(loader(32), metrics=["accuracy"])
+    by_function = trainer.evaluate(loader(32), metrics=[accuracy])
+    assert by_name == by_function
+    with pytest.raises(ValueError, match=r"unknown metric 'acc'.*\['accuracy'\]"):
+        trainer.evaluate(loader(32), metrics=["acc"])
+    with pytest.raises(TypeError, match=r"metrics\['f1'\] must be a function"):
+        trainer.evaluate(loader(32), metrics={"f1": 3})
+
+
+class Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        inputs, targets = dataset().tensors
+        return iter(zip(inputs, targets))
+
+
+def test_a_loader_over_an_iterable_dataset_trains():
+    model, optimizer = model_and_optimizer()
+    data = DataLoader(Stream(), batch_size=16)
+    out = io.StringIO()
+    trainer = Trainer(model, optimizer, nn.CrossEntropyLoss(), data, batch_size=32, verbose=2, file=out)
+    trainer.fit(2)
+    assert [s["rows"] for s in trainer.history.steps] == [32] * 6
+    assert_same_parameters(model, hand_written(2, shuffle=False), exact=False)
+
+
+def test_the_progress_bar_counts_the_steps_the_sampler_gives():
+    subset = torch.utils.data.SubsetRandomSampler(range(48), generator=torch.Generator().manual_seed(0))
+    out = io.StringIO()
+    trainer, _ = make_trainer(DataLoader(dataset(), batch_size=8, sampler=subset), batch_size=16, verbose=2, file=out)
+    trainer.fit(1)
+    assert len(trainer.history.steps) == 3
+    assert "3/3" in out.getvalue() and "/6" not in out.getvalue()

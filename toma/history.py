@@ -3,7 +3,7 @@
 import csv
 import json
 import math
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 __all__ = ["TrainingHistory"]
 
@@ -61,29 +61,63 @@ class TrainingHistory:
             data = json.load(file)
         return cls(data["epochs"], data["steps"])
 
-    def plot(self, path: str) -> None:
-        """A PNG of the loss and the micro-batch size over the optimizer steps (needs matplotlib)."""
+    def _logical_batch_line(self) -> Tuple[List[Any], List[Any], List[Any], List[Any]]:
+        """The logical batch per step, as (steps, rows) for the line and (steps, rows) for the short batches that
+        end an epoch, drawn apart so that the line does not dip at every epoch's end."""
+        line_steps, line_rows, short_steps, short_rows = [], [], [], []
+        largest: Dict[Any, int] = {}
+        for record in self.steps:
+            if record.get("rows") is not None:
+                epoch = record.get("epoch")
+                largest[epoch] = max(largest.get(epoch, 0), record["rows"])
+        last_of_epoch = {record.get("epoch"): record["step"] for record in self.steps}
+        for record in self.steps:
+            rows, epoch = record.get("rows"), record.get("epoch")
+            if rows is None:
+                continue
+            if record["step"] == last_of_epoch[epoch] and rows < largest[epoch]:
+                short_steps.append(record["step"])
+                short_rows.append(rows)
+            else:
+                line_steps.append(record["step"])
+                line_rows.append(rows)
+        return line_steps, line_rows, short_steps, short_rows
+
+    def plot(self, path: Any) -> Any:
+        """A PNG of the loss, the evaluation results and the micro-batch size over the optimizer steps, epochs
+        marked (needs matplotlib). Returns the matplotlib Figure."""
         try:
             from matplotlib.backends.backend_agg import FigureCanvasAgg
             from matplotlib.figure import Figure
         except ImportError as error:
             raise ImportError(PLOT_HINT) from error
         steps = [record["step"] for record in self.steps]
-        figure = Figure(figsize=(8, 5.5))
-        FigureCanvasAgg(figure)  # no pyplot: nothing global changes, no display needed
-        loss_axes, size_axes = figure.subplots(2, 1, sharex=True)
-        loss_axes.plot(steps, [record["loss"] for record in self.steps], label="training loss (step)")
         epoch_ends = [epoch["step"] for epoch in self.epochs if "step" in epoch]
-        values = self.column("eval_loss")
-        points = [(s, v) for s, v in zip(epoch_ends, values, strict=False) if v is not None and math.isfinite(v)]
-        if points:
-            loss_axes.plot(*zip(*points, strict=True), "o-", label="evaluation loss (epoch)")
+        metric_names = [
+            key for key in dict.fromkeys(k for epoch in self.epochs for k in epoch) if key.startswith("eval_")
+        ]
+        metric_names = [name for name in metric_names if name != "eval_loss"]
+        figure = Figure(figsize=(8, 8 if metric_names else 5.5))
+        FigureCanvasAgg(figure)  # no pyplot: nothing global changes, no display needed
+        axes = figure.subplots(3 if metric_names else 2, 1, sharex=True, squeeze=False)[:, 0]
+        loss_axes, size_axes = axes[0], axes[-1]
+
+        loss_axes.plot(steps, [record["loss"] for record in self.steps], label="training loss (step)")
+        self._epoch_series(loss_axes, epoch_ends, "eval_loss", "evaluation loss (epoch)")
         loss_axes.set_ylabel("loss")
         loss_axes.legend()
+        if metric_names:
+            for name in metric_names:
+                self._epoch_series(axes[1], epoch_ends, name, f"{name} (epoch)")
+            axes[1].set_ylabel("evaluation")
+            axes[1].legend()
+
         size_axes.step(steps, [record["micro_batch"] for record in self.steps], where="post", label="micro-batch size")
-        if any("rows" in record for record in self.steps):
-            logical = [record.get("rows") for record in self.steps]
-            size_axes.step(steps, logical, where="post", linestyle="--", color="gray", label="logical batch")
+        line_steps, line_rows, short_steps, short_rows = self._logical_batch_line()
+        if line_steps:
+            size_axes.step(line_steps, line_rows, where="post", linestyle="--", color="gray", label="logical batch")
+        if short_steps:
+            size_axes.plot(short_steps, short_rows, "o", color="gray", markersize=3, label="short last batch")
         retried = [(record["step"], record["micro_batch"]) for record in self.steps if record.get("oom_retries")]
         if retried:
             size_axes.plot(*zip(*retried, strict=True), "rx", label="found after out-of-memory retries")
@@ -91,5 +125,19 @@ class TrainingHistory:
         size_axes.set_ylim(bottom=0)
         size_axes.legend()
         size_axes.set_xlabel("optimizer step")
+        for axis in axes:
+            for end in epoch_ends[:-1]:
+                axis.axvline(end + 0.5, color="lightgray", linestyle=":", linewidth=1, gid="epoch end")
         figure.tight_layout()
         figure.savefig(path, format="png")
+        return figure
+
+    def _epoch_series(self, axes: Any, epoch_ends: List[Any], name: str, label: str) -> None:
+        values = self.column(name)
+        points = [(s, v) for s, v in zip(epoch_ends, values, strict=False) if _finite(v)]
+        if points:
+            axes.plot(*zip(*points, strict=True), "o-", label=label)
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)

@@ -13,16 +13,18 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optio
 
 import torch
 
-from toma.accumulate import check_model, check_reduction, check_scaler
+from toma import engine
+from toma.accumulate import AccumulationStats, accumulate, check_model, check_reduction, check_scaler, check_weight
 from toma.arguments import check_size
-from toma.batches import logical_batches, rows, take, to_device
+from toma.batches import Segments, logical_batches, rows, take, to_device
 from toma.batchsize_cache import GlobalBatchsizeCache
-from toma.forms import toma
 from toma.history import TrainingHistory
 from toma.memory import History as MemoryHistory
+from toma.policy import DEFAULT_POLICY
 from toma.progress import VERBOSITY, Progress
+from toma.splitting import BatchSplit, Parts
 
-__all__ = ["Trainer", "Callback", "StopTraining", "accuracy"]
+__all__ = ["Trainer", "Callback", "StopTraining", "accuracy", "METRICS"]
 
 Metric = Callable[[torch.Tensor, torch.Tensor], Any]
 
@@ -43,14 +45,33 @@ class Callback:
 
 
 def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The share of rows whose largest output is the target class."""
-    return (outputs.argmax(dim=-1) == targets).float().mean()
+    """The share of targets whose largest output is the target class; targets of -100 (the `ignore_index`
+    of PyTorch's and Hugging Face's losses: padding) are not counted."""
+    counted = targets != -100
+    hits = (outputs.argmax(dim=-1) == targets) & counted
+    return hits.sum().float() / counted.sum().clamp(min=1)
 
 
-def _check_metrics(metrics: Union[None, Mapping[str, Metric], Sequence[Metric]]) -> Dict[str, Metric]:
+METRICS: Dict[str, Metric] = {"accuracy": accuracy}
+"""The built-in metrics, by the names `metrics=["accuracy"]` takes."""
+
+
+def _check_metrics(metrics: Union[None, Mapping[str, Any], Sequence[Any]]) -> Dict[str, Metric]:
     if metrics is None:
         return {}
-    named = dict(metrics) if isinstance(metrics, Mapping) else {getattr(m, "__name__", repr(m)): m for m in metrics}
+    if isinstance(metrics, str):
+        metrics = [metrics]
+    if isinstance(metrics, Mapping):
+        named = dict(metrics)
+    else:
+        named = {}
+        for metric in metrics:
+            if isinstance(metric, str):
+                if metric not in METRICS:
+                    raise ValueError(f"metrics: unknown metric {metric!r}; the built-in ones are {sorted(METRICS)}")
+                named[metric] = METRICS[metric]
+            else:
+                named[getattr(metric, "__name__", type(metric).__name__)] = metric
     for name, metric in named.items():
         if not callable(metric):
             raise TypeError(f"metrics[{name!r}] must be a function (outputs, targets) -> value, got {metric!r}")
@@ -64,12 +85,92 @@ def _check_scalar(loss: Any, what: str) -> torch.Tensor:
     return loss
 
 
+def _field(output: Any, name: str) -> Any:
+    """`output.name` or `output[name]` (a Hugging Face ModelOutput has both), or None."""
+    if isinstance(output, Mapping):
+        return output.get(name)
+    return getattr(output, name, None)
+
+
+def _loss_of(output: Any) -> torch.Tensor:
+    """forward's result: the loss itself, or a model output carrying it (`.loss`, `["loss"]`)."""
+    if isinstance(output, torch.Tensor):
+        return _check_scalar(output, "forward(batch)")
+    loss = _field(output, "loss")
+    if loss is None:
+        raise TypeError(
+            "forward(batch) must return the batch's loss (a scalar tensor) or a model output carrying it as "
+            f".loss (a Hugging Face ModelOutput, or a dict with 'loss'), got {type(output).__name__}"
+        )
+    return _check_scalar(loss, "forward(batch).loss")
+
+
+def _logits_of(output: Any) -> torch.Tensor:
+    logits = None if isinstance(output, torch.Tensor) else _field(output, "logits")
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(
+            "metrics with forward= need forward(batch) to return the model's output with its loss and logits "
+            "(a Hugging Face ModelOutput, or a dict with 'loss' and 'logits'); it returned "
+            f"{type(output).__name__}"
+        )
+    return logits
+
+
+def _default_targets(batch: Any) -> Any:
+    """The targets of a batch for metrics with forward=: `batch["labels"]`, or the second of a pair."""
+    if isinstance(batch, Mapping) and "labels" in batch:
+        return batch["labels"]
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[1]
+    raise TypeError(
+        "metrics with forward= need the batch's targets: batches that are dicts with 'labels' or "
+        "(inputs, targets) pairs have them; for others pass targets=batch -> targets"
+    )
+
+
+def _known_length(data: Any) -> Optional[int]:
+    try:
+        return len(data)
+    except TypeError:  # a DataLoader over an IterableDataset without __len__
+        return None
+
+
+def _rows_per_epoch(data: Any) -> Optional[int]:
+    """The rows one pass over `data` yields, where that is known without loading it: a DataLoader's sampler
+    (so a subset sampler counts only its rows), or a list of batches."""
+    if isinstance(data, (list, tuple)):
+        try:
+            return sum(rows(batch) for batch in data)
+        except (TypeError, ValueError):
+            return None
+    batch_size = getattr(data, "batch_size", None)
+    batch_sampler = getattr(data, "batch_sampler", None)
+    sampler = getattr(batch_sampler, "sampler", None)
+    if batch_size is None or sampler is None or getattr(batch_sampler, "batch_size", None) != batch_size:
+        return None  # a custom batch sampler, or no automatic batching: rows unknown
+    count = _known_length(sampler)
+    if count is None:
+        return None
+    if getattr(batch_sampler, "drop_last", False):
+        count -= count % batch_size
+    return count
+
+
+class _EvaluationChunks(engine.RangeStep):
+    """The rows of one evaluation batch, in chunks that fit; named for what the user knows in log lines."""
+
+    size_name = "evaluation chunk size"
+    __slots__ = ()
+
+
 class Trainer:
     """Trains `model` on `train_data` in logical batches of `batch_size` rows, micro-batched to fit memory.
 
     `train_data` is a DataLoader or any iterable of `(inputs, targets)` batches, re-cut into logical batches
     of `batch_size` rows; the loss is `loss_fn(model(inputs), targets)` (a mean over the rows, like
-    `nn.CrossEntropyLoss()`), or `forward(batch)` for batches of another shape.
+    `nn.CrossEntropyLoss()`), or `forward(batch)` for batches of another shape (returning the loss, or a
+    model output carrying `.loss`). `weight(inputs, targets)` (or `weight(batch)` with `forward=`) gives the
+    number of items a batch's mean loss averages over when that is not its rows (label tokens, say).
     """
 
     def __init__(
@@ -85,8 +186,10 @@ class Trainer:
         device: Any = None,
         callbacks: Sequence[Callback] = (),
         verbose: int = 1,
-        forward: Optional[Callable[[Any], torch.Tensor]] = None,
+        forward: Optional[Callable[[Any], Any]] = None,
         reduction: str = "mean",
+        weight: Optional[Callable[..., Any]] = None,
+        targets: Optional[Callable[[Any], Any]] = None,
         file: Optional[TextIO] = None,
     ) -> None:
         self.model = check_model(model, "model")
@@ -96,6 +199,8 @@ class Trainer:
             raise TypeError(f"loss_fn must be a criterion called as loss_fn(model(inputs), targets), got {loss_fn!r}")
         if forward is not None and not callable(forward):
             raise TypeError(f"forward must be a function batch -> loss, got {forward!r}")
+        if targets is not None and not callable(targets):
+            raise TypeError(f"targets must be a function batch -> the batch's targets (for metrics), got {targets!r}")
         self.batch_size = check_size(batch_size, "batch_size")
         self.initial_micro_batch = (
             None if initial_micro_batch is None else check_size(initial_micro_batch, "initial_micro_batch")
@@ -105,12 +210,14 @@ class Trainer:
         for callback in callbacks:
             if not any(callable(getattr(callback, hook, None)) for hook in ("on_step_end", "on_epoch_end")):
                 raise TypeError(f"callbacks must have on_step_end or on_epoch_end, got {callback!r}")
-        if hasattr(train_data, "__len__") and len(train_data) == 0:  # type: ignore[arg-type]
+        if _known_length(train_data) == 0:
             raise ValueError("train_data is empty: there is nothing to train on")
         self.optimizer, self.loss_fn, self.forward = optimizer, loss_fn, forward
         self.train_data = train_data
         self.scaler = check_scaler(scaler, "scaler")
         self.reduction = check_reduction(reduction, "reduction")
+        self.weight = check_weight(weight, "weight", self.reduction)
+        self.targets = targets or _default_targets
         if device is not None:
             self.device = torch.device(device)
             self.model.to(self.device)
@@ -125,35 +232,30 @@ class Trainer:
         self.current_epoch = 0  # epochs finished
         self.global_step = 0
         self.last_loss: Optional[torch.Tensor] = None
+        self.stats = AccumulationStats()
         # One cached size per trainer, wherever and at whatever free memory a step runs: once the search
         # has settled, every later step starts at the size that worked.
-        self._accumulate = toma.accumulate(
-            model=self.model,
-            scaler=self.scaler,
-            reduction=self.reduction,
-            cache_type=GlobalBatchsizeCache,
-        )(self._micro_batch_loss)
-        self._predict = toma.range(cache_type=GlobalBatchsizeCache)(self._predict_rows)
-        self._evaluate_loss = toma.range(cache_type=GlobalBatchsizeCache)(self._loss_rows)
+        self._training_cache = GlobalBatchsizeCache()
+        self._evaluation_cache = GlobalBatchsizeCache()
 
     # --- state ---------------------------------------------------------------------------------------
 
     @property
     def micro_batch(self) -> Optional[int]:
         """The micro-batch size the last step ran at."""
-        return self._accumulate.stats.micro_batch
+        return self.stats.micro_batch
 
     @property
     def oom_retries(self) -> int:
         """Logical batches redone after an out-of-memory error, since the trainer was made."""
-        return self._accumulate.stats.oom_retries
+        return self.stats.oom_retries
 
     # --- training ------------------------------------------------------------------------------------
 
     def _micro_batch_loss(self, *batch: Any) -> torch.Tensor:
         batch = to_device(batch, self.device, non_blocking=True)
         if self.forward is not None:
-            return _check_scalar(self.forward(batch[0] if len(batch) == 1 else batch), "forward(batch)")
+            return _loss_of(self.forward(batch[0]))
         inputs, targets = batch
         return _check_scalar(self.loss_fn(self.model(inputs), targets), "loss_fn(model(inputs), targets)")  # type: ignore[misc]
 
@@ -168,13 +270,31 @@ class Trainer:
             )
         return tuple(batch)
 
+    def _logical_batch(self, batch: Any) -> Union[BatchSplit, Parts]:
+        if isinstance(batch, Segments):
+            return Parts([BatchSplit(self._parts(segment), {}) for segment in batch])
+        return BatchSplit(self._parts(batch), {})
+
     def step(self, *batch: Any) -> torch.Tensor:
         """One logical batch: zero_grad, forward and backward in micro-batches, optimizer step. Returns the
-        logical batch's loss (detached)."""
-        parts = self._parts(batch[0] if len(batch) == 1 else batch)
-        initial = self.initial_micro_batch or rows(parts)
+        logical batch's loss (detached). `step(inputs, targets)`, or `step(batch)` with `forward=`."""
+        logical = self._logical_batch(batch[0] if len(batch) == 1 else batch)
+        # The size the cache keeps is the trainer's, not this batch's: a short batch never shrinks it.
+        initial = self.initial_micro_batch or self.batch_size
         self.optimizer.zero_grad()
-        loss = self._accumulate(*parts, toma_initial_micro_batch=initial)
+        loss = accumulate(
+            self._micro_batch_loss,
+            self.model,
+            initial,
+            logical,
+            reduction=self.reduction,
+            weight=self.weight,
+            scaler=self.scaler,
+            cache=self._training_cache,
+            policy=DEFAULT_POLICY,
+            stats=self.stats,
+            name="Trainer.step",
+        )
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -185,10 +305,8 @@ class Trainer:
         return loss
 
     def _total_steps(self) -> Optional[int]:
-        dataset = getattr(self.train_data, "dataset", None)
-        if dataset is not None and hasattr(dataset, "__len__") and not getattr(self.train_data, "drop_last", False):
-            return math.ceil(len(dataset) / self.batch_size)
-        return None
+        count = _rows_per_epoch(self.train_data)
+        return None if count is None else math.ceil(count / self.batch_size)
 
     def _train_epoch(self, progress: Progress, shown: int, epochs: int) -> Tuple[Dict[str, Any], bool]:
         """One pass over `train_data`: the epoch's record (added to `history`), and whether to stop. `shown`
@@ -199,7 +317,8 @@ class Trainer:
         progress.start_epoch(shown, epochs, self._total_steps())
         settled_micro_batch = None  # the size full logical batches ran at (a short last one runs whole)
         started, retries_before, first_step = time.perf_counter(), self.oom_retries, len(self.history.steps)
-        weighted: List[torch.Tensor] = []  # the loss of each step, times its rows for a mean loss
+        weighted: List[torch.Tensor] = []  # each step's loss, times what it averaged over for a mean loss
+        weights: List[float] = []
         sizes: List[int] = []
         stopped = False
         try:
@@ -207,7 +326,9 @@ class Trainer:
                 n = rows(batch)
                 retries = self.oom_retries
                 loss = self.step(batch)
-                weighted.append(loss.float() * n if self.reduction == "mean" else loss.float())
+                weight = self.stats.weight if self.stats.weight is not None else float(n)
+                weighted.append(loss.float() * weight if self.reduction == "mean" else loss.float())
+                weights.append(weight)
                 sizes.append(n)
                 if n == self.batch_size or settled_micro_batch is None:
                     settled_micro_batch = self.micro_batch
@@ -243,10 +364,14 @@ class Trainer:
             raise ValueError("train_data yielded no batches: there is nothing to train on")
         seconds = time.perf_counter() - started
         total = float(torch.stack(weighted).sum())
+        if self.reduction == "mean":
+            loss_value = total / sum(weights) if sum(weights) > 0 else 0.0
+        else:
+            loss_value = total / len(sizes)
         record = dict(
             epoch=self.current_epoch + 1,
             step=self.global_step,
-            loss=total / sum(sizes) if self.reduction == "mean" else total / len(sizes),
+            loss=loss_value,
             time=seconds,
             samples_per_s=sum(sizes) / seconds if seconds > 0 else float("inf"),
             micro_batch=settled_micro_batch,
@@ -258,15 +383,15 @@ class Trainer:
         return record, stopped
 
     def _finish_epoch(self, record: Dict[str, Any], stopped: bool, progress: Progress, shown: int, epochs: int) -> bool:
-        """Show the epoch, run the epoch callbacks, move on; True when training should stop."""
+        """Show the epoch, count it as finished, run the epoch callbacks; True when training should stop."""
         if record:
             progress.end_epoch(shown, epochs, record)
+            self.current_epoch += 1  # before the callbacks: they see the epochs finished, this one included
             if not stopped:
                 try:
                     self._callbacks("on_epoch_end")
                 except StopTraining:
                     stopped = True
-            self.current_epoch += 1
         return stopped
 
     def epoch(self) -> Dict[str, Any]:
@@ -287,14 +412,12 @@ class Trainer:
         self,
         epochs: int,
         eval_data: Optional[Iterable[Any]] = None,
-        metrics: Union[None, Mapping[str, Metric], Sequence[Metric]] = None,
+        metrics: Union[None, Mapping[str, Metric], Sequence[Union[str, Metric]]] = None,
     ) -> TrainingHistory:
         """Train for `epochs` epochs (evaluating on `eval_data` after each, if given); returns the history.
         A callback raising StopTraining ends it after the current step."""
         epochs = check_size(epochs, "epochs")
         named_metrics = _check_metrics(metrics)
-        if named_metrics and self.forward is not None:
-            raise ValueError("metrics need model outputs: they work with loss_fn, not with forward=")
         if epochs > 1 and isinstance(self.train_data, Iterator):  # iter() on a DataLoader would draw its RNG
             raise TypeError(
                 "train_data is an iterator that can be read only once; for several epochs pass a DataLoader, "
@@ -321,50 +444,67 @@ class Trainer:
 
     # --- evaluation ----------------------------------------------------------------------------------
 
+    def _chunks(self, func: Callable[..., None], rows_: int, *args: Any) -> None:
+        """`func(start, stop, *args)` over `[0, rows_)` in chunks that fit (the trainer's evaluation size)."""
+        step = _EvaluationChunks(func, 0, rows_, args, {}, name="Trainer.evaluate")
+        engine.drive(step, self._evaluation_cache, rows_, DEFAULT_POLICY)
+
     def _predict_rows(self, start: int, stop: int, inputs: Any, outputs: List[torch.Tensor]) -> None:
         outputs.append(self.model(to_device(take(inputs, start, stop), self.device, non_blocking=True)))
 
-    def _loss_rows(self, start: int, stop: int, batch: Any, losses: List[torch.Tensor]) -> None:
-        part = to_device(take(batch, start, stop), self.device, non_blocking=True)
-        loss = _check_scalar(self.forward(part), "forward(batch)").detach().float()  # type: ignore[misc]
-        losses.append(loss * (stop - start) if self.reduction == "mean" else loss)
+    def _forward_rows(self, start: int, stop: int, batch: Any, named: Dict[str, Metric], totals: Dict[str, float]) -> None:
+        part = take(batch, start, stop)
+        count = self._count(part) if self.weight is not None else float(stop - start)
+        if count == 0:
+            return
+        output = self.forward(to_device(part, self.device, non_blocking=True))  # type: ignore[misc]
+        loss = _loss_of(output).detach().float()
+        totals["loss"] += loss.item() * (count if self.reduction == "mean" else 1)
+        if named:
+            logits = _logits_of(output)
+            targets = to_device(self.targets(part), self.device, non_blocking=True)
+            for name, metric in named.items():
+                totals[name] += float(metric(logits, targets)) * count
+        totals["_seen"] += count
+
+    def _count(self, *parts: Any) -> float:
+        return float(self.weight(*parts))  # type: ignore[misc]
 
     def evaluate(
-        self, data: Iterable[Any], metrics: Union[None, Mapping[str, Metric], Sequence[Metric]] = None
+        self, data: Iterable[Any], metrics: Union[None, Mapping[str, Metric], Sequence[Union[str, Metric]]] = None
     ) -> Dict[str, float]:
         """The loss (and `metrics(outputs, targets)`) over `data`, without gradients, each batch computed in
         chunks that fit (found like any toma.range step). Returns {"loss": ..., metric name: ...} averaged
-        over rows."""
+        over rows, or over what `weight` counts. With `forward=`, metrics get the output's logits and the
+        batch's targets (`batch["labels"]`, the second of a pair, or `targets(batch)`)."""
         named = _check_metrics(metrics)
-        if named and self.forward is not None:
-            raise ValueError("metrics need model outputs: they work with loss_fn, not with forward=")
         was_training = self.model.training
         self.model.eval()
-        totals = {"loss": 0.0, **{name: 0.0 for name in named}}
-        seen = 0
+        totals = {"loss": 0.0, **{name: 0.0 for name in named}, "_seen": 0.0}
         try:
             with torch.no_grad():
                 for batch in data:
-                    parts = self._parts(batch)
-                    n = rows(parts[0])
-                    seen += n
                     if self.forward is not None:
-                        losses: List[torch.Tensor] = []
-                        self._evaluate_loss(0, n, parts[0], losses, toma_initial_step=n)
-                        totals["loss"] += torch.stack(losses).sum().item()
+                        self._chunks(self._forward_rows, rows(batch), batch, named, totals)
                         continue
+                    inputs, targets = self._parts(batch)
+                    n = rows(inputs)
+                    count = self._count(inputs, targets) if self.weight is not None else float(n)
                     outputs: List[torch.Tensor] = []
-                    self._predict(0, n, parts[0], outputs, toma_initial_step=n)
+                    self._chunks(self._predict_rows, n, inputs, outputs)
                     output = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
-                    targets = to_device(parts[1], self.device, non_blocking=True)
+                    targets = to_device(targets, self.device, non_blocking=True)
                     loss = _check_scalar(self.loss_fn(output, targets), "loss_fn(model(inputs), targets)")  # type: ignore[misc]
-                    totals["loss"] += loss.item() * (n if self.reduction == "mean" else 1)
-                    for name, metric in named.items():
-                        totals[name] += float(metric(output, targets)) * n
+                    if count > 0:
+                        totals["loss"] += loss.item() * (count if self.reduction == "mean" else 1)
+                        for name, metric in named.items():
+                            totals[name] += float(metric(output, targets)) * count
+                    totals["_seen"] += count
         finally:
             self.model.train(was_training)
+        seen = totals.pop("_seen")
         if seen == 0:
-            raise ValueError("data yielded no batches: there is nothing to evaluate")
+            raise ValueError("data yielded no batches (or nothing to count): there is nothing to evaluate")
         return {name: total / seen for name, total in totals.items()}
 
     # --- memory --------------------------------------------------------------------------------------
