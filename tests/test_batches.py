@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from toma.batches import concatenate, logical_batches, rows, take, to_device
+from toma.batches import Segments, concatenate, logical_batches, rows, take, to_device
 
 
 def batch(start, n):
@@ -36,3 +36,32 @@ def test_logical_batches_pass_through_join_and_cut():
     assert torch.equal(torch.cat([b[1] for b in cut]), torch.arange(100, 112))
     big = list(logical_batches([batch(0, 11)], 4))
     assert [rows(b) for b in big] == [4, 4, 3]
+
+
+def test_lists_of_one_item_per_row_are_cut_and_joined_with_their_rows():
+    a = (torch.arange(3), ["r0", "r1", "r2"], ("x0", "x1", "x2"))
+    b = (torch.arange(3, 5), ["r3", "r4"], ("x3", "x4"))
+    joined = concatenate([a, b])
+    assert joined[1] == ["r0", "r1", "r2", "r3", "r4"] and joined[2] == ("x0", "x1", "x2", "x3", "x4")
+    assert take(joined, 1, 3)[1] == ["r1", "r2"]
+    cut = list(logical_batches([a, b], 4))
+    assert [c[1] for c in cut] == [["r0", "r1", "r2", "r3"], ["r4"]]
+    assert [c[0].tolist() for c in cut] == [[0, 1, 2, 3], [4]]
+
+
+def test_what_cannot_be_split_with_the_rows_is_refused_when_batches_are_recut():
+    odd = (torch.arange(4), ["a", "b", "c"])
+    with pytest.raises(ValueError, match=r"cannot cut .*batch\[1\] is a list of 3 items for 4 rows"):
+        list(logical_batches([odd], 3))
+    with pytest.raises(ValueError, match=r"cannot join .*batch\[1\]"):
+        concatenate([(torch.arange(2), "train"), (torch.arange(2), "eval")])
+    assert concatenate([(torch.arange(2), "train"), (torch.arange(1), "train")])[1] == "train"
+
+
+def test_batches_of_different_widths_become_segments_not_one_tensor():
+    narrow, wide, narrow_too = torch.zeros(2, 3), torch.ones(2, 5), torch.zeros(2, 3)
+    (logical,) = list(logical_batches([(narrow, narrow[:, 0]), (wide, wide[:, 0]), (narrow_too, narrow_too[:, 0])], 6))
+    assert isinstance(logical, Segments) and [s[0].shape[1] for s in logical] == [3, 5, 3]
+    assert rows(logical) == 6
+    (joined,) = list(logical_batches([(narrow, narrow[:, 0]), (narrow_too, narrow_too[:, 0])], 4))
+    assert not isinstance(joined, Segments) and joined[0].shape == (4, 3)

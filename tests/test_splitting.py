@@ -64,3 +64,25 @@ def test_an_empty_logical_batch_is_refused():
 def test_a_call_without_batch_tensors_is_refused():
     with pytest.raises(ValueError, match="no tensor argument with a batch dimension"):
         BatchSplit((1, "x", torch.tensor(2.0), whole(torch.zeros(3))), {})
+
+
+def test_lists_of_one_plain_value_per_row_are_split_with_the_rows():
+    x = torch.arange(4)
+    names, classes, tags = ["a", "b", "c", "d"], ["cat", "dog"], ("t0", "t1", "t2", "t3")
+    split = BatchSplit((x, names), {"meta": {"tags": tags, "classes": classes}, "record": Pair("l", "r")})
+    args, kwargs = split.micro_batch(1, 3)
+    assert args[1] == ["b", "c"] and kwargs["meta"]["tags"] == ("t1", "t2")
+    assert kwargs["meta"]["classes"] is classes, "a list of another length reaches every micro-batch whole"
+    assert kwargs["record"] == Pair("l", "r")
+    untouched = BatchSplit((x, classes), {})
+    assert untouched.micro_batch(0, 2)[0][1] is classes
+
+
+def test_windows_cover_the_batch_and_parts_never_share_a_window():
+    from toma.splitting import Parts
+
+    first, second = BatchSplit((torch.zeros(5, 2),), {}), BatchSplit((torch.zeros(3, 7),), {})
+    assert [(s, e) for _, s, e in first.windows(2)] == [(0, 2), (2, 4), (4, 5)]
+    parts = Parts([first, second])
+    assert parts.size == 8 and parts.largest == 5
+    assert [(split is first, s, e) for split, s, e in parts.windows(4)] == [(True, 0, 4), (True, 4, 5), (False, 0, 3)]

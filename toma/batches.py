@@ -74,6 +74,24 @@ def _cannot_join(path: str, parts: List[Any]) -> ValueError:
     )
 
 
+def _check_cuttable(batch: Any, count: int, path: str) -> None:
+    """Refuse to cut a batch holding a list of plain values that is not one item per row: cut, it would go
+    whole to both pieces and pair its items with the wrong rows."""
+    if is_row_sequence_candidate(batch):
+        if batch and len(batch) != count:
+            raise ValueError(
+                f"cannot cut a batch into logical batches: batch{path} is a {type(batch).__name__} of {len(batch)} "
+                f"items for {count} rows, so it cannot be split with the rows. Make it a tensor or a list with one "
+                "item per row, or give the loader the logical batch size"
+            )
+    elif isinstance(batch, (tuple, list)):
+        for i, item in enumerate(batch):
+            _check_cuttable(item, count, f"{path}[{i}]")
+    elif isinstance(batch, Mapping):
+        for key, value in batch.items():
+            _check_cuttable(value, count, f"{path}[{key!r}]")
+
+
 def concatenate(parts: List[Any]) -> Any:
     """The batches in `parts` joined along dim 0: tensors concatenated, lists of one item per row joined,
     anything else kept when every batch has the same value (ValueError otherwise)."""
@@ -137,6 +155,7 @@ def logical_batches(data: Iterable[Any], batch_size: int) -> Iterator[Any]:
                     pieces.append((piece, count))
                     wanted -= count
                 else:  # cut: the rest stays for the next logical batch
+                    _check_cuttable(piece, count, "")
                     pieces.append((take(piece, 0, wanted), wanted))
                     pending.insert(0, (take(piece, wanted, count), count - wanted))
                     wanted = 0
