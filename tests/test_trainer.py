@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import WIDE_MLP_UNDER_A_CAP, raise_fake_oom, run_python
+from helpers import COLLECT_TOMA_LOG, WIDE_MLP_UNDER_A_CAP, raise_fake_oom, run_python
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -464,3 +464,63 @@ def test_the_progress_bar_counts_the_steps_the_sampler_gives():
     trainer.fit(1)
     assert len(trainer.history.steps) == 3
     assert "3/3" in out.getvalue() and "/6" not in out.getvalue()
+
+
+@pytest.mark.slow
+def test_padded_loader_batches_train_exactly_under_a_real_cpu_memory_cap():
+    """Loader batches of 128 rows padded to their own widths, joined into logical batches of 512 that cannot be
+    one tensor: under the cap a 128-row micro-batch runs out of memory for real, and the step still equals the
+    token-mean step computed before the cap."""
+    out = run_python(
+        COLLECT_TOMA_LOG
+        + """
+import json, torch, torch.nn as nn, torch.nn.functional as F
+torch.set_num_threads(1)
+from toma import Trainer
+from toma.cpu_memory import predictable_heap, set_cpu_memory_headroom
+predictable_heap()
+VOCAB = 8192
+generator = torch.Generator().manual_seed(0)
+batches = []
+for width in (16, 9, 13, 16, 11, 16, 8, 14):
+    ids = torch.randint(0, VOCAB, (128, width), generator=generator)
+    labels = ids.clone()
+    lengths = torch.randint(1, width + 1, (128,), generator=generator)
+    labels[torch.arange(width)[None, :] >= lengths[:, None]] = -100
+    batches.append({"input_ids": ids, "labels": labels})
+def make():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(VOCAB, 16), nn.Linear(16, VOCAB))
+def loss_of(model, batch, reduction="mean"):
+    logits = model(batch["input_ids"])[:, :-1]
+    return F.cross_entropy(logits.reshape(-1, VOCAB), batch["labels"][:, 1:].reshape(-1), ignore_index=-100,
+                           reduction=reduction)
+def tokens(batch):
+    return (batch["labels"][:, 1:] != -100).sum()
+reference = make()
+optimizer = torch.optim.SGD(reference.parameters(), lr=1.0)
+for logical in (batches[:4], batches[4:]):
+    optimizer.zero_grad()
+    total = sum(int(tokens(b)) for b in logical)
+    for b in logical:
+        for s in range(0, 128, 32):
+            part = {k: v[s:s + 32] for k, v in b.items()}
+            (loss_of(reference, part, "sum") / total).backward()
+    optimizer.step()
+model = make()
+trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=1.0), None, batches, batch_size=512,
+                  forward=lambda b: loss_of(model, b), weight=tokens, verbose=0)
+set_cpu_memory_headroom(96 / 1024)
+trainer.fit(1)
+error = max(float((p - q).abs().max()) for p, q in zip(model.parameters(), reference.parameters()))
+print(json.dumps(dict(messages=messages, error=error, micro_batch=trainer.micro_batch,
+                      rows=[s["rows"] for s in trainer.history.steps])))
+""",
+        timeout=240,
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    ooms = [m for m in result["messages"] if "ran out of memory" in m]
+    assert ooms and all(m.startswith("Trainer.step ran out of memory at micro-batch size") for m in ooms)
+    assert all("can't allocate memory" in m for m in ooms)
+    assert result["rows"] == [512, 512] and result["micro_batch"] < 128
+    assert result["error"] < 1e-6
