@@ -50,13 +50,18 @@ class BufferStash:
                     module._buffers[name] = buffer
 
 
+def _accelerator_in_use() -> bool:
+    if torch.cuda.is_initialized():
+        return True
+    xpu = getattr(torch, "xpu", None)
+    return bool(xpu is not None and xpu.is_available() and xpu.is_initialized())
+
+
 def _accelerator_devices(tensors: Iterable[torch.Tensor]) -> List[torch.device]:
-    devices: Set[torch.device] = set()
-    for tensor in tensors:
-        device = tensor.device
-        if device.type not in ("cpu", "meta"):
-            devices.add(device)
-    return sorted(devices, key=str)
+    if not _accelerator_in_use():  # a CPU-only process: nothing to look at
+        return []
+    devices: Set[torch.device] = {tensor.device for tensor in tensors}
+    return sorted((device for device in devices if device.type not in ("cpu", "meta")), key=str)
 
 
 class RandomState:
