@@ -68,6 +68,7 @@ def test_the_new_names():
         assert hasattr(toma_package, name), name
     assert callable(toma.accumulate) and callable(toma_package.explicit.accumulate)
     assert toma.whole is toma_package.whole
+    assert issubclass(toma_package.AccumulationMisuse, RuntimeError)
 
 
 def test_version_and_type_marker():

@@ -20,6 +20,7 @@ from toma.batchsize_cache import (
 from toma.cpu_memory import is_out_of_cpu_memory
 from toma.forms import PackageModule, explicit, simple, toma
 from toma.history import TrainingHistory
+from toma.misuse import AccumulationMisuse
 from toma.oom import register_oom_predicate, release_memory, should_reduce_batch_size, unregister_oom_predicate
 from toma.policy import Halving, ShrinkByFactor, SizePolicy
 from toma.splitting import whole
@@ -45,6 +46,7 @@ __all__ = [
     "ShrinkByFactor",
     "Halving",
     "whole",
+    "AccumulationMisuse",
     "Trainer",
     "Callback",
     "StopTraining",
