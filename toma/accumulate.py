@@ -227,10 +227,7 @@ def _hint_whole(error: BaseException, split: BatchSplit, rows: int) -> None:
         f"every tensor with {split.size} rows: {split.describe()}. A tensor that is not part of the batch "
         "(class weights, say) goes to every micro-batch whole when wrapped in toma.whole(...)"
     )
-    if hasattr(error, "add_note"):
-        error.add_note(note)
-    else:
-        error.__notes__ = [*getattr(error, "__notes__", ()), note]  # type: ignore[attr-defined]
+    engine.add_note(error, note)
 
 
 @dataclass

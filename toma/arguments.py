@@ -14,6 +14,7 @@ __all__ = [
     "check_tensor_dimension",
     "check_dimension",
     "check_function",
+    "innermost_function",
 ]
 
 
@@ -76,15 +77,20 @@ _DEFERRED = (
 )
 
 
-def _code_of(func: Any) -> Any:
+def innermost_function(func: Any) -> Any:
+    """The function inside staticmethods, bound methods and partials, however deeply nested."""
     target = func
-    for _ in range(16):  # staticmethods, bound methods and partials, however deeply nested
+    while True:
         inner = getattr(target, "__func__", None)
         if inner is None and isinstance(target, functools.partial):
             inner = target.func
         if inner is None:
-            break
+            return target
         target = inner
+
+
+def _code_of(func: Any) -> Any:
+    target = innermost_function(func)
     code = getattr(target, "__code__", None)
     if code is None:  # a callable object: its class's __call__
         code = getattr(getattr(type(target), "__call__", None), "__code__", None)

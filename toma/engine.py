@@ -17,7 +17,7 @@ from toma.free_memory import GAUGE
 from toma.oom import release_memory, should_reduce_batch_size
 from toma.policy import SizePolicy, shrink_below
 
-__all__ = ["Step", "run", "drive", "BatchStep", "RangeStep", "ChunkStep"]
+__all__ = ["Step", "run", "drive", "BatchStep", "RangeStep", "ChunkStep", "add_note"]
 
 log = logging.getLogger("toma")
 
@@ -43,7 +43,8 @@ class Step(Protocol):
     def __call__(self, size: int) -> bool: ...
 
 
-def _add_note(exception: BaseException, note: str) -> None:
+def add_note(exception: BaseException, note: str) -> None:
+    """`exception.add_note(note)`, also on Python 3.10."""
     if hasattr(exception, "add_note"):
         exception.add_note(note)
     else:  # Python 3.10: keep the note where 3.11's traceback printer would look.
@@ -97,7 +98,7 @@ def run(
             except ValueError as invalid:
                 raise invalid from exception
             if smaller is None:
-                _add_note(
+                add_note(
                     exception,
                     f"toma: {_name(step)} ran out of memory at the smallest {step.size_name} ({failed}); "
                     f"there is nothing left to reduce. Called from {stacktrace.describe_call_site()}.",

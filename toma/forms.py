@@ -21,7 +21,14 @@ from toma.accumulate import (
     check_scaler,
     check_weight,
 )
-from toma.arguments import check_dimension, check_function, check_index, check_size, check_tensor_dimension
+from toma.arguments import (
+    check_dimension,
+    check_function,
+    check_index,
+    check_size,
+    check_tensor_dimension,
+    innermost_function,
+)
 from toma.batchsize_cache import (
     BatchsizeCache,
     BoundedDict,
@@ -65,14 +72,7 @@ def _drive(step: S, cache: BatchsizeCache, initial: int, policy: SizePolicy, dis
 def _function_context(func: Callable[..., Any]) -> Hashable:
     """Identify a function by its code, so that closures, lambdas and bound methods created anew share
     one cache entry and the cache keeps none of them (nor what they capture) alive."""
-    target: Any = func
-    while True:
-        inner = getattr(target, "__func__", None)
-        if inner is None and isinstance(target, functools.partial):
-            inner = target.func
-        if inner is None:
-            break
-        target = inner
+    target = innermost_function(func)
     code = getattr(target, "__code__", None)
     if code is not None:
         return code
