@@ -524,3 +524,21 @@ print(json.dumps(dict(messages=messages, error=error, micro_batch=trainer.micro_
     assert all("can't allocate memory" in m for m in ooms)
     assert result["rows"] == [512, 512] and result["micro_batch"] < 128
     assert result["error"] < 1e-6
+
+
+def test_an_evaluation_chunk_that_runs_out_of_memory_in_a_metric_is_counted_once(caplog):
+    model = TinyLM()
+    batches = padded_batches(count=2)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), None, batches, batch_size=4,
+                      forward=lambda b: model(**b), weight=label_tokens, verbose=0)
+
+    def fussy_accuracy(logits, labels):
+        if len(logits) > 2:
+            raise_fake_oom()  # after the chunk's loss was computed
+        return accuracy(logits, labels)
+
+    caplog.set_level("INFO", logger="toma")
+    fussy = trainer.evaluate(batches, metrics={"acc": fussy_accuracy})
+    plain = trainer.evaluate(batches, metrics={"acc": accuracy})
+    assert fussy["loss"] == pytest.approx(plain["loss"], rel=1e-6)
+    assert any("Trainer.evaluate ran out of memory at evaluation chunk size 4" in r.getMessage() for r in caplog.records)

@@ -458,13 +458,14 @@ class Trainer:
         if count == 0:
             return
         output = self.forward(to_device(part, self.device, non_blocking=True))  # type: ignore[misc]
-        loss = _loss_of(output).detach().float()
-        totals["loss"] += loss.item() * (count if self.reduction == "mean" else 1)
+        results = {"loss": _loss_of(output).detach().float().item() * (count if self.reduction == "mean" else 1)}
         if named:
             logits = _logits_of(output)
             targets = to_device(self.targets(part), self.device, non_blocking=True)
-            for name, metric in named.items():
-                totals[name] += float(metric(logits, targets)) * count
+            results.update({name: float(metric(logits, targets)) * count for name, metric in named.items()})
+        # Only a chunk that finished counts: one that runs out of memory half-way is redone whole.
+        for name, value in results.items():
+            totals[name] += value
         totals["_seen"] += count
 
     def _count(self, *parts: Any) -> float:
