@@ -605,6 +605,7 @@ def test_sizes_accept_numpy_integers_everywhere():
     log = []
     assert toma.batch(initial_batchsize=np.int64(8), policy=Halving(minimum=np.int64(4)))(oom_above(1, log)) is not None
     assert Halving(minimum=np.int32(4)).minimum == 4 and type(Halving(minimum=np.int64(4)).minimum) is int
+    assert ShrinkByFactor(np.float32(0.75)).shrink(8) == 6
     assert explicit.batch(oom_above(4, log), np.int64(16)) == (4, (), {})
     with pytest.raises(TypeError, match="minimum"):
         Halving(minimum=torch.tensor(True))

@@ -4,6 +4,7 @@ A policy is a small object with one method, `shrink(size)`, so a new back-off is
 """
 
 import math
+import numbers
 from typing import Any, Optional, SupportsIndex
 
 from toma.arguments import check_size
@@ -25,8 +26,9 @@ class ShrinkByFactor(SizePolicy):
     """
 
     def __init__(self, factor: float = 0.5, minimum: SupportsIndex = 1) -> None:
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)):
+        if isinstance(factor, bool) or not isinstance(factor, numbers.Real):
             raise TypeError(f"factor must be a number between 0 and 1, got {factor!r}")
+        factor = float(factor)
         if not 0 < factor < 1:
             raise ValueError(f"factor must be between 0 and 1 (exclusive), got {factor!r}")
         self.factor = factor
