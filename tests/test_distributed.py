@@ -247,3 +247,39 @@ def test_the_ddp_example_runs_under_torchrun():
     sizes = json.loads(out.split("micro-batch size on every rank: ")[1].splitlines()[0])
     assert len(sizes) == 2 and len(set(sizes)) == 1 and sizes[0] < 4096
     assert "parameters identical on every rank: True" in out
+
+
+def test_ddp_buffers_are_broadcast_outside_the_retried_region():
+    """With broadcast_buffers (DDP's default) and BatchNorm, a rank that runs out of memory before its first
+    forward pass, or whose micro-batches all weigh nothing, must not leave rank 0 alone in DDP's buffer
+    broadcast: after every logical batch the ranks hold rank 0's buffers."""
+    code = (
+        SETUP.replace("TIMEOUT", "20")
+        + """
+torch.manual_seed(1)
+model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+ddp = nn.parallel.DistributedDataParallel(model)   # broadcast_buffers=True
+x, y = data()
+state = dict(call=0)
+@toma.accumulate(model=ddp, initial_micro_batch=8, weight=lambda xb, yb: (yb != -100).sum())
+def compute_loss(xb, yb):
+    if rank == 1 and state["call"] < 2 and len(xb) > 4:
+        raise torch.OutOfMemoryError("CUDA out of memory (injected before the forward pass)")
+    return F.cross_entropy(ddp(xb), yb, ignore_index=-100)
+outcomes = []
+for call in range(4):
+    state["call"] = call
+    labels = torch.full_like(y, -100) if (rank == 1 and call == 2) else y   # rank 1 has nothing to learn from
+    ddp.zero_grad()
+    try:
+        compute_loss(x, labels)
+        outcomes.append("finished")
+    except Exception as error:
+        outcomes.append(f"{type(error).__name__}: {error}")
+finish(dict(outcomes=outcomes, mean=model[1].running_mean.tolist(), tracked=int(model[1].num_batches_tracked)))
+"""
+    )
+    results = [json.loads(out.strip().splitlines()[-1]) for out in run_ranks(code, 2, timeout=90)]
+    for result in results:
+        assert result["outcomes"] == ["finished"] * 4
+    assert results[0]["mean"] == results[1]["mean"] and results[0]["tracked"] == results[1]["tracked"]

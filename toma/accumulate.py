@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from toma import engine
 from toma.batchsize_cache import BatchsizeCache
-from toma.distributed import Agreement, all_reduce_gradients, is_distributed
+from toma.distributed import Agreement, all_reduce_gradients, broadcast_buffers, is_distributed
 from toma.gradients import GradientStash
 from toma.misuse import AccumulationMisuse, MisuseWatch
 from toma.oom import should_reduce_batch_size
@@ -138,6 +138,9 @@ class AgreeingDDP:
     def __init__(self, model: DistributedDataParallel) -> None:
         self.model = model
         self.agreement = Agreement(model.process_group)
+        # Set on construction (and by a synchronised forward pass outside toma), it makes the next forward
+        # pass broadcast buffers; `synchronise` does that outside the retried region instead.
+        model.require_forward_param_sync = False
 
     def micro_batch(self, last: bool) -> ContextManager[Any]:
         return self.model.no_sync()
@@ -145,9 +148,10 @@ class AgreeingDDP:
     def synchronise(self, params: List[torch.Tensor]) -> None:
         all_reduce_gradients(params, self.model.process_group)
         if getattr(self.model, "broadcast_buffers", False):
-            # Under no_sync DDP stops broadcasting buffers (BatchNorm statistics) before forward passes;
-            # a real synchronised step would turn it back on for the next one, so do what it would.
-            self.model.require_forward_param_sync = True
+            # DDP would broadcast rank 0's buffers (BatchNorm statistics) in the next forward pass, a
+            # collective inside the region that may be retried: a rank that skips its forward passes would
+            # leave the others waiting. Broadcast them here, after the agreement, and keep DDP's off.
+            broadcast_buffers(self.model)
 
     def abort(self) -> None:
         pass

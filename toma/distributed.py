@@ -31,6 +31,7 @@ __all__ = [
     "AgreedStep",
     "agreement_for",
     "all_reduce_gradients",
+    "broadcast_buffers",
     "is_distributed",
 ]
 
@@ -198,3 +199,12 @@ def all_reduce_gradients(params: List[torch.Tensor], group: Any = None, bucket_b
         for grad in bucket:
             grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
             offset += grad.numel()
+
+
+def broadcast_buffers(model: Any) -> None:
+    """Rank 0's module buffers (BatchNorm statistics) to every rank of a DistributedDataParallel `model`,
+    the broadcast DDP itself makes before a synchronised forward pass (its own method: ignored buffers,
+    join and buffer hooks as DDP handles them)."""
+    ignored = getattr(model, "parameters_to_ignore", ())
+    if any(name not in ignored for name, _ in model.module.named_buffers()):  # DDP asserts there is one
+        model._sync_buffers()
