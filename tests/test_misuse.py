@@ -52,11 +52,30 @@ def test_stepping_inside_is_an_error_that_says_where_the_step_goes():
         if any(p.grad is not None for p in model.parameters()):
             optimizer.step()
 
-    model, _, compute_loss, inputs, targets = inside(step)
+    model, start, compute_loss, inputs, targets = inside(step)
     with pytest.raises(AccumulationMisuse, match=r"optimizer.step\(\).*after the accumulated call") as info:
         explicit.accumulate(compute_loss, model, 8, inputs, targets)
     assert "0.weight" in str(info.value)
     assert all(p.grad is None for p in model.parameters())
+    for p, before in zip(model.parameters(), start, strict=True):
+        assert torch.equal(p, before), "the step is refused before it changes a weight"
+
+
+def test_an_optimizer_of_other_parameters_or_another_thread_may_step():
+    """A second model's optimizer (a GAN's discriminator, an EMA teacher) is not the watched model's."""
+    model, optimizer, inputs, targets = case()
+    other = nn.Linear(3, 1)
+    other_optimizer = torch.optim.SGD(other.parameters(), lr=0.1)
+
+    @toma.accumulate(model=model, initial_micro_batch=8)
+    def compute_loss(inputs, targets):
+        logits = model(inputs)
+        other(logits.detach()).sum().backward()
+        other_optimizer.step()
+        return F.cross_entropy(logits, targets)
+
+    compute_loss(inputs, targets)
+    assert all(p.grad is not None for p in model.parameters())
 
 
 def test_a_model_used_the_intended_way_is_not_flagged():
@@ -87,3 +106,25 @@ def test_zero_grad_before_the_first_backward_changes_nothing_and_is_allowed():
 
     toma.accumulate(model=model, initial_micro_batch=8)(compute_loss)(inputs, targets)
     assert calls == [8] * 4
+
+
+def test_modules_that_change_weights_or_gradients_legitimately_are_not_flagged():
+    """Embedding(max_norm=...) renormalises its weight in place in every forward pass; reentrant
+    checkpointing adds to a gradient several times per backward pass. Neither is misuse."""
+    torch.manual_seed(0)
+    embedding, head = nn.Embedding(50, 8, max_norm=1.0), nn.Linear(8, 3)
+    model = nn.ModuleDict(dict(embedding=embedding, head=head))
+    tokens, targets = torch.randint(0, 50, (N,)), torch.randint(0, 3, (N,))
+
+    def body(x):
+        return torch.relu(head(x)) + torch.relu(head(x))  # `head` used twice: two additions per backward
+
+    @toma.accumulate(model=model, initial_micro_batch=8)
+    def compute_loss(tokens, targets):
+        hidden = embedding(tokens * 1)
+        out = torch.utils.checkpoint.checkpoint(body, hidden, use_reentrant=True)
+        return F.cross_entropy(out, targets)
+
+    compute_loss(tokens, targets)
+    assert compute_loss.stats.micro_batch == 8
+    assert all(p.grad is not None for p in model.parameters())

@@ -117,3 +117,68 @@ def test_random_state_restores_the_generator_of_the_cuda_device_in_use():
     first = torch.rand(4, device="cuda")
     state.restore()
     assert torch.equal(torch.rand(4, device="cuda"), first)
+
+
+class Rotary(nn.Module):
+    """A lazily grown, non-persistent cache (as rotary embeddings keep): re-registered, with a Python
+    attribute that must agree with it, whenever a longer sequence comes."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.cached = 0
+        self.register_buffer("table", torch.zeros(0, 4), persistent=False)
+
+    def forward(self, x):
+        if x.shape[1] > self.cached:
+            self.cached = x.shape[1]
+            self.register_buffer("table", torch.ones(self.cached, 4), persistent=False)
+        return self.linear(x + self.table[: x.shape[1]])
+
+
+def test_a_cache_the_attempt_rebuilt_is_kept_and_only_state_is_rolled_back():
+    torch.manual_seed(0)
+    model = Rotary()
+    short, long = torch.randn(8, 2, 4), torch.randn(8, 6, 4)
+    calls = []
+
+    @toma.accumulate(model=model, initial_micro_batch=4, cache_type=NoBatchsizeCache)
+    def compute_loss(x):
+        calls.append(len(x))
+        out = model(x).sum()
+        if len(x) > 2 and len(calls) == 2:
+            raise_fake_oom()
+        return out
+
+    compute_loss(short)
+    calls.clear()
+    compute_loss(long)  # the cache grows to 6 in the failed attempt; the retry must still find it
+    assert calls == [4, 4, 2, 2, 2, 2]
+    assert model.cached == 6 and model.table.shape == (6, 4)
+    assert "table" not in BufferStash(model).names(), "non-persistent buffers are not saved"
+
+
+def test_an_out_of_memory_error_while_saving_still_rolls_back_the_retry(monkeypatch):
+    model = bn_dropout_model()
+    inputs, targets = data()
+    real_save, saves = BufferStash.save, []
+
+    def save(self):
+        saves.append(1)
+        if len(saves) == 1:
+            raise_fake_oom()
+        real_save(self)
+
+    monkeypatch.setattr(BufferStash, "save", save)
+    sizes = []
+
+    @toma.accumulate(model=model, initial_micro_batch=32, cache_type=NoBatchsizeCache)
+    def compute_loss(inputs, targets):
+        sizes.append(len(inputs))
+        loss = F.cross_entropy(model(inputs), targets)
+        if len(inputs) > 8 and len(sizes) > 1:
+            raise_fake_oom()
+        return loss
+
+    compute_loss(inputs, targets)
+    assert sizes[-8:] == [8] * 8 and int(model[1].num_batches_tracked) == 8

@@ -290,9 +290,9 @@ class AccumulateStep:
         self.attempts += 1
         if self.random is None:
             self.random = RandomState(self._devices_in_use())
-            self.buffers.save()
         else:  # a retry: the same random numbers as the failed attempt drew
             self.random.restore()
+        self.buffers.save_once()
         asked, size = size, self.effective(size)
         self.size = size
         windows = self.batch.windows(size)
@@ -337,34 +337,35 @@ class AccumulateStep:
         factors = self._factors(windows, arguments)
         running = [index for index, factor in enumerate(factors) if factor is not None]
         last = running[-1] if running else -1
-        self.watch.start()
         total: Optional[torch.Tensor] = None
-        for index in running:
-            split, start, stop = windows[index]
-            args, kwargs = arguments[index]
-            factor = factors[index] or 0.0
-            with self.sync.micro_batch(last=index == last):
-                try:
-                    loss = self.func(*args, **kwargs)
-                except Exception as error:
-                    if stop - start < split.size and not should_reduce_batch_size(error):
-                        _hint_whole(error, split, stop - start)
-                    raise
-                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                    raise _loss_error(self.func, loss)
-                if factor != 1.0:
-                    loss = loss * factor
-                scaled = loss if self.scaler is None else self.scaler.scale(loss)
-                if autocast:
-                    with _autocast_off(autocast):
+        with self.watch:
+            for index in running:
+                split, start, stop = windows[index]
+                args, kwargs = arguments[index]
+                factor = factors[index] or 0.0
+                with self.sync.micro_batch(last=index == last):
+                    try:
+                        loss = self.func(*args, **kwargs)
+                    except AccumulationMisuse:
+                        raise
+                    except Exception as error:
+                        if 1 < stop - start < split.size and not should_reduce_batch_size(error):
+                            _hint_whole(error, split, stop - start)
+                        raise
+                    self.watch.loss_done()
+                    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                        raise _loss_error(self.func, loss)
+                    if factor != 1.0:
+                        loss = loss * factor
+                    scaled = loss if self.scaler is None else self.scaler.scale(loss)
+                    if autocast:
+                        with _autocast_off(autocast):
+                            scaled.backward()
+                    else:
                         scaled.backward()
-                else:
-                    scaled.backward()
-            if total is None:
-                self.watch.first_done()
-            loss = loss.detach()
-            total = loss if total is None else total + loss
-        self.watch.check(len(running) - 1)
+                self.watch.backward_done()
+                loss = loss.detach()
+                total = loss if total is None else total + loss
         if total is None:  # every micro-batch counted 0 items: nothing to learn from, no NaN
             return torch.zeros((), device=self.params[0].device if self.params else None)
         return total if total.dim() == 0 else total.reshape(())

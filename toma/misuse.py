@@ -1,21 +1,32 @@
-"""Detecting an accumulated function that changes parameters or gradients behind toma's back.
+"""Detecting an accumulated function that steps the optimizer or changes gradients behind toma's back.
 
 Calling `optimizer.step()`, `optimizer.zero_grad()` or `clip_grad_norm_` inside the function that computes
 a micro-batch's loss silently breaks gradient accumulation (each micro-batch steps, or wipes the others'
-gradients). Autograd's version counters show it at the cost of reading an int per parameter: a parameter
-changed in place, or a gradient replaced, removed or changed in place more often than backward passes add
-to it.
+gradients). Three cheap signals show it without flagging modules that legitimately write in place
+(`Embedding(max_norm=...)` renormalises its weight in every forward pass; reentrant checkpointing adds to
+a gradient several times per backward pass):
+- an optimizer step on a watched parameter, seen by a global step pre-hook (it raises before the step);
+- a gradient replaced, removed (`zero_grad()` sets them to None) or changed in place while the function
+  ran, that is between two of toma's backward passes (the function computes a loss; toma runs backward).
 """
 
-from typing import List, Optional, Sequence
+import threading
+from types import TracebackType
+from typing import Any, List, Optional, Sequence, Type
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 __all__ = ["AccumulationMisuse", "MisuseWatch"]
 
+_ZEROING = (
+    "calling optimizer.zero_grad() (or clipping or otherwise changing gradients) inside it drops the other "
+    "micro-batches' gradients. Call optimizer.zero_grad() before the accumulated call and clip after it"
+)
+
 
 class AccumulationMisuse(RuntimeError):
-    """The accumulated function changed parameters or gradients itself; the message says what to move out."""
+    """The accumulated function stepped or changed gradients itself; the message says what to move out."""
 
 
 def _names(params: Sequence[torch.Tensor], model: torch.nn.Module) -> List[str]:
@@ -24,56 +35,61 @@ def _names(params: Sequence[torch.Tensor], model: torch.nn.Module) -> List[str]:
 
 
 class MisuseWatch:
-    """Watches one attempt: `start()` before the first micro-batch, `first_done()` after its backward pass,
-    `check(micro_batches)` after the last one. `check_grads` is off where someone else (DDP's reducer, which
-    may swap gradients for views of its buckets) legitimately writes into the gradients."""
+    """Watches one attempt, entered around its micro-batches: `loss_done()` after the function returned a
+    micro-batch's loss, `backward_done()` after toma's backward pass of it. `check_grads` is off where
+    someone else (DDP's reducer, which may swap gradients for views of its buckets) writes into them."""
 
-    __slots__ = ("params", "model", "check_grads", "param_versions", "grads", "grad_versions")
+    __slots__ = ("params", "model", "check_grads", "grads", "versions", "handle", "thread")
 
     def __init__(self, params: Sequence[torch.Tensor], model: torch.nn.Module, check_grads: bool) -> None:
         self.params, self.model, self.check_grads = params, model, check_grads
-        self.param_versions: List[int] = []
-        self.grads: List[Optional[torch.Tensor]] = []
-        self.grad_versions: List[int] = []
+        self.grads: List[Optional[torch.Tensor]] = []  # and their versions, after the latest backward pass
+        self.versions: List[int] = []
+        self.handle: Any = None
+        self.thread = 0
 
-    def start(self) -> None:
-        self.param_versions = [p._version for p in self.params]
-        self.grads = []
+    def __enter__(self) -> "MisuseWatch":
+        self.grads, self.versions = [], []
+        self.thread = threading.get_ident()
+        self.handle = register_optimizer_step_pre_hook(self._before_step)
+        return self
 
-    def first_done(self) -> None:
-        if not self.check_grads:
-            return
-        self.grads = [p.grad for p in self.params]
-        self.grad_versions = [-1 if g is None else g._version for g in self.grads]
+    def __exit__(
+        self, kind: Optional[Type[BaseException]], error: Optional[BaseException], trace: Optional[TracebackType]
+    ) -> None:
+        self.handle.remove()
 
-    def check(self, later_micro_batches: int) -> None:
-        """Raise AccumulationMisuse if the attempt changed a parameter, or a gradient other than by the
-        `later_micro_batches` backward passes after the first."""
-        changed = [i for i, p in enumerate(self.params) if p._version != self.param_versions[i]]
-        if changed:
-            names = ", ".join(_names(self.params, self.model)[i] for i in changed[:3])
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if threading.get_ident() != self.thread:
+            return  # another thread's training
+        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        names = [name for p, name in zip(self.params, _names(self.params, self.model)) if id(p) in stepped]
+        if names:
             raise AccumulationMisuse(
-                f"toma: parameters changed while the accumulated function ran ({names}): calling "
-                "optimizer.step() (or changing weights in place) inside it steps once per micro-batch. Call "
-                "optimizer.step() after the accumulated call returns"
+                f"toma: optimizer.step() was called inside the accumulated function (it updates "
+                f"{', '.join(names[:3])}): it would step once per micro-batch. Call optimizer.step() after the "
+                "accumulated call returns"
             )
+
+    def backward_done(self) -> None:
+        if self.check_grads:
+            self.grads = [p.grad for p in self.params]
+            self.versions = [-1 if g is None else g._version for g in self.grads]
+
+    def loss_done(self) -> None:
+        """Raise AccumulationMisuse if the function, since the previous backward pass, replaced, removed or
+        changed a gradient in place."""
         if not self.grads:
-            return
+            return  # before the attempt's first backward pass nothing of it can be lost
         for i, (p, before) in enumerate(zip(self.params, self.grads, strict=True)):
-            if before is None:
-                continue
             grad = p.grad
-            replaced = grad is not before
-            rewritten = (
-                not replaced
-                and grad is not None
-                and grad._version - self.grad_versions[i] > later_micro_batches
-            )
-            if replaced or rewritten:
-                name = _names(self.params, self.model)[i]
-                raise AccumulationMisuse(
-                    f"toma: the gradient of {name} was {'replaced or removed' if replaced else 'changed'} while "
-                    "the accumulated function ran: calling optimizer.zero_grad() (or clipping or otherwise "
-                    "changing gradients) inside it drops the other micro-batches' gradients. Call "
-                    "optimizer.zero_grad() before the accumulated call and clip after it"
-                )
+            if grad is not before:
+                self._raise(i, "replaced or removed")
+            if grad is not None and grad._version != self.versions[i]:
+                self._raise(i, "changed")
+
+    def _raise(self, index: int, what: str) -> None:
+        name = _names(self.params, self.model)[index]
+        raise AccumulationMisuse(
+            f"toma: the gradient of {name} was {what} while the accumulated function ran: {_ZEROING}"
+        )

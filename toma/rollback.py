@@ -1,7 +1,7 @@
 """Undoing what a failed attempt did besides gradients, so that its retry starts from the same state.
 
-- `BufferStash`: the buffers of modules in training mode (BatchNorm's running mean and variance and
-  `num_batches_tracked`), which every forward pass updates: a retry must not count the failed forward
+- `BufferStash`: the persistent buffers of modules in training mode (BatchNorm's running mean and variance
+  and `num_batches_tracked`), which every forward pass updates: a retry must not count the failed forward
   passes again.
 - `RandomState`: the random number generators (CPU and the accelerator devices in use), so that a retried
   attempt draws the same dropout masks as one that fit at the final size from the same seed
@@ -16,38 +16,48 @@ __all__ = ["BufferStash", "RandomState"]
 
 
 class BufferStash:
-    """The buffers of `model`'s modules that are in training mode, saved once per call (one fused copy per
-    device and dtype into tensors kept between calls) and put back after a failed attempt."""
+    """The persistent buffers of `model`'s modules in training mode (the state a forward pass updates:
+    BatchNorm's statistics, an EMA, spectral norm's vectors), copied once per call and put back after a
+    failed attempt. Non-persistent buffers are caches a module rebuilds (rotary tables, causal masks): they
+    are neither copied nor touched, and neither is a buffer the attempt replaced by one of another shape."""
 
     __slots__ = ("slots", "saved")
 
     def __init__(self, model: torch.nn.Module) -> None:
-        # (module, name, the tensor) for every buffer a forward pass may update in place
+        # (module, name, the tensor) for every buffer a forward pass may update
         self.slots: List[Tuple[torch.nn.Module, str, torch.Tensor]] = [
             (module, name, buffer)
             for module in model.modules()
             if module.training
             for name, buffer in module._buffers.items()
-            if buffer is not None
+            if buffer is not None and name not in module._non_persistent_buffers_set
         ]
         self.saved: Optional[List[torch.Tensor]] = None
 
+    def names(self) -> List[str]:
+        return [name for _, name, _ in self.slots]
+
     def save(self) -> None:
-        if not self.slots:
-            return
         with torch.no_grad():
             self.saved = [buffer.detach().clone() for _, _, buffer in self.slots]
 
+    def save_once(self) -> None:
+        """Save unless saved already: an attempt whose save ran out of memory leaves it to the next one."""
+        if self.saved is None:
+            self.save()
+
     def restore(self) -> None:
-        """Every buffer back to its saved value, in the same tensor object (also where the attempt assigned
-        a new tensor to the module's attribute)."""
+        """Every saved buffer back to its value, in the same tensor object (also where the attempt assigned
+        a new tensor of the same shape to the module's attribute)."""
         if self.saved is None:
             return
         with torch.no_grad():
             for (module, name, buffer), value in zip(self.slots, self.saved, strict=True):
+                current = module._buffers.get(name)
+                if current is not buffer and (current is None or current.shape != buffer.shape):
+                    continue  # rebuilt or removed by the module: not a value to roll back
                 buffer.copy_(value)
-                if module._buffers.get(name) is not buffer:
-                    module._buffers[name] = buffer
+                module._buffers[name] = buffer
 
 
 def _accelerator_in_use() -> bool:
