@@ -542,3 +542,34 @@ def test_an_evaluation_chunk_that_runs_out_of_memory_in_a_metric_is_counted_once
     plain = trainer.evaluate(batches, metrics={"acc": accuracy})
     assert fussy["loss"] == pytest.approx(plain["loss"], rel=1e-6)
     assert any("Trainer.evaluate ran out of memory at evaluation chunk size 4" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("with_scaler", [False, True], ids=["optimizer", "GradScaler"])
+def test_a_logical_batch_with_nothing_to_learn_from_takes_no_optimizer_step(with_scaler):
+    """A logical batch whose labels are all padding counts 0 tokens: no backward pass runs, so neither the
+    optimizer (Adam would still move the weights by its momentum) nor the GradScaler (which asserts that
+    it saw gradients) may step."""
+    model = TinyLM()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    batches = padded_batches(count=2)
+    for b in batches:
+        b["labels"].fill_(PAD)
+    scaler = torch.amp.GradScaler("cpu") if with_scaler else None
+    trainer = Trainer(model, optimizer, None, batches, batch_size=4, forward=lambda b: model(**b),
+                      weight=label_tokens, scaler=scaler, verbose=0)
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer.fit(1)
+    assert trainer.global_step == 2 and not optimizer.state, "Adam never stepped"
+    for p, q in zip(model.parameters(), before, strict=True):
+        assert torch.equal(p, q)
+
+
+def test_evaluation_runs_each_batch_whole_until_one_runs_out_of_memory():
+    """The first evaluation batch's row count is not a limit: a short first batch must not chunk the rest."""
+    model, optimizer = model_and_optimizer()
+    seen = []
+    model.register_forward_pre_hook(lambda module, inputs: seen.append(len(inputs[0])))
+    batches = [(torch.randn(n, FEATURES), torch.randint(0, CLASSES, (n,))) for n in (3, 40, 100)]
+    trainer = Trainer(model, optimizer, nn.CrossEntropyLoss(), batches, batch_size=4, verbose=0)
+    trainer.evaluate(batches)
+    assert seen == [3, 40, 100]

@@ -7,6 +7,7 @@ stays on the host (or wherever the data is) and each micro-batch moves to the de
 logical batch larger than GPU memory trains too.
 """
 
+import logging
 import math
 import time
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, TextIO, Tuple, Union
@@ -23,6 +24,8 @@ from toma.memory import History as MemoryHistory
 from toma.policy import DEFAULT_POLICY
 from toma.progress import VERBOSITY, Progress
 from toma.splitting import BatchSplit, Parts
+
+logger = logging.getLogger("toma")
 
 __all__ = ["Trainer", "Callback", "StopTraining", "accuracy", "METRICS"]
 
@@ -154,6 +157,11 @@ def _rows_per_epoch(data: Any) -> Optional[int]:
     if getattr(batch_sampler, "drop_last", False):
         count -= count % batch_size
     return count
+
+
+# The evaluation cache's starting size: every batch whole (chunks are capped at its rows) until one runs
+# out of memory; not the first batch's rows, which a short first batch would turn into a limit for all.
+_WHOLE_BATCHES = 2**30
 
 
 class _EvaluationChunks(engine.RangeStep):
@@ -295,7 +303,10 @@ class Trainer:
             stats=self.stats,
             name="Trainer.step",
         )
-        if self.scaler is not None:
+        if self.stats.weight == 0:
+            # Nothing counted (all labels padding): no backward pass ran, so there is nothing to step on.
+            logger.debug("Trainer.step: the logical batch counted 0 items; no optimizer step")
+        elif self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
         else:
@@ -447,7 +458,7 @@ class Trainer:
     def _chunks(self, func: Callable[..., None], rows_: int, *args: Any) -> None:
         """`func(start, stop, *args)` over `[0, rows_)` in chunks that fit (the trainer's evaluation size)."""
         step = _EvaluationChunks(func, 0, rows_, args, {}, name="Trainer.evaluate")
-        engine.drive(step, self._evaluation_cache, rows_, DEFAULT_POLICY)
+        engine.drive(step, self._evaluation_cache, _WHOLE_BATCHES, DEFAULT_POLICY)
 
     def _predict_rows(self, start: int, stop: int, inputs: Any, outputs: List[torch.Tensor]) -> None:
         outputs.append(self.model(to_device(take(inputs, start, stop), self.device, non_blocking=True)))
