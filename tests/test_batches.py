@@ -65,3 +65,26 @@ def test_batches_of_different_widths_become_segments_not_one_tensor():
     assert rows(logical) == 6
     (joined,) = list(logical_batches([(narrow, narrow[:, 0]), (narrow_too, narrow_too[:, 0])], 4))
     assert not isinstance(joined, Segments) and joined[0].shape == (4, 3)
+
+
+def test_zero_dim_tensors_are_values_joined_only_when_equal_and_lists_of_them_are_per_row():
+    a = {"x": torch.zeros(2, 3), "temperature": torch.tensor(0.5), "scores": [torch.tensor(1.0), torch.tensor(2.0)]}
+    b = {"x": torch.ones(2, 3), "temperature": torch.tensor(0.5), "scores": [torch.tensor(3.0), torch.tensor(4.0)]}
+    joined = concatenate([a, b])
+    assert torch.equal(joined["temperature"], torch.tensor(0.5))
+    assert [float(s) for s in joined["scores"]] == [1.0, 2.0, 3.0, 4.0]
+    assert [float(s) for s in take(joined, 1, 3)["scores"]] == [2.0, 3.0]
+    b["temperature"] = torch.tensor(0.7)
+    with pytest.raises(ValueError, match=r"batch\['temperature'\] \(Tensor\)"):
+        concatenate([a, b])  # not silently the first batch's value
+
+
+def test_per_row_lists_inside_a_tuple_of_lists_are_cut_and_joined_like_inside_a_dict():
+    names, ids = ["a", "b", "c", "d"], [10, 11, 12, 13]
+    batch = (torch.arange(4), (names, ids))
+    part = take(batch, 1, 3)
+    assert part[1] == (["b", "c"], [11, 12])
+    other = (torch.arange(4, 6), (["e", "f"], [14, 15]))
+    joined = concatenate([batch, other])
+    assert joined[1] == (names + ["e", "f"], ids + [14, 15])
+    assert [b[1] for b in logical_batches([batch, other], 3)] == [(["a", "b", "c"], [10, 11, 12]), (["d", "e", "f"], [13, 14, 15])]

@@ -86,3 +86,27 @@ def test_windows_cover_the_batch_and_parts_never_share_a_window():
     parts = Parts([first, second])
     assert parts.size == 8 and parts.largest == 5
     assert [(split is first, s, e) for split, s, e in parts.windows(4)] == [(True, 0, 4), (True, 4, 5), (False, 0, 3)]
+
+
+def test_per_row_data_is_found_inside_sequences_and_a_shape_can_be_kept_whole():
+    x = torch.arange(4)
+    names, ids = ["a", "b", "c", "d"], [10, 11, 12, 13]
+    scores = [torch.tensor(float(i)) for i in range(4)]
+    split = BatchSplit((x, (names, ids), scores), {"size": whole((16, 16, 16, 16))})
+    args, kwargs = split.micro_batch(1, 3)
+    assert args[1] == (["b", "c"], [11, 12]), "as inside a dict: a tuple of per-row lists is looked into"
+    assert [float(s) for s in args[2]] == [1.0, 2.0], "0-dim tensors are values: a list of them is per row"
+    assert kwargs["size"] == (16, 16, 16, 16)
+
+
+def test_cutting_a_long_per_row_list_does_not_walk_it_again_for_every_micro_batch(monkeypatch):
+    import toma.splitting as splitting
+
+    rows_ = 4096
+    split = BatchSplit((torch.zeros(rows_), [str(i) for i in range(rows_)]), {})
+    walked = []
+    real = splitting._holds_batch_tensors
+    monkeypatch.setattr(splitting, "_holds_batch_tensors", lambda obj: walked.append(1) or real(obj))
+    for _, start, stop in split.windows(1):
+        assert split.micro_batch(start, stop)[0][1] == [str(start)]
+    assert not walked, "what is per-row was decided once, when the batch was scanned"

@@ -1,8 +1,9 @@
 """Batches as data: counting their rows, cutting and joining them, and moving them to a device.
 
 A batch is a tensor or a tuple, list or dict of them (nested), with the rows along dim 0. A list or tuple of
-plain values (strings, ids) whose length is the row count holds one item per row, and is cut and joined
-with the rows; anything else in a batch (a number, a tag) travels along unchanged.
+plain values (strings, ids, 0-dim tensors) whose length is the row count holds one item per row, and is cut
+and joined with the rows; anything else in a batch (a number, a tag, a 0-dim tensor) travels along
+unchanged, and must be the same in batches that are joined.
 """
 
 from collections.abc import Mapping
@@ -35,15 +36,15 @@ def take(batch: Any, start: int, stop: int) -> Any:
 
 def _join(parts: List[Any], counts: List[int], path: str) -> Any:
     first = parts[0]
-    if isinstance(first, torch.Tensor):
-        return torch.cat(parts) if first.dim() > 0 else first
+    if isinstance(first, torch.Tensor) and first.dim() > 0:
+        return torch.cat(parts)
     if is_row_sequence_candidate(first) and all(
         is_row_sequence_candidate(part) and len(part) == n for part, n in zip(parts, counts, strict=True)
     ):
         joined = [item for part in parts for item in part]
         return joined if isinstance(first, list) else tuple(joined)
-    if isinstance(first, (tuple, list)) and not is_row_sequence_candidate(first):
-        if any(not isinstance(part, (tuple, list)) or len(part) != len(first) for part in parts):
+    if isinstance(first, (tuple, list)) and not _plain_values(first):
+        if any(type(part) is not type(first) or len(part) != len(first) for part in parts):
             raise _cannot_join(path, parts)
         joined = [_join([part[i] for part in parts], counts, f"{path}[{i}]") for i in range(len(first))]
         if isinstance(first, list):
@@ -58,7 +59,20 @@ def _join(parts: List[Any], counts: List[int], path: str) -> Any:
     raise _cannot_join(path, parts)
 
 
+def _plain_values(sequence: Any) -> bool:
+    """A list or tuple of plain values that holds no sequence to look into (for per-row lists)."""
+    return is_row_sequence_candidate(sequence) and not all(isinstance(item, (list, tuple)) for item in sequence)
+
+
 def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):  # 0-dim: a value, compared as one
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.shape == b.shape
+            and a.dtype == b.dtype
+            and bool(torch.equal(a.cpu(), b.cpu()))
+        )
     try:
         return bool(a == b)
     except Exception:
@@ -78,7 +92,12 @@ def _check_cuttable(batch: Any, count: int, path: str) -> None:
     """Refuse to cut a batch holding a list of plain values that is not one item per row: cut, it would go
     whole to both pieces and pair its items with the wrong rows."""
     if is_row_sequence_candidate(batch):
-        if batch and len(batch) != count:
+        if not batch or len(batch) == count:
+            return
+        if not _plain_values(batch):  # per-row lists inside, perhaps
+            for i, item in enumerate(batch):
+                _check_cuttable(item, count, f"{path}[{i}]")
+        else:
             raise ValueError(
                 f"cannot cut a batch into logical batches: batch{path} is a {type(batch).__name__} of {len(batch)} "
                 f"items for {count} rows, so it cannot be split with the rows. Make it a tensor or a list with one "

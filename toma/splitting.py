@@ -1,10 +1,12 @@
 """Splitting a call's arguments into micro-batches along the batch dimension (dim 0).
 
 Every tensor with at least one dimension is part of the batch, also inside tuples, lists and dicts, and
-all of them must agree on its size. A list or tuple without tensors whose length is that size (the texts
-or ids of the rows) is split with them. Everything else (numbers, strings, other lists, modules, 0-dim
-tensors, and values wrapped in `whole`) goes to every micro-batch as it is. Micro-batches are views: no
-copies.
+all of them must agree on its size. A list or tuple of plain values (strings, ids, lists of tokens, 0-dim
+tensors) whose length is that size holds one item per row (the rows' texts, as a DataLoader collates them)
+and is split with them, also inside other lists, tuples and dicts. Everything else (numbers, strings,
+other lists, modules, 0-dim tensors, and values wrapped in `whole`, such as a shape `(224, 224)` that
+happens to have as many items as the batch has rows) goes to every micro-batch as it is. Micro-batches
+are views: no copies.
 
 A logical batch may also be made of several parts that cannot be joined (loader batches padded to
 different widths): `Parts` cuts its micro-batches within each part.
@@ -35,20 +37,22 @@ def _is_record(obj: Any) -> bool:
     return isinstance(obj, tuple) and hasattr(obj, "_fields")
 
 
-def _holds_tensors(obj: Any) -> bool:
-    if isinstance(obj, (torch.Tensor, whole)):
+def _holds_batch_tensors(obj: Any) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return obj.dim() > 0
+    if isinstance(obj, whole):
         return True
     if isinstance(obj, (tuple, list)):
-        return any(_holds_tensors(item) for item in obj)
+        return any(_holds_batch_tensors(item) for item in obj)
     if isinstance(obj, Mapping):
-        return any(_holds_tensors(value) for value in obj.values())
+        return any(_holds_batch_tensors(value) for value in obj.values())
     return False
 
 
 def is_row_sequence_candidate(obj: Any) -> bool:
-    """A list or tuple of plain values (no tensors inside, not a namedtuple): one item per row when its
-    length is the batch's row count."""
-    return isinstance(obj, (list, tuple)) and not _is_record(obj) and not _holds_tensors(obj)
+    """A list or tuple of plain values (no batch tensor inside, 0-dim tensors count as values; not a
+    namedtuple): one item per row when its length is the batch's row count."""
+    return isinstance(obj, (list, tuple)) and not _is_record(obj) and not _holds_batch_tensors(obj)
 
 
 class _Scan:
@@ -120,10 +124,24 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     return obj
 
 
+def _mark_per_row(parents: List[Any], sequence: Any, size: int, changing: Set[int], per_row: Set[int]) -> None:
+    """A sequence of `size` items is the rows' own data (texts, ids): split with them. Inside one of another
+    length, sequences of `size` items are looked for further down (a tuple of such lists, like a dict)."""
+    if len(sequence) == size:
+        per_row.add(id(sequence))
+        changing.add(id(sequence))
+        changing.update(id(parent) for parent in parents)
+        return
+    inner = parents + [sequence]
+    for item in sequence:
+        if isinstance(item, (list, tuple)) and item:
+            _mark_per_row(inner, item, size, changing, per_row)
+
+
 class BatchSplit:
     """A call's `(args, kwargs)`, split into micro-batches `[start, stop)` of the logical batch."""
 
-    __slots__ = ("args", "kwargs", "size", "tensors", "_arg_slots", "_kwarg_slots", "_plain", "_changing")
+    __slots__ = ("args", "kwargs", "size", "tensors", "_arg_slots", "_kwarg_slots", "_plain", "_changing", "_per_row")
 
     def __init__(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
         scan = _Scan()
@@ -145,13 +163,11 @@ class BatchSplit:
             )
         if size == 0:
             raise ValueError(f"the logical batch is empty: {first_path} has 0 rows")
-        changing = scan.changing
+        changing, per_row = scan.changing, set()
         for parents, sequence in scan.sequences:
-            if len(sequence) == size:  # the rows' own texts, ids, ...: split with them
-                changing.add(id(sequence))
-                changing.update(id(parent) for parent in parents)
+            _mark_per_row(parents, sequence, size, changing, per_row)
         self.args, self.kwargs, self.size, self.tensors = args, kwargs, size, scan.tensors
-        self._changing = changing
+        self._changing, self._per_row = changing, per_row
         # Which top-level arguments change per micro-batch, and whether each is a plain tensor (a fast slice).
         self._arg_slots = [
             (i, isinstance(arg, torch.Tensor))
@@ -176,9 +192,9 @@ class BatchSplit:
             return obj.value
         if id(obj) not in self._changing:
             return obj
+        if id(obj) in self._per_row:
+            return obj[start:stop]
         if isinstance(obj, (tuple, list)):
-            if is_row_sequence_candidate(obj):
-                return obj[start:stop]
             return _rebuild_sequence(obj, [self._cut(item, start, stop) for item in obj])
         return _rebuild_mapping(obj, {key: self._cut(value, start, stop) for key, value in obj.items()})
 
