@@ -12,6 +12,7 @@ from helpers import raise_fake_oom
 from toma import GlobalBatchsizeCache, NoBatchsizeCache, engine, explicit, simple, toma
 from toma.batchsize_cache import Batchsize
 from toma.policy import Halving
+from toma.oom import should_reduce_batch_size
 
 
 @pytest.fixture
@@ -202,4 +203,5 @@ def test_a_policy_that_does_not_shrink_is_refused_instead_of_looping_forever():
 
     with pytest.raises(ValueError, match="must return a smaller size") as info:
         explicit.batch(lambda bs: raise_fake_oom(), 8, toma_policy=Stubborn())
-    assert isinstance(info.value.__cause__, torch.OutOfMemoryError), "the OOM stays visible as the cause"
+    assert isinstance(info.value.__context__, torch.OutOfMemoryError), "the OOM stays visible"
+    assert not should_reduce_batch_size(info.value), "an outer toma layer does not retry a broken policy"

@@ -48,6 +48,9 @@ def fill(start: int, end: int, out: list[int]) -> None:
 fill(0, 10, [1])
 fill(0, 10, "not a list")  # error
 fill(0, 10, [1], toma_initial_step=2)
+fill(start=0, end=10, out=[1])
+reveal_type(fill.__name__)  # reveals: str
+reveal_type(fill.__wrapped__)  # reveals: def (*Any, **Any) -> Any
 
 
 @t.chunked(initial_step=4)
@@ -58,6 +61,7 @@ def normalise(chunk: torch.Tensor, start: int, end: int, scale: float) -> None:
 normalise(torch.zeros(3), 2.0)
 normalise(torch.zeros(3), "not a float")  # error
 normalise(torch.zeros(3), 2.0, toma_dimension=0)
+normalise(tensor=torch.zeros(3), scale=2.0)
 
 model = torch.nn.Linear(1, 1)
 

@@ -457,6 +457,18 @@ def test_a_loader_over_an_iterable_dataset_trains():
     assert_same_parameters(model, hand_written(2, shuffle=False), exact=False)
 
 
+class SizedStream(Stream):
+    def __len__(self):
+        return len(dataset())
+
+
+def test_the_progress_bar_knows_the_steps_of_an_iterable_dataset_with_a_length():
+    out = io.StringIO()
+    trainer, _ = make_trainer(DataLoader(SizedStream(), batch_size=16), batch_size=32, verbose=2, file=out)
+    trainer.fit(1)
+    assert len(trainer.history.steps) == 3 and "3/3" in out.getvalue()
+
+
 def test_the_progress_bar_counts_the_steps_the_sampler_gives():
     subset = torch.utils.data.SubsetRandomSampler(range(48), generator=torch.Generator().manual_seed(0))
     out = io.StringIO()

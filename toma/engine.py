@@ -95,8 +95,8 @@ def run(
             failed = _effective(step, size)
             try:
                 smaller = shrink_below(policy, size, failed)
-            except ValueError as invalid:
-                raise invalid from exception
+            except ValueError:
+                raise  # the OOM stays its context, not its cause: no outer layer takes this for an OOM
             if smaller is None:
                 add_note(
                     exception,

@@ -6,7 +6,7 @@ the function's own signature, checked argument by argument; the others accept a 
 the overrides (its arguments are then not checked, its return type still is).
 """
 
-from typing import Any, Hashable, Optional, ParamSpec, Protocol, TypeVar, overload
+from typing import Any, Callable, Hashable, Optional, ParamSpec, Protocol, TypeVar, overload
 
 import torch
 
@@ -16,7 +16,15 @@ P = ParamSpec("P")
 R_co = TypeVar("R_co", covariant=True)
 
 
-class BatchFunction(Protocol[P, R_co]):
+class _Wrapper(Protocol):
+    """What functools.wraps gives every decorated function: its name and the function itself."""
+
+    __name__: str
+    __qualname__: str
+    __wrapped__: Callable[..., Any]
+
+
+class BatchFunction(_Wrapper, Protocol[P, R_co]):
     """`toma.batch` applied to `f(batchsize, *args, **kwargs) -> R`: called as `f(*args, **kwargs) -> R`."""
 
     @overload
@@ -31,18 +39,17 @@ class BatchFunction(Protocol[P, R_co]):
     def __call__(self, *args: Any, toma_context: Hashable, **kwargs: Any) -> R_co: ...
 
 
-class RangeFunction(Protocol[P]):
+class RangeFunction(_Wrapper, Protocol[P]):
     """`toma.range` applied to `f(start, end, *args, **kwargs)`: called as `f(start, end, *args, **kwargs)`."""
 
     @overload
-    def __call__(self, start: int, end: int, /, *args: P.args, **kwargs: P.kwargs) -> None: ...
+    def __call__(self, start: int, end: int, *args: P.args, **kwargs: P.kwargs) -> None: ...
 
     @overload
     def __call__(
         self,
         start: int,
         end: int,
-        /,
         *args: Any,
         toma_initial_step: int,
         toma_context: Optional[Hashable] = None,
@@ -50,20 +57,19 @@ class RangeFunction(Protocol[P]):
     ) -> None: ...
 
     @overload
-    def __call__(self, start: int, end: int, /, *args: Any, toma_context: Hashable, **kwargs: Any) -> None: ...
+    def __call__(self, start: int, end: int, *args: Any, toma_context: Hashable, **kwargs: Any) -> None: ...
 
 
-class ChunkedFunction(Protocol[P]):
+class ChunkedFunction(_Wrapper, Protocol[P]):
     """`toma.chunked` applied to `f(chunk, start, end, *args, **kwargs)`: called as `f(tensor, *args, **kwargs)`."""
 
     @overload
-    def __call__(self, tensor: torch.Tensor, /, *args: P.args, **kwargs: P.kwargs) -> None: ...
+    def __call__(self, tensor: torch.Tensor, *args: P.args, **kwargs: P.kwargs) -> None: ...
 
     @overload
     def __call__(
         self,
         tensor: torch.Tensor,
-        /,
         *args: Any,
         toma_initial_step: int,
         toma_dimension: Optional[int] = None,
@@ -75,7 +81,6 @@ class ChunkedFunction(Protocol[P]):
     def __call__(
         self,
         tensor: torch.Tensor,
-        /,
         *args: Any,
         toma_dimension: int,
         toma_context: Optional[Hashable] = None,
@@ -83,10 +88,10 @@ class ChunkedFunction(Protocol[P]):
     ) -> None: ...
 
     @overload
-    def __call__(self, tensor: torch.Tensor, /, *args: Any, toma_context: Hashable, **kwargs: Any) -> None: ...
+    def __call__(self, tensor: torch.Tensor, *args: Any, toma_context: Hashable, **kwargs: Any) -> None: ...
 
 
-class AccumulateFunction(Protocol[P]):
+class AccumulateFunction(_Wrapper, Protocol[P]):
     """`toma.accumulate` applied to `loss(*args, **kwargs) -> Tensor`: the same call, over the logical batch,
     returning its loss. `stats` says what the calls went through."""
 

@@ -147,6 +147,12 @@ def _rows_per_epoch(data: Any) -> Optional[int]:
         except (TypeError, ValueError):
             return None
     batch_size = getattr(data, "batch_size", None)
+    dataset = getattr(data, "dataset", None)
+    if isinstance(dataset, torch.utils.data.IterableDataset):  # its own length, if it has one, is the rows
+        count = _known_length(dataset)
+        if count is None or not isinstance(batch_size, int) or getattr(data, "num_workers", 0) > 0:
+            return None  # with workers each replica yields the dataset: rows unknown to us
+        return count - count % batch_size if getattr(data, "drop_last", False) else count
     batch_sampler = getattr(data, "batch_sampler", None)
     sampler = getattr(batch_sampler, "sampler", None)
     if batch_size is None or sampler is None or getattr(batch_sampler, "batch_size", None) != batch_size:
