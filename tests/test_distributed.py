@@ -283,3 +283,34 @@ finish(dict(outcomes=outcomes, mean=model[1].running_mean.tolist(), tracked=int(
     for result in results:
         assert result["outcomes"] == ["finished"] * 4
     assert results[0]["mean"] == results[1]["mean"] and results[0]["tracked"] == results[1]["tracked"]
+
+
+def test_a_token_mean_over_ranks_is_the_mean_over_all_their_tokens():
+    """With weight= the ranks' gradients are the logical batch's token mean over every rank's tokens, not
+    the mean of per-rank token means (which weighs a rank with few label tokens as much as one with many)."""
+    code = (
+        SETUP.replace("TIMEOUT", "30")
+        + """
+x, y = data()
+y = y.clone()
+y[: 20 if rank == 0 else 2] = -100   # rank 0 keeps 4 labels, rank 1 keeps 22
+model = make_model()
+ddp = nn.parallel.DistributedDataParallel(model)
+@toma.accumulate(model=ddp, initial_micro_batch=8, weight=lambda xb, yb: (yb != -100).sum())
+def compute_loss(xb, yb):
+    return F.cross_entropy(ddp(xb), yb, ignore_index=-100)
+compute_loss(x, y)
+finish([p.grad.tolist() for p in model.parameters()])
+"""
+    )
+    outputs = [json.loads(out.strip().splitlines()[-1]) for out in run_ranks(code, 2, timeout=90)]
+    torch.manual_seed(0)
+    inputs, targets = torch.randn(PER_RANK * 2, 6), torch.randint(0, 4, (PER_RANK * 2,))
+    targets[:20] = -100
+    targets[PER_RANK : PER_RANK + 2] = -100
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
+    F.cross_entropy(model(inputs), targets, ignore_index=-100).backward()
+    for grads in outputs:
+        for got, p in zip(grads, model.parameters(), strict=True):
+            torch.testing.assert_close(torch.tensor(got), p.grad, rtol=1e-5, atol=1e-6)

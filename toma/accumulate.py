@@ -145,8 +145,15 @@ class AgreeingDDP:
     def micro_batch(self, last: bool) -> ContextManager[Any]:
         return self.model.no_sync()
 
-    def synchronise(self, params: List[torch.Tensor]) -> None:
-        all_reduce_gradients(params, self.model.process_group)
+    def synchronise(self, params: List[torch.Tensor], weight: Optional[float] = None) -> None:
+        """Average this call's gradients over the ranks; with `weight` (the items this rank's mean loss
+        averaged over, from weight=) weigh each rank by its items, so the result is the mean over all of
+        them rather than a mean of the ranks' means."""
+        scale = 1.0
+        if weight is not None:
+            total = self.agreement.sum(weight)
+            scale = weight * self.agreement.world_size / total if total > 0 else 0.0
+        all_reduce_gradients(params, self.model.process_group, scale=scale)
         if getattr(self.model, "broadcast_buffers", False):
             # DDP would broadcast rank 0's buffers (BatchNorm statistics) in the next forward pass, a
             # collective inside the region that may be retried: a rank that skips its forward passes would
@@ -309,7 +316,8 @@ class AccumulateStep:
                     raise
                 if agreement is not None:
                     agreement.after_attempt(asked, None, self.policy)
-                    self.sync.synchronise(self.params)  # only this call's gradients: earlier ones are set aside
+                    # only this call's gradients: earlier ones are set aside
+                    self.sync.synchronise(self.params, self.total_weight if self.weight is not None else None)
                 self.result = result
         except BaseException:
             self.sync.abort()

@@ -79,6 +79,12 @@ class Agreement:
         dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
         return int(tensor.item())
 
+    def sum(self, value: float) -> float:
+        """`value` summed over the ranks (in float64: token counts stay exact)."""
+        tensor = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor, group=self.group)
+        return float(tensor.item())
+
     def start(self, size: int) -> int:
         """The size every rank starts with: the smallest any of them would start with."""
         return self._min(size)
@@ -162,11 +168,14 @@ def agreement_for(distributed: Any) -> Optional[Agreement]:
     return Agreement(group) if is_distributed(group) else None
 
 
-def all_reduce_gradients(params: List[torch.Tensor], group: Any = None, bucket_bytes: int = 25 * 2**20) -> None:
+def all_reduce_gradients(
+    params: List[torch.Tensor], group: Any = None, bucket_bytes: int = 25 * 2**20, scale: float = 1.0
+) -> None:
     """Average the gradients of `params` over the ranks, as DistributedDataParallel does: gradients are
     flattened into buckets of about `bucket_bytes` per device and dtype, all buckets are all-reduced at
     once (asynchronously), then divided by the world size. A parameter without a gradient counts as zeros
-    (and gets them), so that every rank reduces the same tensors."""
+    (and gets them), so that every rank reduces the same tensors. `scale` multiplies this rank's gradients
+    before the reduction (its share in a weighted mean)."""
     world_size = dist.get_world_size(group)
     grads = []
     for p in params:
@@ -189,6 +198,8 @@ def all_reduce_gradients(params: List[torch.Tensor], group: Any = None, bucket_b
     for groups in buckets.values():
         for bucket in groups:
             flat = torch.cat([g.reshape(-1) for g in bucket]) if len(bucket) > 1 else bucket[0].reshape(-1)
+            if scale != 1.0:
+                flat.mul_(scale)
             pending.append((bucket, flat, dist.all_reduce(flat, group=group, async_op=True)))
     for bucket, flat, work in pending:
         work.wait()
