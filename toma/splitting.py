@@ -163,7 +163,8 @@ class BatchSplit:
             )
         if size == 0:
             raise ValueError(f"the logical batch is empty: {first_path} has 0 rows")
-        changing, per_row = scan.changing, set()
+        changing = scan.changing
+        per_row: Set[int] = set()  # ids of the sequences that hold one item per row
         for parents, sequence in scan.sequences:
             _mark_per_row(parents, sequence, size, changing, per_row)
         self.args, self.kwargs, self.size, self.tensors = args, kwargs, size, scan.tensors
