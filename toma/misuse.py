@@ -10,6 +10,7 @@ a gradient several times per backward pass):
   ran, that is between two of toma's backward passes (the function computes a loss; toma runs backward).
 """
 
+import operator
 import threading
 from types import TracebackType
 from typing import Any, List, Optional, Sequence, Type
@@ -18,6 +19,9 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 __all__ = ["AccumulationMisuse", "MisuseWatch"]
+
+_GRAD = operator.attrgetter("grad")
+_VERSION = operator.attrgetter("_version")
 
 _ZEROING = (
     "calling optimizer.zero_grad() (or clipping or otherwise changing gradients) inside it drops the other "
@@ -39,17 +43,18 @@ class MisuseWatch:
     micro-batch's loss, `backward_done()` after toma's backward pass of it. `check_grads` is off where
     someone else (DDP's reducer, which may swap gradients for views of its buckets) writes into them."""
 
-    __slots__ = ("params", "model", "check_grads", "grads", "versions", "handle", "thread")
+    __slots__ = ("params", "model", "check_grads", "grads", "tracked", "versions", "handle", "thread")
 
     def __init__(self, params: Sequence[torch.Tensor], model: torch.nn.Module, check_grads: bool) -> None:
         self.params, self.model, self.check_grads = params, model, check_grads
-        self.grads: List[Optional[torch.Tensor]] = []  # and their versions, after the latest backward pass
+        self.grads: List[Optional[torch.Tensor]] = []  # after the latest backward pass
+        self.tracked: List[torch.Tensor] = []  # those of them that exist, and their versions
         self.versions: List[int] = []
         self.handle: Any = None
         self.thread = 0
 
     def __enter__(self) -> "MisuseWatch":
-        self.grads, self.versions = [], []
+        self.grads, self.tracked, self.versions = [], [], []
         self.thread = threading.get_ident()
         self.handle = register_optimizer_step_pre_hook(self._before_step)
         return self
@@ -73,20 +78,20 @@ class MisuseWatch:
 
     def backward_done(self) -> None:
         if self.check_grads:
-            self.grads = [p.grad for p in self.params]
-            self.versions = [-1 if g is None else g._version for g in self.grads]
+            self.grads = list(map(_GRAD, self.params))
+            self.tracked = [grad for grad in self.grads if grad is not None]
+            self.versions = list(map(_VERSION, self.tracked))
 
     def loss_done(self) -> None:
         """Raise AccumulationMisuse if the function, since the previous backward pass, replaced, removed or
         changed a gradient in place."""
         if not self.grads:
             return  # before the attempt's first backward pass nothing of it can be lost
-        for i, (p, before) in enumerate(zip(self.params, self.grads, strict=True)):
-            grad = p.grad
-            if grad is not before:
-                self._raise(i, "replaced or removed")
-            if grad is not None and grad._version != self.versions[i]:
-                self._raise(i, "changed")
+        if any(map(operator.is_not, map(_GRAD, self.params), self.grads)):
+            self._raise(next(i for i, p in enumerate(self.params) if p.grad is not self.grads[i]), "replaced or removed")
+        if list(map(_VERSION, self.tracked)) != self.versions:
+            changed = next(g for g, v in zip(self.tracked, self.versions) if g._version != v)
+            self._raise(next(i for i, g in enumerate(self.grads) if g is changed), "changed")
 
     def _raise(self, index: int, what: str) -> None:
         name = _names(self.params, self.model)[index]

@@ -38,6 +38,9 @@ class BufferStash:
         return [name for _, name, _ in self.slots]
 
     def save(self) -> None:
+        if not self.slots:
+            self.saved = []
+            return
         with torch.no_grad():
             self.saved = [buffer.detach().clone() for _, _, buffer in self.slots]
 
