@@ -247,3 +247,57 @@ def test_racing_creators_all_get_the_one_value(busy_switching):
 
     assert run_threads(worker) == []
     assert len({id(value) for value in got}) == 1 and len(got) == 8
+
+
+def drifting_calls(gauge, levels, fits_up_to=4, initial=64):
+    """One call per free-RAM reading from one call site; the OOM retries of each."""
+    retries = []
+    attempts = []
+
+    @toma.batch(initial_batchsize=initial)
+    def work(batchsize):
+        attempts.append(batchsize)
+        if batchsize > fits_up_to:
+            raise_fake_oom()
+        return batchsize
+
+    for level in levels:
+        gauge.cpu = level
+        before = len(attempts)
+        assert work() == min(initial, fits_up_to) or work.__wrapped__ is None
+        retries.append(len(attempts) - before - 1)
+    return retries, attempts
+
+
+def test_free_ram_falling_step_after_step_keeps_the_size_found(fresh_toma_state):
+    bucket = StacktraceMemoryBatchsizeCache.MEMORY_GRANULARITY
+    retries, attempts = drifting_calls(fresh_toma_state, [(20 - i) * bucket for i in range(6)])
+    assert retries == [4, 0, 0, 0, 0, 0], "a new level starts from what the call site learned, not from 64"
+    assert attempts[5:] == [4] * 5
+
+
+def test_a_new_level_never_starts_at_a_size_that_failed_with_more_memory_free(fresh_toma_state):
+    bucket = StacktraceMemoryBatchsizeCache.MEMORY_GRANULARITY
+    cache = StacktraceMemoryBatchsizeCache()
+    cache.STACK_DEPTH = 1  # the call site is the line in lookup(), wherever the test calls it from
+    gauge = fresh_toma_state
+
+    def lookup(level):
+        gauge.cpu = level * bucket
+        return cache.get_batchsize(64)
+
+    rich = lookup(10)
+    rich.start(64)
+    rich.shrink_to(8)
+    rich.record_failure(16)
+    rich.record_fit(8)
+    poor = lookup(2)  # less free memory: 16 failed with more, so 16 and above fail now
+    assert poor.start(64) == 8
+    poorer = lookup(1)
+    poorer.shrink_to(2)
+    poorer.record_fit(2)
+    middle = lookup(5)  # nearest is level 2 (8); a fit at level 1 (2) is a floor, 16 failed above
+    assert middle.start(64) == 8
+    richer = lookup(12)  # more free memory: the nearest (level 10) says 8, a size that ran through with less
+    assert richer.start(64) == 8
+    assert lookup(30).start(4) == 4, "never above what the call asks for"

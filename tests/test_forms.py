@@ -82,13 +82,16 @@ def test_stacktrace_cache_remembers_per_call_site():
 
 
 def test_stacktrace_cache_separates_free_memory_levels(fresh_toma_state):
+    """Each free-memory level has its own size; a level met for the first time starts from the nearest
+    one the call site knows (not from the initial size again), and shrinking it leaves the others."""
     gauge = fresh_toma_state
     log = []
-    f = toma.batch(initial_batchsize=64)(oom_above(16, log))
-    for cpu in (8, 8, 4, 4):
+    limit = {8: 16, 4: 8}  # GiB free -> the largest batch that fits
+    f = toma.batch(initial_batchsize=64)(lambda bs: oom_above(limit[gauge.cpu // 2**30], log)(bs))
+    for cpu in (8, 8, 4, 4, 8):
         gauge.cpu = cpu * 2**30
         f()
-    assert log == [64, 32, 16, 16, 64, 32, 16, 16]
+    assert log == [64, 32, 16, 16, 16, 8, 8, 16]
 
 
 def test_global_cache_is_shared_between_call_sites():

@@ -2,7 +2,8 @@
 
 A cache hands out `Batchsize` entries: thread-safe cells that only ever shrink and never go below 1.
 Which entry a call gets decides what is shared: none (`NoBatchsizeCache`), one per function
-(`GlobalBatchsizeCache`), or one per call site and free-memory level (`StacktraceMemoryBatchsizeCache`).
+(`GlobalBatchsizeCache`), or one per call site and free-memory level (`StacktraceMemoryBatchsizeCache`,
+where a level the call site has not met starts from what its other levels learned).
 """
 
 import threading
@@ -32,6 +33,9 @@ class Batchsize:
     """A remembered batch (or step) size. Shrinks only, never below 1, safe to share between threads."""
 
     value: Optional[int] = None
+    # What calls saw at this entry: the largest size that ran through, the smallest that ran out of memory.
+    fitted: Optional[int] = field(default=None, init=False, compare=False)
+    failed: Optional[int] = field(default=None, init=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
     def set_initial_batchsize(self, initial_batchsize: int) -> None:
@@ -58,6 +62,18 @@ class Batchsize:
         with self._lock:
             if self.value is None or size < self.value:
                 self.value = size
+
+    def record_fit(self, size: int) -> None:
+        """A call ran `size` through (unlocked: a lost race only loses a little knowledge)."""
+        fitted = self.fitted
+        if fitted is None or size > fitted:
+            self.fitted = size
+
+    def record_failure(self, size: int) -> None:
+        """A call ran out of memory at `size`."""
+        failed = self.failed
+        if failed is None or size < failed:
+            self.failed = size
 
     def decrease_batchsize(self) -> None:
         """Halve the value, as toma 1.1.0 did; stays at 1 once there."""
@@ -142,9 +158,13 @@ class StacktraceMemoryBatchsizeCache(BatchsizeCache):
     STACK_DEPTH: int = 16
     gauge: FreeMemoryGauge = GAUGE
 
+    LEVELS_PER_SITE: int = 64
+
     def __init__(self, lru_cache_size: Optional[int] = None) -> None:
         super().__init__()
         self._entries = BoundedDict(lru_cache_size or self.LRU_CACHE_SIZE)
+        # call site -> {memory level: entry}: what a new level of a known call site starts from
+        self._levels = BoundedDict(lru_cache_size or self.LRU_CACHE_SIZE)
 
     def memory_key(self) -> Tuple[int, int]:
         cpu, gpu = self.gauge.read()
@@ -152,9 +172,41 @@ class StacktraceMemoryBatchsizeCache(BatchsizeCache):
         return (cpu // granularity if self.TRACK_RAM else -1, -1 if gpu is None else gpu // granularity)
 
     def get_batchsize(self, initial_batchsize: int) -> Batchsize:
-        key = (stacktrace.call_site_key(self.STACK_DEPTH), self.memory_key())
-        entry: Batchsize = self._entries.get_or_create(key, Batchsize)
+        site, level = stacktrace.call_site_key(self.STACK_DEPTH), self.memory_key()
+        entry: Batchsize = self._entries.get_or_create((site, level), lambda: self._new_level(site, level))
         return entry
+
+    def _new_level(self, site: Hashable, level: Tuple[int, int]) -> Batchsize:
+        """An entry for a free-memory level the call site has not met, seeded from the levels it has."""
+        levels: Dict[Tuple[int, int], Batchsize] = self._levels.get_or_create(site, dict)
+        entry = Batchsize(_seed(levels, level))
+        levels[level] = entry
+        while len(levels) > self.LEVELS_PER_SITE:
+            levels.pop(next(iter(levels)), None)
+        return entry
+
+
+def _at_most(a: Tuple[int, int], b: Tuple[int, int]) -> bool:
+    """Level `a` has no more free memory than level `b`, of every kind."""
+    return a[0] <= b[0] and a[1] <= b[1]
+
+
+def _seed(levels: Dict[Tuple[int, int], Batchsize], level: Tuple[int, int]) -> Optional[int]:
+    """The size a new level starts from: the nearest known level's, no smaller than a size that ran through
+    with less memory free (it fits now), and below any size that ran out of memory with more free (it fails
+    now). None (the caller's initial size) when the call site has no other level yet."""
+    known = [(other, entry) for other, entry in list(levels.items()) if entry.value]
+    if not known:
+        return None
+    _, nearest = min(known, key=lambda item: abs(item[0][0] - level[0]) + abs(item[0][1] - level[1]))
+    size: int = nearest.value  # type: ignore[assignment]
+    failures = [e.failed for other, e in known if e.failed is not None and _at_most(level, other)]
+    if failures:
+        size = min(size, max(1, min(failures) - 1))
+    fits = [e.fitted for other, e in known if e.fitted is not None and _at_most(other, level)]
+    if fits:
+        size = max(size, max(fits))
+    return size
 
 
 _default_cache_type: Type[BatchsizeCache] = StacktraceMemoryBatchsizeCache

@@ -81,12 +81,14 @@ def run(
         size = agreement.start(size)
         entry.shrink_to(size)
     while True:
+        ran = _effective(step, size)  # the first chunk of this attempt
         try:
             while not step(size):
                 pass
+            entry.record_fit(ran)
             return
         except AgreedRetry as retry:
-            next_size = retry.size
+            next_size, own_failure = retry.size, None
             # No local name may keep the cause (this rank's OOM, its frames and tensors) past the block.
             reason = retry.reason + (f": {_first_line(retry.__cause__)}" if retry.__cause__ is not None else "")
         except Exception as exception:
@@ -104,12 +106,14 @@ def run(
                     f"there is nothing left to reduce. Called from {stacktrace.describe_call_site()}.",
                 )
                 raise
-            size = failed
+            size = own_failure = failed
             reason = _first_line(exception)
             next_size = smaller
         # Only here, with the except block left, is the failed attempt's traceback (and so its frames
         # and tensors) unreachable; collecting inside the block would free nothing.
         entry.shrink_to(next_size)
+        if own_failure is not None:
+            entry.record_failure(own_failure)
         log.info(
             "%s ran out of memory at %s %d; retrying with %d (called from %s): %s",
             _name(step),
