@@ -173,8 +173,10 @@ class StacktraceMemoryBatchsizeCache(BatchsizeCache):
 
     def get_batchsize(self, initial_batchsize: int) -> Batchsize:
         site, level = stacktrace.call_site_key(self.STACK_DEPTH), self.memory_key()
-        entry: Batchsize = self._entries.get_or_create((site, level), lambda: self._new_level(site, level))
-        return entry
+        entry: Optional[Batchsize] = self._entries.entries.get((site, level))
+        if entry is None:
+            entry = self._entries.get_or_create((site, level), lambda: self._new_level(site, level))
+        return entry  # type: ignore[return-value]
 
     def _new_level(self, site: Hashable, level: Tuple[int, int]) -> Batchsize:
         """An entry for a free-memory level the call site has not met, seeded from the levels it has."""

@@ -81,11 +81,14 @@ def run(
         size = agreement.start(size)
         entry.shrink_to(size)
     while True:
-        ran = _effective(step, size)  # the first chunk of this attempt
+        fitted = entry.fitted
+        # The first chunk of this attempt, worth reading only when it may be news to the entry.
+        ran = _effective(step, size) if fitted is None or size > fitted else 0
         try:
             while not step(size):
                 pass
-            entry.record_fit(ran)
+            if ran:
+                entry.record_fit(ran)
             return
         except AgreedRetry as retry:
             next_size, own_failure = retry.size, None
