@@ -18,6 +18,7 @@ from toma.batchsize_cache import (
     get_cache_for_context,
 )
 from toma.cpu_memory import is_out_of_cpu_memory
+from toma.fit_to_memory import FitToMemory
 from toma.forms import PackageModule, explicit, simple, toma
 from toma.history import TrainingHistory
 from toma.misuse import AccumulationMisuse
@@ -45,6 +46,7 @@ __all__ = [
     "SizePolicy",
     "ShrinkByFactor",
     "Halving",
+    "FitToMemory",
     "whole",
     "AccumulationMisuse",
     "Trainer",

@@ -36,6 +36,7 @@ class Batchsize:
     # What calls saw at this entry: the largest size that ran through, the smallest that ran out of memory.
     fitted: Optional[int] = field(default=None, init=False, compare=False)
     failed: Optional[int] = field(default=None, init=False, compare=False)
+    learned: Any = field(default=None, init=False, repr=False, compare=False)  # a learning policy's state
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
     def set_initial_batchsize(self, initial_batchsize: int) -> None:
@@ -62,6 +63,13 @@ class Batchsize:
         with self._lock:
             if self.value is None or size < self.value:
                 self.value = size
+
+    def set(self, size: int) -> None:
+        """Remember `size`, larger or smaller: for policies that grow a size after measuring room for it."""
+        if size < 1:
+            raise ValueError(f"size must be at least 1, got {size!r}")
+        with self._lock:
+            self.value = size
 
     def record_fit(self, size: int) -> None:
         """A call ran `size` through (unlocked: a lost race only loses a little knowledge)."""

@@ -61,6 +61,15 @@ def _effective(step: Step, size: int) -> int:
     return size if effective is None else int(effective(size))
 
 
+def _checked(policy: SizePolicy, smaller: Optional[int], failed: int) -> Optional[int]:
+    if smaller is not None and not 1 <= smaller < failed:
+        raise ValueError(
+            f"{policy!r}.after_oom returned {smaller!r} after {failed} ran out of memory: a policy must return a "
+            "smaller size of at least 1, or None when there is none"
+        )
+    return smaller
+
+
 def _first_line(exception: BaseException) -> str:
     text = str(exception).strip()
     return f"{type(exception).__name__}: {text.splitlines()[0] if text else ''}"
@@ -80,15 +89,19 @@ def run(
     if agreement is not None:
         size = agreement.start(size)
         entry.shrink_to(size)
+    learns = getattr(policy, "learns", False)
     while True:
+        token = policy.begin(entry, size) if learns else None  # type: ignore[attr-defined]
         fitted = entry.fitted
         # The first chunk of this attempt, worth reading only when it may be news to the entry.
-        ran = _effective(step, size) if fitted is None or size > fitted else 0
+        ran = _effective(step, size) if learns or fitted is None or size > fitted else 0
         try:
             while not step(size):
                 pass
             if ran:
                 entry.record_fit(ran)
+            if learns:
+                policy.succeeded(entry, token, ran)  # type: ignore[attr-defined]
             return
         except AgreedRetry as retry:
             next_size, own_failure = retry.size, None
@@ -99,7 +112,10 @@ def run(
                 raise
             failed = _effective(step, size)
             try:
-                smaller = shrink_below(policy, size, failed)
+                if learns:
+                    smaller = _checked(policy, policy.after_oom(entry, token, size, failed, exception), failed)  # type: ignore[attr-defined]
+                else:
+                    smaller = shrink_below(policy, size, failed)
             except ValueError:
                 raise  # the OOM stays its context, not its cause: no outer layer takes this for an OOM
             if smaller is None:

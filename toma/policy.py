@@ -13,7 +13,16 @@ __all__ = ["SizePolicy", "ShrinkByFactor", "Halving", "DEFAULT_POLICY", "check_p
 
 
 class SizePolicy:
-    """Base class: `shrink(size)` returns the next smaller size to try, or None when none is left."""
+    """Base class: `shrink(size)` returns the next smaller size to try, or None when none is left.
+
+    A policy that learns from measurements sets `learns = True`; the engine then calls, per attempt,
+    `begin(entry, size)` (a token, or None when it measures nothing this time), and after it either
+    `succeeded(entry, token, ran)` (`ran`: the rows the attempt's first chunk had) or
+    `after_oom(entry, token, size, failed, error)`, which returns the next size (below `failed`) or None.
+    `entry` is the call site's cache entry: a policy keeps what it learned there, and may grow its size.
+    """
+
+    learns = False
 
     def shrink(self, size: int) -> Optional[int]:
         raise NotImplementedError

@@ -1,0 +1,251 @@
+"""FitToMemory: the search against a simulated meter (exact sizes, fallback, settling, growth, margin), and
+against real memory under a CPU cap in a subprocess."""
+
+import json
+
+import pytest
+import torch
+from helpers import run_python
+
+from toma import FitToMemory, GlobalBatchsizeCache, Halving, NoBatchsizeCache, explicit
+from toma.fit_to_memory import LinearNeed, _Learned
+from toma.meters import Mark, MemoryMeter, failed_bytes
+
+MiB = 2**20
+
+
+class SimulatedMemory(MemoryMeter):
+    """A device with `capacity` bytes; a workload allocates through it and the meter reads it."""
+
+    def __init__(self, capacity):
+        self.capacity, self.in_use, self.peak = capacity, 0, 0
+
+    def allocate(self, n):
+        if self.in_use + n > self.capacity:
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {n / MiB:.2f} MiB (simulated)")
+        self.in_use += n
+        self.peak = max(self.peak, self.in_use)
+
+    def begin(self):
+        self.peak = self.in_use
+        return Mark(self.in_use, self.capacity - self.in_use)
+
+    def used(self, mark):
+        return self.peak - mark.start
+
+
+class NoMeter(MemoryMeter):
+    def begin(self):
+        return None
+
+
+def layered(memory, fixed=64 * MiB, per_row=(3 * 2**10, 5 * 2**10, 2 * 2**10), log=None):
+    """A workload in layers: a fixed buffer, then one activation per layer, all freed at the end."""
+
+    def work(batchsize):
+        if log is not None:
+            log.append(batchsize)
+        start = memory.in_use
+        try:
+            memory.allocate(fixed)
+            for per in per_row:
+                memory.allocate(per * batchsize)
+        finally:
+            memory.in_use = start
+        return batchsize
+
+    return work
+
+
+def largest_fitting(capacity, fixed=64 * MiB, per_row=(3 * 2**10, 5 * 2**10, 2 * 2**10)):
+    return (capacity - fixed) // sum(per_row)
+
+
+_contexts = {}
+
+
+def _context(policy):
+    """A context per policy object for as long as the test runs (an id could be reused by the next one)."""
+    return _contexts.setdefault(policy, (len(_contexts), policy))[0]
+
+
+def calls(policy, memory, count, asked=10**7, **options):
+    log, sizes = [], []
+    work = layered(memory, log=log, **options)
+    for _ in range(count):
+        before = len(log)
+        # one cache entry per policy object: what it learned, as at one call site
+        sizes.append(explicit.batch(work, asked, toma_policy=policy, toma_cache_type=GlobalBatchsizeCache,
+                                    toma_context=_context(policy)))
+        log_len = len(log) - before
+        yield sizes[-1], log_len - 1  # the size the call ran at, and its OOMs
+
+
+def run_calls(policy, memory, count, **options):
+    return list(calls(policy, memory, count, **options))
+
+
+@pytest.fixture(autouse=True)
+def fresh(fresh_toma_state):
+    return fresh_toma_state
+
+
+def test_it_jumps_close_to_the_largest_size_with_few_ooms_where_halving_falls_short():
+    capacity = 1024 * MiB
+    best = largest_fitting(capacity)
+    memory = SimulatedMemory(capacity)
+    asked = (best + 1) * 64  # halving's worst case: its sixth size is just too large
+    fit = run_calls(FitToMemory(meter=memory), memory, 4, asked=asked)
+    halving = run_calls(Halving(), SimulatedMemory(capacity), 4, asked=asked)
+    assert sum(ooms for _, ooms in fit) <= 2
+    assert 0.9 * best <= fit[-1][0] <= best, (fit, best)
+    assert sum(ooms for _, ooms in fit[1:]) == 0, "after the first call: no more OOMs"
+    assert halving[-1][0] < 0.6 * best, "halving from the same start ends far below"
+
+
+def test_without_measurements_it_halves_exactly_as_halving_does():
+    capacity = 512 * MiB
+    fit = run_calls(FitToMemory(meter=NoMeter()), SimulatedMemory(capacity), 3, asked=4096 * 64)
+    halving = run_calls(Halving(), SimulatedMemory(capacity), 3, asked=4096 * 64)
+    assert fit == halving
+
+
+def test_a_steady_run_settles_with_no_oom_and_no_oscillation():
+    memory = SimulatedMemory(768 * MiB)
+    results = run_calls(FitToMemory(meter=memory), memory, 200)
+    settled = [size for size, _ in results[3:]]
+    assert sum(ooms for _, ooms in results[3:]) == 0
+    assert len(set(settled)) == 1, "the size neither creeps nor oscillates"
+
+
+def test_it_grows_after_memory_frees_but_never_above_the_size_asked_for(monkeypatch):
+    memory = SimulatedMemory(512 * MiB)
+    gauge = type("Gauge", (), {"value": (0, 512 * MiB), "read": lambda self: self.value})()
+    monkeypatch.setattr(FitToMemory, "gauge", gauge)
+    policy = FitToMemory(meter=memory)
+    first = run_calls(policy, memory, 20)
+    memory.capacity = gauge.value = 2048 * MiB
+    gauge.value = (0, 2048 * MiB)
+    later = run_calls(policy, memory, 3)
+    assert later[-1][0] >= 0.9 * largest_fitting(2048 * MiB) > 2 * first[-1][0]
+    assert sum(ooms for _, ooms in later) == 0
+    capped = run_calls(policy, memory, 3, asked=1000)
+    assert [size for size, _ in capped] == [1000] * 3
+
+
+def test_the_margin_is_kept_free():
+    memory = SimulatedMemory(1024 * MiB)
+    size, _ = run_calls(FitToMemory(margin=0.2, meter=memory), memory, 4)[-1]
+    need = 64 * MiB + 10 * 2**10 * size
+    assert need <= 0.8 * 1024 * MiB
+    assert need >= 0.7 * 1024 * MiB, "and not much more than the margin"
+
+
+def test_an_error_the_model_did_not_predict_halves_at_least_and_never_creeps():
+    """An OOM raised where the meter sees room (memory it cannot see): each retry at most half the last."""
+    memory = SimulatedMemory(1024 * MiB)
+    policy = FitToMemory(meter=memory)
+    run_calls(policy, memory, 3)  # the model is learned
+    hidden_limit = 1000
+    log = []
+
+    def work(batchsize):
+        log.append(batchsize)
+        if batchsize > hidden_limit:
+            raise torch.OutOfMemoryError("CUDA out of memory (not seen by the meter)")
+        return batchsize
+
+    explicit.batch(work, 10**7, toma_policy=policy, toma_cache_type=NoBatchsizeCache)
+    assert log[-1] <= hidden_limit
+    assert all(b <= a // 2 for a, b in zip(log, log[1:])), log
+
+
+@pytest.mark.parametrize("margin", [-0.1, 0.5, 1, "0.1", True, None])
+def test_a_bad_margin_is_refused_by_name(margin):
+    with pytest.raises(ValueError, match="margin"):
+        FitToMemory(margin=margin)
+
+
+def test_the_model_is_a_ceiling_of_what_was_measured():
+    learned = _Learned(fits=[(100, 1000.0 + 10 * 100), (200, 1000.0 + 10 * 200 + 50), (400, 1000.0 + 10 * 400)])
+    model = learned.model()
+    assert all(model.need(size) >= need for size, need in learned.fits)
+    assert model.largest_within(1000 + 10 * 1000 + 60) >= 990
+    learned.bounds.append((50, 10_000.0))
+    assert learned.model().need(50) >= 10_000, "an OOM's lower bound lifts the line"
+    assert LinearNeed(0, 10).largest_within(5) == 0
+
+
+def test_failed_bytes_reads_cpu_and_cuda_messages():
+    assert failed_bytes(RuntimeError("DefaultCPUAllocator: not enough memory: you tried to allocate 4096 bytes")) == 4096
+    assert failed_bytes(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.50 GiB")) == 3 * 2**29
+    wrapped = RuntimeError("compiled")
+    wrapped.__cause__ = MemoryError("Tried to allocate 2.00 MiB")
+    assert failed_bytes(wrapped) == 2 * MiB
+    assert failed_bytes(MemoryError()) is None
+
+
+REAL_SEARCH = """
+import json, torch, torch.nn as nn, torch.nn.functional as F
+torch.set_num_threads(1)
+from toma import FitToMemory, Halving, GlobalBatchsizeCache, explicit
+from toma.cpu_memory import predictable_heap, set_cpu_memory_headroom
+predictable_heap()
+torch.manual_seed(0)
+W1, W2 = torch.randn(256, 1024) / 16, torch.randn(1024, 1024) / 32
+data = torch.randn(1 << 17, 256)
+def forward(batchsize):
+    return torch.relu(torch.relu(data[:batchsize] @ W1) @ W2).sum(1)
+reference = forward(64)
+# accumulation: an MLP's exact gradient over 4096 rows, computed before the cap
+model = nn.Sequential(nn.Linear(256, 4096), nn.ReLU(), nn.Linear(4096, 10))
+targets = torch.randint(0, 10, (4096,))
+def loss_fn(x, y):
+    return F.cross_entropy(model(x), y)
+for start in range(0, 4096, 512):
+    (F.cross_entropy(model(data[start:start + 512]), targets[start:start + 512], reduction="sum") / 4096).backward()
+grads = [p.grad.clone() for p in model.parameters()]
+model.zero_grad(set_to_none=True)
+set_cpu_memory_headroom(0.25)
+def fits(size):
+    try:
+        forward(size)
+        return True
+    except RuntimeError:
+        return False
+lo, hi = 1, 1 << 17
+while lo < hi:   # M: the largest batch that fits, by bisection
+    mid = (lo + hi + 1) // 2
+    lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+runs = {}
+for name, policy in (("halving", Halving()), ("fit", FitToMemory())):
+    runs[name] = []
+    for call in range(4):
+        sizes = []
+        def f(batchsize):
+            sizes.append(batchsize)
+            return forward(batchsize)
+        out = explicit.batch(f, 1 << 17, toma_policy=policy, toma_cache_type=GlobalBatchsizeCache, toma_context=name)
+        runs[name].append(sizes)
+exact = bool(torch.allclose(out[:64], reference, rtol=1e-5, atol=1e-5))
+micro = []
+for call in range(3):
+    model.zero_grad(set_to_none=True)
+    explicit.accumulate(loss_fn, model, 4096, data[:4096], targets, toma_policy=FitToMemory(),
+                        toma_cache_type=GlobalBatchsizeCache, toma_context="accumulate")
+    micro.append(max(float((p.grad - g).abs().max()) for p, g in zip(model.parameters(), grads)))
+print(json.dumps(dict(M=lo, runs=runs, exact=exact, grad_errors=micro)))
+"""
+
+
+@pytest.mark.slow
+def test_under_a_real_cpu_cap_it_finds_nearly_the_largest_size_with_few_ooms():
+    result = json.loads(run_python(REAL_SEARCH, timeout=240).stdout.strip().splitlines()[-1])
+    best = result["M"]
+    fit, halving = result["runs"]["fit"], result["runs"]["halving"]
+    assert sum(len(sizes) - 1 for sizes in fit) <= 2, fit
+    assert 0.9 * best <= fit[-1][-1] <= best, (fit, best)
+    assert all(len(sizes) == 1 for sizes in fit[1:]), "after the first call no more OOMs"
+    assert fit[-1][-1] > halving[-1][-1], (fit, halving)
+    assert result["exact"]
+    assert max(result["grad_errors"]) < 1e-5, result["grad_errors"]

@@ -1,0 +1,238 @@
+"""`FitToMemory`: a sizing policy that measures attempts and jumps to the largest size predicted to fit.
+
+Each measured attempt gives a point of `need(size) = fixed + per_item * size`: an attempt that fit gives
+its peak bytes above what was in use when it began; one that ran out of memory gives a lower bound (its
+peak plus the allocation that failed). After an out-of-memory error the policy jumps to the largest size
+whose predicted need fits in `budget * (1 - margin)`; after a success with room left the call site's size
+grows for the next call (never above what a call asks for). Without a meter, or with nothing measured,
+it halves, as toma always did; when an error contradicts the model it shrinks at least as fast as
+halving and trusts the model again only after a new measurement.
+"""
+
+import logging
+import math
+import numbers
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, Optional, Tuple
+
+from toma.batchsize_cache import Batchsize
+from toma.free_memory import GAUGE, FreeMemoryGauge
+from toma.meters import Mark, MemoryMeter, default_meter
+from toma.policy import SizePolicy, shrink_below
+
+__all__ = ["FitToMemory", "LinearNeed"]
+
+log = logging.getLogger("toma")
+
+_KEPT = 16  # measurements kept per call site: the newest, so that the model follows a drifting workload
+
+
+def _bytes(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+@dataclass
+class LinearNeed:
+    """`fixed + per_item * size` bytes: the model of a call site's memory need."""
+
+    fixed: float
+    per_item: float
+
+    def need(self, size: int) -> float:
+        return self.fixed + self.per_item * size
+
+    def largest_within(self, budget: float) -> int:
+        """The largest size whose need fits in `budget` (0 when none does)."""
+        room = budget - self.fixed
+        return 0 if room <= 0 else int(math.floor(room / self.per_item))
+
+    def __str__(self) -> str:
+        return f"{_bytes(self.fixed)} + {_bytes(self.per_item)} per item"
+
+
+@dataclass
+class _Learned:
+    """What a call site's attempts showed (kept on its cache entry)."""
+
+    fits: List[Tuple[int, float]] = field(default_factory=list)  # (size, bytes it needed)
+    bounds: List[Tuple[int, float]] = field(default_factory=list)  # (size, at least this many bytes)
+    failures: List[Tuple[int, int]] = field(default_factory=list)  # (size, the budget it failed with)
+    distrust: bool = False  # an error contradicted the model: halve until measured again
+    quiet: int = 0  # calls since the size last changed
+    reading: Any = None  # the free-memory gauge's reading at the last measurement
+
+    def model(self) -> Optional[LinearNeed]:
+        sizes = {size for size, _ in self.fits}
+        if len(sizes) >= 2:
+            n = len(self.fits)
+            mean_x = sum(s for s, _ in self.fits) / n
+            mean_y = sum(b for _, b in self.fits) / n
+            var = sum((s - mean_x) ** 2 for s, _ in self.fits)
+            per = sum((s - mean_x) * (b - mean_y) for s, b in self.fits) / var
+            fixed = mean_y - per * mean_x
+            if per <= 0 or fixed < 0:  # noise: fall back to the steepest line through the origin
+                fixed, per = 0.0, max(b / s for s, b in self.fits)
+            else:  # no point may need more than the line says: the line is a ceiling
+                fixed += max(b - (fixed + per * s) for s, b in self.fits)
+        elif self.fits:
+            fixed, per = 0.0, max(b / s for s, b in self.fits)  # the fixed part counted per item: safe
+        elif self.bounds:
+            fixed, per = 0.0, max(b / s for s, b in self.bounds)  # a floor on the need: an optimistic model
+        else:
+            return None
+        for size, bound in self.bounds:  # never below what an error showed
+            if fixed + per * size < bound:
+                per = (bound - fixed) / size
+        return LinearNeed(fixed, per) if per > 0 else None
+
+
+def _moved(reading: Any, before: Any, step: int = 2**26) -> bool:
+    """Free memory moved by more than `step` bytes (64 MiB) of some kind since `before`."""
+    if before is None:
+        return True
+    return any((a is None) != (b is None) or (a is not None and abs(a - b) > step) for a, b in zip(reading, before))
+
+
+def _check_margin(margin: Any) -> float:
+    if isinstance(margin, bool) or not isinstance(margin, numbers.Real) or not 0 <= float(margin) < 0.5:
+        raise ValueError(f"margin must be a number in [0, 0.5), got {margin!r}")
+    return float(margin)
+
+
+class FitToMemory(SizePolicy):
+    """Size from measurements: jump to the largest size predicted to fit in `budget * (1 - margin)`.
+
+    `meter` measures attempts (None: the current CUDA device in a process that uses CUDA, else the CPU);
+    once a call site's size has settled, only every `measure_every`-th call is measured.
+    """
+
+    learns = True
+    gauge: FreeMemoryGauge = GAUGE  # a settled call site is measured again when free memory moves
+
+    def __init__(
+        self,
+        margin: float = 0.05,
+        meter: Optional[MemoryMeter] = None,
+        measure_every: int = 16,
+        minimum: int = 1,
+    ) -> None:
+        self.margin = _check_margin(margin)
+        if meter is not None and not callable(getattr(meter, "begin", None)):
+            raise TypeError(f"meter must be a toma.meters.MemoryMeter, got {meter!r}")
+        if isinstance(measure_every, bool) or not isinstance(measure_every, int) or measure_every < 1:
+            raise ValueError(f"measure_every must be a positive int, got {measure_every!r}")
+        if isinstance(minimum, bool) or not isinstance(minimum, int) or minimum < 1:
+            raise ValueError(f"minimum must be a positive int, got {minimum!r}")
+        self.meter, self.measure_every, self.minimum = meter, measure_every, minimum
+        self._meter_for: Callable[[], MemoryMeter] = (lambda: meter) if meter is not None else default_meter
+
+    def __repr__(self) -> str:
+        return f"FitToMemory(margin={self.margin!r}, meter={self.meter!r})"
+
+    def shrink(self, size: int) -> Optional[int]:
+        """Halving: what the ranks of a process group and the fallback use."""
+        return None if size <= self.minimum else max(self.minimum, size // 2)
+
+    @staticmethod
+    def learned(entry: Batchsize) -> _Learned:
+        state = entry.learned
+        if state is None:
+            state = entry.learned = _Learned()
+        return state  # type: ignore[no-any-return]
+
+    def model(self, entry: Batchsize) -> Optional[LinearNeed]:
+        """The need model of a call site's entry (None before anything was measured)."""
+        state = entry.learned
+        return None if state is None else state.model()
+
+    # --- the engine's hooks ----------------------------------------------------------------------------
+
+    def begin(self, entry: Batchsize, size: int) -> Optional[Tuple[MemoryMeter, Mark]]:
+        state = self.learned(entry)
+        settled = state.quiet >= 2 and not state.distrust
+        if settled and state.quiet % self.measure_every:
+            reading = self.gauge.read()  # throttled: a clock read most of the time
+            if reading == state.reading or not _moved(reading, state.reading):
+                state.quiet += 1
+                return None
+        state.reading = self.gauge.read()
+        meter = self._meter_for()
+        mark = meter.begin()
+        return None if mark is None else (meter, mark)
+
+    def succeeded(self, entry: Batchsize, token: Optional[Tuple[MemoryMeter, Mark]], ran: int) -> None:
+        state = self.learned(entry)
+        if token is None or ran < 1:
+            return
+        meter, mark = token
+        state.fits = (state.fits + [(ran, float(meter.used(mark)))])[-_KEPT:]
+        state.distrust = False
+        model = state.model()
+        current = entry.value or ran
+        if model is None or ran < current:  # a short batch: a point for the model, not a verdict on the size
+            state.quiet += 1
+            return
+        best = self._best(state, model, mark.budget, 1 - self.margin)
+        if abs(best - current) > 0.02 * current:  # not for noise: a size that creeps is worse than none
+            entry.set(best)
+            state.quiet = 0
+            log.info(
+                "%d needed %s of %s; %s to %d (%s)",
+                ran,
+                _bytes(model.need(ran)),
+                _bytes(mark.budget),
+                "growing" if best > current else "shrinking into the margin",
+                best,
+                model,
+            )
+        else:
+            state.quiet += 1
+
+    def after_oom(
+        self,
+        entry: Batchsize,
+        token: Optional[Tuple[MemoryMeter, Mark]],
+        size: int,
+        failed: int,
+        error: BaseException,
+    ) -> Optional[int]:
+        state = self.learned(entry)
+        halved = shrink_below(self, size, failed)
+        state.quiet = 0
+        if token is None:
+            return halved
+        meter, mark = token
+        before = state.model() if state.fits else None
+        if before is not None and before.need(failed) <= mark.budget * (1 - self.margin):
+            state.distrust = True  # it was predicted to fit: memory the meter cannot see, fragmentation...
+        known = meter.failed_bytes(error)
+        bound = float(meter.used(mark) + (known or 0))
+        if bound > 0:
+            state.bounds = (state.bounds + [(failed, bound)])[-_KEPT:]
+        state.failures = (state.failures + [(failed, mark.budget)])[-_KEPT:]
+        model = state.model()
+        if model is None or halved is None:
+            return halved
+        # Measured fits make the model a ceiling; errors alone make it a floor (the layers an attempt never
+        # reached are missing from it), so it is aimed at half the budget and the size grows once measured.
+        share = 1 - self.margin if state.fits else 0.5
+        best = min(self._best(state, model, mark.budget, share), failed - 1)
+        if best < self.minimum:
+            return halved if halved is not None and halved < failed else None
+        chosen = min(best, halved) if state.distrust else best
+        log.info(
+            "%d needed >= %s of %s; next %d (%s)", failed, _bytes(bound), _bytes(mark.budget), chosen, model
+        )
+        return max(self.minimum, chosen)
+
+    def _best(self, state: _Learned, model: LinearNeed, budget: int, share: float) -> int:
+        """The largest size predicted to fit in `share` of the budget, below every size that failed with
+        no more memory than there is now."""
+        best = model.largest_within(budget * share)
+        for size, failed_budget in state.failures:
+            if failed_budget >= budget * (1 - self.margin / 2):
+                best = min(best, size - 1)
+        return max(self.minimum, best)
