@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from toma.arguments import check_dimension, check_index, check_size, check_tensor_dimension
-from toma.policy import DEFAULT_POLICY, ShrinkByFactor, check_policy
+from toma.policy import DEFAULT_POLICY, Halving, ShrinkByFactor, check_policy
 
 
 def test_check_size_accepts_int_likes():
@@ -50,7 +50,8 @@ def test_check_tensor_dimension_normalises_negative_dimensions():
 
 
 def test_check_policy():
-    assert check_policy(None, "policy") is DEFAULT_POLICY
+    assert check_policy(None, "policy") is None, "None: the default, read at call time"
+    assert isinstance(DEFAULT_POLICY, Halving)
     gentle = ShrinkByFactor(0.8)
     assert check_policy(gentle, "policy") is gentle
     with pytest.raises(TypeError, match="toma_policy"):

@@ -160,6 +160,22 @@ def test_an_error_the_model_did_not_predict_halves_at_least_and_never_creeps():
     assert all(b <= a // 2 for a, b in zip(log, log[1:])), log
 
 
+def test_an_oom_its_own_measurements_cannot_explain_halves_instead_of_creeping():
+    """An injected OOM (nothing allocated, a small reported allocation): the model says the size fits, so
+    the policy halves rather than stepping down one size at a time."""
+    memory = SimulatedMemory(1024 * MiB)
+    log = []
+
+    def work(batchsize):
+        log.append(batchsize)
+        if batchsize > 16:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (injected)")
+        return batchsize
+
+    explicit.batch(work, 256, toma_policy=FitToMemory(meter=memory), toma_cache_type=NoBatchsizeCache)
+    assert log == [256, 128, 64, 32, 16]
+
+
 @pytest.mark.parametrize("margin", [-0.1, 0.5, 1, "0.1", True, None])
 def test_a_bad_margin_is_refused_by_name(margin):
     with pytest.raises(ValueError, match="margin"):

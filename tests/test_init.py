@@ -3,6 +3,9 @@
 import importlib
 import os
 
+import pytest
+import torch
+
 import toma as toma_package
 from toma import NoBatchsizeCache, StacktraceMemoryBatchsizeCache
 
@@ -84,6 +87,31 @@ def test_default_cache_type_reads_and_writes_one_setting():
     assert DEFAULT_CACHE_TYPE is NoBatchsizeCache
     assert toma_package.toma.DEFAULT_CACHE_TYPE is NoBatchsizeCache
     assert "DEFAULT_CACHE_TYPE" not in vars(toma_package), "an instance attribute would shadow the setting"
+
+
+def test_default_policy_is_halving_and_a_setting_the_forms_read_at_call_time():
+    from toma import FitToMemory, Halving, explicit, toma
+    from toma.accumulate import ACCUMULATION_POLICY
+
+    assert isinstance(toma_package.DEFAULT_POLICY, Halving), "toma 1.1.0's sequences stay the default"
+    assert isinstance(ACCUMULATION_POLICY, FitToMemory), "accumulation sizes by measuring"
+    sizes = []
+
+    def plain(batchsize):
+        sizes.append(batchsize)
+        if batchsize > 40:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return batchsize
+
+    run = toma.batch(initial_batchsize=64, cache_type=NoBatchsizeCache)(plain)  # before the setting changes
+    toma_package.DEFAULT_POLICY = toma_package.ShrinkByFactor(0.9)
+    assert toma.DEFAULT_POLICY is toma_package.DEFAULT_POLICY
+    assert run() == 40 and sizes == [64, 57, 51, 45, 40]
+    sizes.clear()
+    assert explicit.batch(plain, 64, toma_cache_type=NoBatchsizeCache) == 40 and sizes == [64, 57, 51, 45, 40]
+    assert "DEFAULT_POLICY" not in vars(toma_package)
+    with pytest.raises(TypeError, match="DEFAULT_POLICY"):
+        toma_package.DEFAULT_POLICY = None
 
 
 def test_decorated_functions_keep_their_identity():

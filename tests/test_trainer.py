@@ -172,8 +172,9 @@ print(json.dumps(dict(results=results, reference=reference, messages=messages)))
         timeout=240,
     )
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["messages"] and all("can't allocate memory" in m for m in result["messages"])
-    assert all(m.startswith("Trainer.evaluate ran out of memory at evaluation chunk size") for m in result["messages"])
+    ooms = [m for m in result["messages"] if "ran out of memory" in m]  # others: FitToMemory's size changes
+    assert ooms and all("can't allocate memory" in m for m in ooms)
+    assert all(m.startswith("Trainer.evaluate ran out of memory at evaluation chunk size") for m in ooms)
     assert result["results"]["loss"] == pytest.approx(result["reference"]["loss"], rel=1e-5)
     assert result["results"]["accuracy"] == pytest.approx(result["reference"]["accuracy"], rel=1e-6)
 
@@ -585,3 +586,23 @@ def test_evaluation_runs_each_batch_whole_until_one_runs_out_of_memory():
     trainer = Trainer(model, optimizer, nn.CrossEntropyLoss(), batches, batch_size=4, verbose=0)
     trainer.evaluate(batches)
     assert seen == [3, 40, 100]
+
+
+def test_the_policy_option_decides_how_micro_batches_shrink():
+    from toma import FitToMemory, ShrinkByFactor
+
+    sizes = []
+    trainer, model = make_trainer(batch_size=32, policy=ShrinkByFactor(0.75))
+    model.register_forward_pre_hook(lambda module, inputs: sizes.append(len(inputs[0])))
+
+    def oom_above_10(module, inputs):
+        if len(inputs[0]) > 10:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    handle = model.register_forward_pre_hook(oom_above_10)
+    trainer.step(*next(iter(loader(32))))
+    handle.remove()
+    assert sizes[:4] == [32, 24, 18, 13] and trainer.micro_batch == 9  # 13 * 0.75
+    assert isinstance(make_trainer()[0].policy, FitToMemory), "the default measures"
+    with pytest.raises(TypeError, match="policy"):
+        make_trainer(policy=3)

@@ -34,6 +34,7 @@ __all__ = [
     "explicit",
     "simple",
     "DEFAULT_CACHE_TYPE",
+    "DEFAULT_POLICY",
     "NoBatchsizeCache",
     "GlobalBatchsizeCache",
     "StacktraceMemoryBatchsizeCache",
@@ -65,4 +66,5 @@ __all__ = [
 # The cache type used where none is given: a live setting (read at call time) that assignments reach, through
 # the package module's class. Declared here so that type checkers know it.
 DEFAULT_CACHE_TYPE: Type[BatchsizeCache]
+DEFAULT_POLICY: SizePolicy  # the forms' sizing policy where none is given (Halving), live like DEFAULT_CACHE_TYPE
 sys.modules[__name__].__class__ = PackageModule

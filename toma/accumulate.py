@@ -28,6 +28,7 @@ from toma.distributed import Agreement, all_reduce_gradients, broadcast_buffers,
 from toma.gradients import GradientStash
 from toma.misuse import AccumulationMisuse, MisuseWatch
 from toma.oom import should_reduce_batch_size
+from toma.fit_to_memory import FitToMemory
 from toma.policy import SizePolicy
 from toma.rollback import BufferStash, RandomState
 from toma.splitting import BatchSplit, Parts, Window
@@ -241,6 +242,10 @@ def _hint_whole(error: BaseException, split: BatchSplit, rows: int) -> None:
     engine.add_note(error, note)
 
 
+# Accumulation sizes a micro-batch by measuring: its size matters for speed, and no 1.1.0 sequence binds it.
+ACCUMULATION_POLICY: SizePolicy = FitToMemory()
+
+
 @dataclass
 class AccumulationStats:
     """What the calls of one accumulating function went through (best effort across threads)."""
@@ -388,7 +393,7 @@ def accumulate(
     reduction: str,
     scaler: Any,
     cache: BatchsizeCache,
-    policy: SizePolicy,
+    policy: Optional[SizePolicy],
     weight: Optional[Callable[..., Any]] = None,
     stats: Optional[AccumulationStats] = None,
     name: Optional[str] = None,
@@ -396,7 +401,9 @@ def accumulate(
     """Forward and backward `func(*micro_args, **micro_kwargs)` over the logical batch (a `BatchSplit` of a
     call's arguments, or `Parts` of several) in micro-batches; returns the logical batch's loss, detached.
     Arguments are checked by the caller (`toma.forms`, `toma.trainer`). The cached size is the one asked
-    for, not capped by this batch's rows: a short batch never shrinks it, only an out-of-memory error does."""
+    for, not capped by this batch's rows: a short batch never shrinks it, only an out-of-memory error does.
+    `policy` None: `ACCUMULATION_POLICY`, a `FitToMemory`."""
+    policy = policy or ACCUMULATION_POLICY
     step = AccumulateStep(func, model, batch, reduction, weight, scaler, policy, name)
     try:
         engine.drive(step, cache, initial_micro_batch, policy, step.sync.agreement)

@@ -89,7 +89,9 @@ def run(
     if agreement is not None:
         size = agreement.start(size)
         entry.shrink_to(size)
-    learns = getattr(policy, "learns", False)
+    # Ranks that agree on every size take halving's (the policy's shrink); a learning policy is for one.
+    learns = getattr(policy, "learns", False) and agreement is None
+    detail = ""
     while True:
         token = policy.begin(entry, size) if learns else None  # type: ignore[attr-defined]
         fitted = entry.fitted
@@ -101,7 +103,9 @@ def run(
             if ran:
                 entry.record_fit(ran)
             if learns:
-                policy.succeeded(entry, token, ran)  # type: ignore[attr-defined]
+                change = policy.succeeded(entry, token, ran)  # type: ignore[attr-defined]
+                if change:
+                    log.info("%s: %s %s", _name(step), step.size_name, change)
             return
         except AgreedRetry as retry:
             next_size, own_failure = retry.size, None
@@ -114,6 +118,7 @@ def run(
             try:
                 if learns:
                     smaller = _checked(policy, policy.after_oom(entry, token, size, failed, exception), failed)  # type: ignore[attr-defined]
+                    detail = policy.explain(entry)  # type: ignore[attr-defined]
                 else:
                     smaller = shrink_below(policy, size, failed)
             except ValueError:
@@ -134,14 +139,16 @@ def run(
         if own_failure is not None:
             entry.record_failure(own_failure)
         log.info(
-            "%s ran out of memory at %s %d; retrying with %d (called from %s): %s",
+            "%s ran out of memory at %s %d; retrying with %d%s (called from %s): %s",
             _name(step),
             step.size_name,
             size,
             next_size,
+            f" ({detail})" if detail else "",
             stacktrace.describe_call_site(),
             reason,
         )
+        detail = ""
         release_memory()
         GAUGE.invalidate()
         size = next_size

@@ -9,7 +9,6 @@ it halves, as toma always did; when an error contradicts the model it shrinks at
 halving and trusts the model again only after a new measurement.
 """
 
-import logging
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -21,8 +20,6 @@ from toma.meters import Mark, MemoryMeter, default_meter
 from toma.policy import SizePolicy, shrink_below
 
 __all__ = ["FitToMemory", "LinearNeed"]
-
-log = logging.getLogger("toma")
 
 _KEPT = 16  # measurements kept per call site: the newest, so that the model follows a drifting workload
 
@@ -59,10 +56,12 @@ class _Learned:
 
     fits: List[Tuple[int, float]] = field(default_factory=list)  # (size, bytes it needed)
     bounds: List[Tuple[int, float]] = field(default_factory=list)  # (size, at least this many bytes)
-    failures: List[Tuple[int, int]] = field(default_factory=list)  # (size, the budget it failed with)
+    # (size, the budget it failed with, the largest size to try again with no more budget than that)
+    failures: List[Tuple[int, int, int]] = field(default_factory=list)
     distrust: bool = False  # an error contradicted the model: halve until measured again
     quiet: int = 0  # calls since the size last changed
     reading: Any = None  # the free-memory gauge's reading at the last measurement
+    note: str = ""  # why the last size after an error was chosen, for the log line
 
     def model(self) -> Optional[LinearNeed]:
         sizes = {size for size, _ in self.fits}
@@ -163,33 +162,33 @@ class FitToMemory(SizePolicy):
         mark = meter.begin()
         return None if mark is None else (meter, mark)
 
-    def succeeded(self, entry: Batchsize, token: Optional[Tuple[MemoryMeter, Mark]], ran: int) -> None:
+    def succeeded(self, entry: Batchsize, token: Optional[Tuple[MemoryMeter, Mark]], ran: int) -> Optional[str]:
         state = self.learned(entry)
         if token is None or ran < 1:
-            return
+            return None
         meter, mark = token
-        state.fits = (state.fits + [(ran, float(meter.used(mark)))])[-_KEPT:]
+        used = float(meter.used(mark))
+        state.fits = (state.fits + [(ran, used)])[-_KEPT:]
         state.distrust = False
         model = state.model()
         current = entry.value or ran
         if model is None or ran < current:  # a short batch: a point for the model, not a verdict on the size
             state.quiet += 1
-            return
+            return None
         best = self._best(state, model, mark.budget, 1 - self.margin)
-        if abs(best - current) > 0.02 * current:  # not for noise: a size that creeps is worse than none
-            entry.set(best)
-            state.quiet = 0
-            log.info(
-                "%d needed %s of %s; %s to %d (%s)",
-                ran,
-                _bytes(model.need(ran)),
-                _bytes(mark.budget),
-                "growing" if best > current else "shrinking into the margin",
-                best,
-                model,
-            )
-        else:
+        if abs(best - current) <= 0.02 * current:  # not for noise: a size that creeps is worse than none
             state.quiet += 1
+            return None
+        entry.set(best)
+        state.quiet = 0
+        return (
+            f"{ran} needed {_bytes(used)} of {_bytes(mark.budget)}; "
+            f"{'growing' if best > current else 'shrinking into the margin'} to {best} ({model})"
+        )
+
+    def explain(self, entry: Batchsize) -> str:
+        state = entry.learned
+        return "" if state is None else str(state.note)
 
     def after_oom(
         self,
@@ -201,7 +200,7 @@ class FitToMemory(SizePolicy):
     ) -> Optional[int]:
         state = self.learned(entry)
         halved = shrink_below(self, size, failed)
-        state.quiet = 0
+        state.quiet, state.note = 0, ""
         if token is None:
             return halved
         meter, mark = token
@@ -212,27 +211,28 @@ class FitToMemory(SizePolicy):
         bound = float(meter.used(mark) + (known or 0))
         if bound > 0:
             state.bounds = (state.bounds + [(failed, bound)])[-_KEPT:]
-        state.failures = (state.failures + [(failed, mark.budget)])[-_KEPT:]
         model = state.model()
         if model is None or halved is None:
+            state.failures = (state.failures + [(failed, mark.budget, halved or 1)])[-_KEPT:]
             return halved
         # Measured fits make the model a ceiling; errors alone make it a floor (the layers an attempt never
         # reached are missing from it), so it is aimed at half the budget and the size grows once measured.
         share = 1 - self.margin if state.fits else 0.5
-        best = min(self._best(state, model, mark.budget, share), failed - 1)
-        if best < self.minimum:
-            return halved if halved is not None and halved < failed else None
-        chosen = min(best, halved) if state.distrust else best
-        log.info(
-            "%d needed >= %s of %s; next %d (%s)", failed, _bytes(bound), _bytes(mark.budget), chosen, model
-        )
-        return max(self.minimum, chosen)
+        best = self._best(state, model, mark.budget, share)
+        if model.largest_within(mark.budget * share) >= failed:
+            state.distrust = True  # what the meter saw would have fit: the error came from memory it cannot see
+        chosen = max(self.minimum, min(best, halved) if state.distrust else best)
+        # An error the model explains bars only the failed size; one it cannot explain bars growing above
+        # the size chosen now, until the budget grows.
+        state.failures = (state.failures + [(failed, mark.budget, chosen if state.distrust else failed - 1)])[-_KEPT:]
+        state.note = f"needed >= {_bytes(bound)} of {_bytes(mark.budget)}: {model}"
+        return chosen
 
     def _best(self, state: _Learned, model: LinearNeed, budget: int, share: float) -> int:
         """The largest size predicted to fit in `share` of the budget, below every size that failed with
         no more memory than there is now."""
         best = model.largest_within(budget * share)
-        for size, failed_budget in state.failures:
+        for _, failed_budget, ceiling in state.failures:
             if failed_budget >= budget * (1 - self.margin / 2):
-                best = min(best, size - 1)
+                best = min(best, ceiling)
         return max(self.minimum, best)

@@ -41,7 +41,7 @@ from toma.batchsize_cache import (
     set_default_cache_type,
 )
 from toma.distributed import AgreedStep, agreement_for
-from toma.policy import DEFAULT_POLICY, SizePolicy, check_policy
+from toma.policy import SizePolicy, check_policy, get_default_policy, set_default_policy
 from toma.signatures import AccumulateFunction, BatchFunction, ChunkedFunction, RangeFunction
 from toma.splitting import BatchSplit, whole
 from toma.stacktrace import call_site_key
@@ -142,7 +142,8 @@ class _Options:
         )
 
     def call(self, step: S, initial: int, toma_context: Optional[Hashable] = None) -> S:
-        return _drive(step, self.cache(step.func, toma_context), initial, self.policy, self.distributed)
+        policy = self.policy or get_default_policy()
+        return _drive(step, self.cache(step.func, toma_context), initial, policy, self.distributed)
 
 
 def _call_batch(func: Callable[..., R], options: _Options, initial: int, args: Any, kwargs: Any) -> R:
@@ -161,7 +162,7 @@ class simple:
         check_function(func, "simple.batch")
         initial = check_size(initial_batchsize, "initial_batchsize")
         step = engine.BatchStep(func, args, kwargs)
-        return cast(R, engine.drive(step, _NO_CACHE, initial, DEFAULT_POLICY).result)
+        return cast(R, engine.drive(step, _NO_CACHE, initial, get_default_policy()).result)
 
     @staticmethod
     def range(
@@ -176,7 +177,7 @@ class simple:
         check_function(func, "simple.range")
         start, end = check_index(start, "start"), check_index(end, "end")
         initial = check_size(initial_step, "initial_step")
-        engine.drive(engine.RangeStep(func, start, end, args, kwargs), _NO_CACHE, initial, DEFAULT_POLICY)
+        engine.drive(engine.RangeStep(func, start, end, args, kwargs), _NO_CACHE, initial, get_default_policy())
 
     @staticmethod
     def chunked(
@@ -186,7 +187,7 @@ class simple:
         check_function(func, "simple.chunked")
         initial = check_size(initial_step, "initial_step")
         dim = check_tensor_dimension(tensor, check_dimension(dimension, "dimension"), "tensor", "dimension")
-        engine.drive(engine.ChunkStep(func, tensor, dim, (), {}), _NO_CACHE, initial, DEFAULT_POLICY)
+        engine.drive(engine.ChunkStep(func, tensor, dim, (), {}), _NO_CACHE, initial, get_default_policy())
 
 
 # --- explicit ------------------------------------------------------------------------------------------
@@ -303,20 +304,34 @@ class _DefaultCacheType:
         set_default_cache_type(value)
 
 
+class _DefaultPolicy:
+    """`DEFAULT_POLICY` as a live attribute, like `DEFAULT_CACHE_TYPE`."""
+
+    def __get__(self, instance: Any, owner: Any = None) -> SizePolicy:
+        return get_default_policy()
+
+    def __set__(self, instance: Any, value: SizePolicy) -> None:
+        set_default_policy(value)
+
+
 class _TomaNamespace(type):
     DEFAULT_CACHE_TYPE = _DefaultCacheType()
+    DEFAULT_POLICY = _DefaultPolicy()
 
 
 class PackageModule(types.ModuleType):
-    """The class of the `toma` package module, so that `toma.DEFAULT_CACHE_TYPE = ...` takes effect."""
+    """The class of the `toma` package module, so that `toma.DEFAULT_CACHE_TYPE = ...` (and
+    `toma.DEFAULT_POLICY = ...`) take effect."""
 
     DEFAULT_CACHE_TYPE = _DefaultCacheType()
+    DEFAULT_POLICY = _DefaultPolicy()
 
 
 class toma(metaclass=_TomaNamespace):
     """Decorators that retry a function with a smaller batch or step after an out-of-memory error."""
 
     DEFAULT_CACHE_TYPE: Type[BatchsizeCache]  # the live setting (see _TomaNamespace), declared for checkers
+    DEFAULT_POLICY: SizePolicy
     NoBatchsizeCache = NoBatchsizeCache
     GlobalBatchsizeCache = GlobalBatchsizeCache
     StacktraceMemoryBatchsizeCache = StacktraceMemoryBatchsizeCache

@@ -9,7 +9,16 @@ from typing import Any, Optional, SupportsIndex
 
 from toma.arguments import check_size
 
-__all__ = ["SizePolicy", "ShrinkByFactor", "Halving", "DEFAULT_POLICY", "check_policy", "shrink_below"]
+__all__ = [
+    "SizePolicy",
+    "ShrinkByFactor",
+    "Halving",
+    "DEFAULT_POLICY",
+    "get_default_policy",
+    "set_default_policy",
+    "check_policy",
+    "shrink_below",
+]
 
 
 class SizePolicy:
@@ -17,9 +26,11 @@ class SizePolicy:
 
     A policy that learns from measurements sets `learns = True`; the engine then calls, per attempt,
     `begin(entry, size)` (a token, or None when it measures nothing this time), and after it either
-    `succeeded(entry, token, ran)` (`ran`: the rows the attempt's first chunk had) or
-    `after_oom(entry, token, size, failed, error)`, which returns the next size (below `failed`) or None.
-    `entry` is the call site's cache entry: a policy keeps what it learned there, and may grow its size.
+    `succeeded(entry, token, ran)` (`ran`: the rows the attempt's first chunk had; returns a description
+    of a size change to log, or None) or `after_oom(entry, token, size, failed, error)`, which returns the
+    next size (below `failed`) or None, and `explain(entry)` says why for the log line. `entry` is the
+    call site's cache entry: a policy keeps what it learned there, and may grow its size. Ranks that agree
+    on sizes use `shrink` alone.
     """
 
     learns = False
@@ -63,16 +74,31 @@ class Halving(ShrinkByFactor):
         return f"Halving(minimum={self.minimum!r})"
 
 
-DEFAULT_POLICY: SizePolicy = Halving()
+DEFAULT_POLICY: SizePolicy = Halving()  # toma 1.1.0's sequences: the forms' default until one is set
+_default_policy: SizePolicy = DEFAULT_POLICY
 
 
-def check_policy(policy: Any, name: str) -> SizePolicy:
-    """A sizing policy (DEFAULT_POLICY, halving, when None)."""
+def get_default_policy() -> SizePolicy:
+    """The policy of the forms where none is given (what `toma.DEFAULT_POLICY` reads), read at call time."""
+    return _default_policy
+
+
+def check_policy(policy: Any, name: str) -> Optional[SizePolicy]:
+    """A sizing policy, or None for the default at call time."""
     if policy is None:
-        return DEFAULT_POLICY
+        return None
     if not callable(getattr(policy, "shrink", None)):
         raise TypeError(f"{name} must be a sizing policy such as toma.policy.ShrinkByFactor(0.8), got {policy!r}")
     return policy  # type: ignore[no-any-return]
+
+
+def set_default_policy(policy: SizePolicy) -> None:
+    """Change the forms' default policy (what assigning `toma.DEFAULT_POLICY` does)."""
+    global _default_policy
+    checked = check_policy(policy, "DEFAULT_POLICY")
+    if checked is None:
+        raise TypeError("DEFAULT_POLICY must be a sizing policy such as toma.Halving(), got None")
+    _default_policy = checked
 
 
 def shrink_below(policy: SizePolicy, size: int, failed: int) -> Optional[int]:

@@ -15,13 +15,21 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optio
 import torch
 
 from toma import engine
-from toma.accumulate import AccumulationStats, accumulate, check_model, check_reduction, check_scaler, check_weight
+from toma.accumulate import (
+    ACCUMULATION_POLICY,
+    AccumulationStats,
+    accumulate,
+    check_model,
+    check_reduction,
+    check_scaler,
+    check_weight,
+)
 from toma.arguments import check_size
 from toma.batches import Segments, logical_batches, rows, take, to_device
 from toma.batchsize_cache import GlobalBatchsizeCache
 from toma.history import TrainingHistory
 from toma.memory import History as MemoryHistory
-from toma.policy import DEFAULT_POLICY
+from toma.policy import SizePolicy, check_policy
 from toma.progress import VERBOSITY, Progress
 from toma.splitting import BatchSplit, Parts
 
@@ -205,8 +213,11 @@ class Trainer:
         weight: Optional[Callable[..., Any]] = None,
         targets: Optional[Callable[[Any], Any]] = None,
         file: Optional[TextIO] = None,
+        policy: Optional[SizePolicy] = None,
     ) -> None:
         self.model = check_model(model, "model")
+        # How micro-batch and evaluation chunk sizes are found: measured (FitToMemory) unless given.
+        self.policy: SizePolicy = check_policy(policy, "policy") or ACCUMULATION_POLICY
         if not (callable(getattr(optimizer, "step", None)) and callable(getattr(optimizer, "zero_grad", None))):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {optimizer!r}")
         if forward is None and not callable(loss_fn):
@@ -305,7 +316,7 @@ class Trainer:
             weight=self.weight,
             scaler=self.scaler,
             cache=self._training_cache,
-            policy=DEFAULT_POLICY,
+            policy=self.policy,
             stats=self.stats,
             name="Trainer.step",
         )
@@ -464,7 +475,7 @@ class Trainer:
     def _chunks(self, func: Callable[..., None], rows_: int, *args: Any) -> None:
         """`func(start, stop, *args)` over `[0, rows_)` in chunks that fit (the trainer's evaluation size)."""
         step = _EvaluationChunks(func, 0, rows_, args, {}, name="Trainer.evaluate")
-        engine.drive(step, self._evaluation_cache, _WHOLE_BATCHES, DEFAULT_POLICY)
+        engine.drive(step, self._evaluation_cache, _WHOLE_BATCHES, self.policy)
 
     def _predict_rows(self, start: int, stop: int, inputs: Any, outputs: List[torch.Tensor]) -> None:
         outputs.append(self.model(to_device(take(inputs, start, stop), self.device, non_blocking=True)))
