@@ -9,7 +9,7 @@ group isolates toma's own cost per call, free of that noise.
 import pytest
 import torch
 
-from toma import NoBatchsizeCache, explicit, simple, toma
+from toma import FitToMemory, NoBatchsizeCache, explicit, simple, toma
 
 SHAPE = (128, 256, 256)
 STEP = 32
@@ -84,6 +84,7 @@ def noop(batchsize):
 
 toma_noop = toma.batch(initial_batchsize=64)(noop)
 toma_noop_no_cache = toma.batch(initial_batchsize=64, cache_type=NoBatchsizeCache)(noop)
+toma_noop_fit = toma.batch(initial_batchsize=64, policy=FitToMemory())(noop)
 
 
 @pytest.mark.benchmark(group="no-op call")
@@ -99,3 +100,9 @@ def test_toma_batch_noop_call(benchmark):
 @pytest.mark.benchmark(group="no-op call")
 def test_toma_batch_noop_call_no_cache(benchmark):
     assert benchmark(toma_noop_no_cache) == 64
+
+
+@pytest.mark.benchmark(group="no-op call")
+def test_toma_batch_noop_call_fit_to_memory(benchmark):
+    """Settled (the size stopped changing): measured every 64th call, or when free memory moves."""
+    assert benchmark(toma_noop_fit) == 64

@@ -115,7 +115,7 @@ class FitToMemory(SizePolicy):
         self,
         margin: float = 0.05,
         meter: Optional[MemoryMeter] = None,
-        measure_every: int = 16,
+        measure_every: int = 64,
         minimum: int = 1,
     ) -> None:
         self.margin = _check_margin(margin)
