@@ -119,9 +119,17 @@ for name, policy in (("Halving", Halving()), ("ShrinkByFactor(0.9)", ShrinkByFac
     if policy is None:
         rule = Bisection(START)
         rule.search(work)
+        ooms = rule.ooms
         for _ in range(8 - 1):
-            work(rule.size)
-        sizes, ooms = [rule.size], rule.ooms
+            while True:  # the searched size can fail later (memory moved): count it, and halve as a rerun would
+                try:
+                    work(rule.size)
+                    break
+                except RuntimeError:
+                    ooms += 1
+                    rule.size = max(1, rule.size // 2)
+                    gc.collect()
+        sizes = [rule.size]
     else:
         for call in range(8):
             attempts = []

@@ -24,6 +24,7 @@ from toma.history import TrainingHistory
 from toma.misuse import AccumulationMisuse
 from toma.oom import register_oom_predicate, release_memory, should_reduce_batch_size, unregister_oom_predicate
 from toma.policy import Halving, ShrinkByFactor, SizePolicy
+from toma.size_store import remember_sizes
 from toma.splitting import whole
 from toma.torch_cuda_memory import gc_cuda, is_cuda_out_of_memory, is_cudnn_snafu
 from toma.trainer import Callback, StopTraining, Trainer
@@ -48,6 +49,7 @@ __all__ = [
     "ShrinkByFactor",
     "Halving",
     "FitToMemory",
+    "remember_sizes",
     "whole",
     "AccumulationMisuse",
     "Trainer",

@@ -37,6 +37,8 @@ class Batchsize:
     fitted: Optional[int] = field(default=None, init=False, compare=False)
     failed: Optional[int] = field(default=None, init=False, compare=False)
     learned: Any = field(default=None, init=False, repr=False, compare=False)  # a learning policy's state
+    # Where the size is remembered across runs (toma.size_store): None until first used; "" for never.
+    store_key: Optional[str] = field(default=None, init=False, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
     def set_initial_batchsize(self, initial_batchsize: int) -> None:
@@ -107,7 +109,9 @@ class NoBatchsizeCache(BatchsizeCache):
     """Remembers nothing: every call starts at its initial size."""
 
     def get_batchsize(self, initial_batchsize: int) -> Batchsize:
-        return Batchsize(initial_batchsize)
+        entry = Batchsize(initial_batchsize)
+        entry.store_key = ""  # remembers nothing, across runs neither
+        return entry
 
 
 class GlobalBatchsizeCache(BatchsizeCache):

@@ -16,6 +16,7 @@ from toma.distributed import AgreedRetry, Agreement
 from toma.free_memory import GAUGE
 from toma.oom import release_memory, should_reduce_batch_size
 from toma.policy import SizePolicy, shrink_below
+from toma.size_store import SizeStore, active_store, describe_model, device_key
 
 __all__ = ["Step", "run", "drive", "BatchStep", "RangeStep", "ChunkStep", "add_note"]
 
@@ -61,6 +62,26 @@ def _effective(step: Step, size: int) -> int:
     return size if effective is None else int(effective(size))
 
 
+def _recall(entry: Batchsize, step: Step, store: SizeStore) -> None:
+    """Give a cache entry used for the first time its key in the size file, and the size stored there."""
+    func = step.func
+    function = f"{getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', repr(func))}"
+    site = f"{function} called from {stacktrace.describe_call_site().rsplit(' in ', 1)[0]}"
+    device = device_key()
+    entry.store_key = f"{site} | {device}"
+    remembered = store.get(entry.store_key)
+    if remembered is not None:
+        entry.set(remembered)
+        log.info("%s starts at %s %d, remembered in %s", _name(step), step.size_name, remembered, store.path)
+
+
+def _remember(entry: Batchsize, store: SizeStore, policy: SizePolicy) -> None:
+    key, size = entry.store_key, entry.value
+    if key and size:
+        site, device = key.split(" | ", 1)
+        store.put(key, site, device, size, describe_model(entry.learned))
+
+
 def _checked(policy: SizePolicy, smaller: Optional[int], failed: int) -> Optional[int]:
     if smaller is not None and not 1 <= smaller < failed:
         raise ValueError(
@@ -85,6 +106,9 @@ def run(
     `agreement` the ranks of a process group start at the same size, and a step that raises AgreedRetry
     (see `toma.distributed`) is retried at the size they agreed on.
     """
+    store = active_store()
+    if store is not None and entry.store_key is None:
+        _recall(entry, step, store)
     size = entry.start(initial_size)
     if agreement is not None:
         size = agreement.start(size)
@@ -106,6 +130,8 @@ def run(
                 change = policy.succeeded(entry, token, ran)  # type: ignore[attr-defined]
                 if change:
                     log.info("%s: %s %s", _name(step), step.size_name, change)
+                    if store is not None:
+                        _remember(entry, store, policy)
             return
         except AgreedRetry as retry:
             next_size, own_failure = retry.size, None
@@ -138,6 +164,8 @@ def run(
         entry.shrink_to(next_size)
         if own_failure is not None:
             entry.record_failure(own_failure)
+        if store is not None:
+            _remember(entry, store, policy)
         log.info(
             "%s ran out of memory at %s %d; retrying with %d%s (called from %s): %s",
             _name(step),

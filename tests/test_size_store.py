@@ -1,0 +1,112 @@
+"""Sizes that survive a restart: real subprocesses sharing an SQLite file, concurrent writers, bad files, the CLI."""
+
+import json
+import logging
+import os
+import sqlite3
+import subprocess
+import sys
+
+import pytest
+from helpers import REPO, raise_fake_oom
+
+from toma import GlobalBatchsizeCache, explicit, remember_sizes
+from toma.size_store import SizeStore
+
+RUN = """
+import json, logging, os, sys
+logging.basicConfig(level=logging.WARNING)
+from toma import toma
+attempts = []
+@toma.batch(initial_batchsize=64)
+def work(batchsize):
+    attempts.append(batchsize)
+    if batchsize > 12:
+        raise MemoryError("Tried to allocate 8.00 MiB (injected)")
+    return batchsize
+sizes = [work() for _ in range(3)]
+print(json.dumps(dict(attempts=attempts, sizes=sizes)))
+"""
+
+
+def run(code, path, extra_env=None):
+    env = dict(os.environ, PYTHONPATH=REPO, TOMA_SIZES=str(path), **(extra_env or {}))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+
+
+@pytest.fixture(autouse=True)
+def no_store():
+    yield
+    remember_sizes(None)
+
+
+@pytest.mark.slow
+def test_a_second_run_starts_at_the_size_the_first_found(tmp_path):
+    path = tmp_path / "sizes.db"
+    first, _ = run(RUN, path)
+    second, _ = run(RUN, path)
+    assert first["attempts"][:4] == [64, 32, 16, 8], "the first run searches"
+    assert second["attempts"] == [8, 8, 8], "the second starts where the first ended: no OOM"
+    assert first["sizes"] == second["sizes"] == [8, 8, 8]
+
+
+@pytest.mark.slow
+def test_four_processes_writing_at_once_leave_a_valid_file(tmp_path):
+    path = tmp_path / "sizes.db"
+    env = dict(os.environ, PYTHONPATH=REPO, TOMA_SIZES=str(path))
+    processes = [
+        subprocess.Popen([sys.executable, "-c", RUN.replace("> 12", f"> {4 + i}")], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+        for i in range(4)
+    ]
+    outputs = [process.communicate(timeout=120) for process in processes]
+    assert all(process.returncode == 0 for process in processes), [err for _, err in outputs]
+    assert not any("cannot use the size file" in err for _, err in outputs)
+    rows = SizeStore(str(path)).rows()
+    assert len(rows) == 1 and rows[0][2] in (4, 8), rows  # one call site: the last writer's size
+
+
+def test_a_corrupt_file_or_a_directory_costs_one_warning_and_the_job_runs(tmp_path, caplog):
+    corrupt = tmp_path / "corrupt.db"
+    corrupt.write_bytes(b"this is not an SQLite database" * 100)
+    for path in (corrupt, tmp_path):
+        caplog.clear()
+        remember_sizes(path)
+        attempts = []
+
+        def work(batchsize):
+            attempts.append(batchsize)
+            if batchsize > 8:
+                raise_fake_oom()
+            return batchsize
+
+        with caplog.at_level(logging.WARNING, logger="toma"):
+            calls = [explicit.batch(work, 32, toma_cache_type=GlobalBatchsizeCache, toma_context=str(path)) for _ in range(3)]
+            assert calls == [8] * 3
+        warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 1 and str(path) in warnings[0].getMessage(), warnings
+
+
+def test_remember_sizes_in_process_and_the_cli_lists_and_clears(tmp_path):
+    path = tmp_path / "sizes.db"
+    remember_sizes(path)
+
+    def work(batchsize):
+        if batchsize > 5:
+            raise_fake_oom()
+        return batchsize
+
+    assert explicit.batch(work, 40, toma_cache_type=GlobalBatchsizeCache) == 5
+    env = dict(os.environ, PYTHONPATH=REPO)
+    listed = subprocess.run([sys.executable, "-m", "toma", "sizes", "--file", str(path)], capture_output=True,
+                            text=True, env=env, timeout=60)
+    assert listed.returncode == 0 and "<locals>.work called from" in listed.stdout and listed.stdout.split()[0] == "5"
+    cleared = subprocess.run([sys.executable, "-m", "toma", "sizes", "--file", str(path), "--clear"],
+                             capture_output=True, text=True, env=env, timeout=60)
+    assert cleared.returncode == 0 and "forgot 1" in cleared.stdout
+    assert SizeStore(str(path)).rows() == []
+    with pytest.raises(TypeError, match="path"):
+        remember_sizes(3)
+    sqlite3.connect(str(path)).close()
