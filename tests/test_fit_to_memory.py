@@ -265,3 +265,34 @@ def test_under_a_real_cpu_cap_it_finds_nearly_the_largest_size_with_few_ooms():
     assert fit[-1][-1] > halving[-1][-1], (fit, halving)
     assert result["exact"]
     assert max(result["grad_errors"]) < 1e-5, result["grad_errors"]
+
+
+def test_accumulation_stats_and_the_trainer_history_carry_the_model():
+    from torch import nn
+
+    from toma import Trainer, toma
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 2))
+    memory = SimulatedMemory(1024 * MiB)
+
+    @toma.accumulate(model=model, initial_micro_batch=16, policy=FitToMemory(meter=memory))
+    def compute_loss(x, y):
+        memory.allocate(2**20 * len(x))  # 1 MiB per row, as far as the meter knows
+        memory.in_use = 0
+        return torch.nn.functional.cross_entropy(model(x), y)
+
+    x, y = torch.randn(64, 8), torch.randint(0, 2, (64,))
+    compute_loss(x, y)
+    assert isinstance(compute_loss.stats.model, LinearNeed)
+    assert compute_loss.stats.model.need(16) >= 16 * 2**20
+    batches = [(x[i : i + 16], y[i : i + 16]) for i in range(0, 64, 16)]
+    def forward(batch):
+        memory.allocate(2**20 * len(batch[0]))
+        memory.in_use = 0
+        return torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
+
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), None, batches, batch_size=32,
+                      verbose=0, forward=forward, policy=FitToMemory(meter=memory))
+    trainer.fit(1)
+    assert all("per item" in step["memory_model"] for step in trainer.history.steps), trainer.history.steps

@@ -254,6 +254,7 @@ class AccumulationStats:
     oom_retries: int = 0  # logical batches redone after an out-of-memory error, over all calls
     calls: int = 0
     weight: Optional[float] = None  # what the last logical batch's loss averaged over (rows, or weight's total)
+    model: Any = None  # FitToMemory's memory model of the call site (a LinearNeed), once it measured
 
 
 Batch = Union[BatchSplit, Parts]
@@ -405,8 +406,9 @@ def accumulate(
     `policy` None: `ACCUMULATION_POLICY`, a `FitToMemory`."""
     policy = policy or ACCUMULATION_POLICY
     step = AccumulateStep(func, model, batch, reduction, weight, scaler, policy, name)
+    entry = cache.get_batchsize(initial_micro_batch)
     try:
-        engine.drive(step, cache, initial_micro_batch, policy, step.sync.agreement)
+        engine.run(step, entry, initial_micro_batch, policy, step.sync.agreement)
     finally:
         if stats is not None:
             stats.calls += 1
@@ -414,5 +416,7 @@ def accumulate(
     if stats is not None:
         stats.micro_batch = step.size
         stats.weight = step.total_weight
+        learned = getattr(entry.learned, "model", None)
+        stats.model = learned() if callable(learned) else None
     assert step.result is not None
     return step.result

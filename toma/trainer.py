@@ -369,6 +369,7 @@ class Trainer:
                         micro_batch=self.micro_batch,
                         rows=n,
                         oom_retries=self.oom_retries - retries,
+                        memory_model=None if self.stats.model is None else str(self.stats.model),
                     )
                 )
                 progress.step(
