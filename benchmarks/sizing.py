@@ -4,7 +4,7 @@ Run: python benchmarks/sizing.py [--quick]
 
 Each workload runs in fresh subprocesses, each capped at the same headroom above its settled address space.
 M, the largest size that fits, is found by bisection, one fresh subprocess per probe. Then each rule makes 8
-calls from a start far above M in one subprocess: `Halving`, `ShrinkByFactor(0.9)` (accelerate's rule), a
+calls from a start far above M, in a fresh subprocess of its own: `Halving`, `ShrinkByFactor(0.9)` (accelerate's rule), a
 bisection with a 5% margin (Lightning's binsearch rule, written here) and `FitToMemory`. Reported per rule
 and workload: the final size / M, the OOMs of the 8 calls, and their time over 8 calls at M.
 """
@@ -104,54 +104,56 @@ class Bisection:
         self.size = max(1, int(low * (1 - self.margin)))
 
 set_cpu_memory_headroom(HEADROOM)
-at_m, m_here = [], LARGEST
-while not at_m:   # M was found in other processes: a process may have a few bytes less, so step down if needed
-    try:
-        for _ in range(8):
-            started = time.perf_counter(); work(m_here); at_m.append(time.perf_counter() - started)
-    except RuntimeError:
-        at_m, m_here = [], int(m_here * 0.99)
-results = {}
-for name, policy in (("Halving", Halving()), ("ShrinkByFactor(0.9)", ShrinkByFactor(0.9)),
-                     ("Bisection, 5% margin", None), ("FitToMemory", FitToMemory())):
-    sizes, ooms = [], 0
+RULE = "RULE_NAME"
+if RULE == "at M":   # the baseline: 8 calls at M (a process may have a little less room: step down if so)
+    at_m, m_here = [], LARGEST
     started = time.perf_counter()
-    if policy is None:
-        rule = Bisection(START)
-        rule.search(work)
-        ooms = rule.ooms
-        for _ in range(8 - 1):
-            while True:  # the searched size can fail later (memory moved): count it, and halve as a rerun would
-                try:
-                    work(rule.size)
-                    break
-                except RuntimeError:
-                    ooms += 1
-                    rule.size = max(1, rule.size // 2)
-                    gc.collect()
-        sizes = [rule.size]
-    else:
-        for call in range(8):
-            attempts = []
-            def attempt(size):
-                attempts.append(size)
-                return work(size)
-            explicit.batch(attempt, START, toma_policy=policy, toma_cache_type=GlobalBatchsizeCache, toma_context=name)
-            ooms += len(attempts) - 1
-            sizes.append(attempts[-1])
-    results[name] = dict(final=sizes[-1], ooms=ooms, seconds=time.perf_counter() - started)
-def fits(size):
-    try:
-        work(size)
-        return True
-    except RuntimeError:
-        return False
-low, high = 1, START
-while low < high:   # the largest size that fits in this process, after the rules ran (it varies a little
-    mid = (low + high + 1) // 2   # between processes: the settled address space the cap is set from does)
-    low, high = (mid, high) if fits(mid) else (low, mid - 1)
-print(json.dumps(dict(at_m=sum(at_m), m_here=low, results=results)))
+    while not at_m:
+        try:
+            for _ in range(8):
+                work(m_here); at_m.append(1)
+        except RuntimeError:
+            at_m, m_here = [], int(m_here * 0.99)
+            gc.collect()
+            started = time.perf_counter()
+    print(json.dumps(dict(final=m_here, ooms=0, seconds=time.perf_counter() - started)))
+    sys.exit(0)
+policy = dict(Halving=Halving(), ShrinkByFactor=ShrinkByFactor(0.9), FitToMemory=FitToMemory()).get(RULE)
+sizes, ooms = [], 0
+started = time.perf_counter()
+if policy is None:
+    rule = Bisection(START)
+    rule.search(work)
+    ooms = rule.ooms
+    for _ in range(8 - 1):
+        while True:  # the searched size can fail later (memory moved): count it, and halve as a rerun would
+            try:
+                work(rule.size)
+                break
+            except RuntimeError:
+                ooms += 1
+                rule.size = max(1, rule.size // 2)
+                gc.collect()
+    sizes = [rule.size]
+else:
+    for call in range(8):
+        attempts = []
+        def attempt(size):
+            attempts.append(size)
+            return work(size)
+        explicit.batch(attempt, START, toma_policy=policy, toma_cache_type=GlobalBatchsizeCache)
+        ooms += len(attempts) - 1
+        sizes.append(attempts[-1])
+print(json.dumps(dict(final=sizes[-1], ooms=ooms, seconds=time.perf_counter() - started)))
 """
+
+
+RULE_NAMES = {
+    "Halving": "Halving",
+    "ShrinkByFactor": "ShrinkByFactor(0.9)",
+    "Bisection": "Bisection, 5% margin",
+    "FitToMemory": "FitToMemory",
+}
 
 
 def python(code: str, timeout: float = 600) -> str:
@@ -187,16 +189,13 @@ def main(quick: bool = False) -> None:
             + WORKLOADS[workload]
             + RULES.replace("HEADROOM", str(HEADROOM_GIB)).replace("START", str(START)).replace("LARGEST", str(best))
         )
-        run = json.loads(python(code))
-        here = run["m_here"]
-        for rule, result in run["results"].items():
-            rows.append(
-                (workload, f"{best} / {here}", rule, result["final"] / here, result["ooms"], result["seconds"] / run["at_m"])
-            )
+        base = json.loads(python(code.replace("RULE_NAME", "at M")))
+        for rule, label in RULE_NAMES.items():
+            result = json.loads(python(code.replace("RULE_NAME", rule)))
+            rows.append((workload, best, label, result["final"] / best, result["ooms"], result["seconds"] / base["seconds"]))
     print(f"Headroom {HEADROOM_GIB} GiB above the settled address space, start {START}, 8 calls per rule.")
-    print("M: by bisection over fresh subprocesses / in the rules' own process after they ran; final / M uses")
-    print("the latter (the settled address space the cap is set from, and so M, varies a little by process).\n")
-    print("| workload | M (fresh / here) | rule | final / M | OOMs in 8 calls | time / 8 calls at M |")
+    print("M by bisection over fresh subprocesses; each rule, and the 8 calls at M, in a fresh one of its own.\n")
+    print("| workload | M | rule | final / M | OOMs in 8 calls | time / 8 calls at M |")
     print("|---|---|---|---|---|---|")
     for workload, best, rule, ratio, ooms, time_ratio in rows:
         print(f"| {workload} | {best} | {rule} | {ratio:.3f} | {ooms} | {time_ratio:.2f} |")
