@@ -314,3 +314,69 @@ finish([p.grad.tolist() for p in model.parameters()])
     for grads in outputs:
         for got, p in zip(grads, model.parameters(), strict=True):
             torch.testing.assert_close(torch.tensor(got), p.grad, rtol=1e-5, atol=1e-6)
+
+
+CAPPED_ROWS, CAPPED_WIDTH = 8192, 4096
+
+
+@pytest.mark.slow
+def test_fit_to_memory_over_ranks_with_different_real_caps_agrees_on_every_size_with_exact_gradients():
+    """Rank 0 gets 0.2 GiB above its settled address space, rank 1 0.5 GiB: both run out of memory for real
+    at different sizes. With FitToMemory (accumulate's default) every rank must run each logical batch at the
+    same agreed micro-batch, that size must come from rank 0's measured model (its log line names the need),
+    and the gradients must equal the single-process full-batch reference (computed on each rank before the
+    cap)."""
+    code = (
+        SETUP.replace("TIMEOUT", "120")
+        + f"""
+import logging
+from toma.cpu_memory import predictable_heap, set_cpu_memory_headroom
+predictable_heap()
+lines = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        lines.append(record.getMessage())
+logging.getLogger("toma").addHandler(Keep())
+logging.getLogger("toma").setLevel(logging.INFO)
+ROWS = {CAPPED_ROWS}
+torch.manual_seed(0)
+inputs, targets = torch.randn(ROWS * world, 64), torch.randint(0, 10, (ROWS * world,))
+torch.manual_seed(1)
+model = nn.Sequential(nn.Linear(64, {CAPPED_WIDTH}), nn.ReLU(), nn.Linear({CAPPED_WIDTH}, 10))
+for start in range(0, ROWS * world, 2048):   # the full-batch mean's gradient, before the cap
+    part = slice(start, start + 2048)
+    (F.cross_entropy(model(inputs[part]), targets[part], reduction="sum") / (ROWS * world)).backward()
+reference = [p.grad.clone() for p in model.parameters()]
+model.zero_grad(set_to_none=True)
+x, y = inputs[rank * ROWS:(rank + 1) * ROWS].clone(), targets[rank * ROWS:(rank + 1) * ROWS].clone()
+del inputs, targets, part
+ddp = nn.parallel.DistributedDataParallel(model)
+@toma.accumulate(model=ddp, initial_micro_batch=ROWS)
+def compute_loss(xb, yb):
+    return F.cross_entropy(ddp(xb), yb)
+dist.barrier()
+set_cpu_memory_headroom(0.2 if rank == 0 else 0.5)
+calls, errors = [], []
+for call in range(3):
+    ddp.zero_grad()
+    before = compute_loss.stats.oom_retries
+    compute_loss(x, y)
+    calls.append(dict(micro=compute_loss.stats.micro_batch, retries=compute_loss.stats.oom_retries - before))
+    errors.append(max(float(((p.grad - r).abs() / (r.abs() + 1e-6)).max()) for p, r in zip(model.parameters(), reference)))
+finish(dict(calls=calls, errors=errors, lines=lines))
+"""
+    )
+    runs = run_ranks(code, 2, timeout=240, check=False)
+    for rank, (returncode, out, err) in enumerate(runs):
+        assert returncode == 0, f"rank {rank} failed ({returncode}):\n{out[-3000:]}\n{err[-3000:]}"
+    outputs = [json.loads(out.strip().splitlines()[-1]) for _, out, _ in runs]
+    assert outputs[0]["calls"] == outputs[1]["calls"], "every rank runs every logical batch at the same size"
+    first, *later = outputs[0]["calls"]
+    assert first["retries"] >= 1 and first["micro"] < CAPPED_ROWS, first
+    assert all(call["retries"] == 0 for call in later), "settled after the first logical batch"
+    own = [line for line in outputs[0]["lines"] if "ran out of memory at" in line and "can't allocate" in line]
+    assert own and "needed >=" in own[0], outputs[0]["lines"]
+    follow = [line for line in outputs[1]["lines"] if "another rank ran out of memory" in line]
+    assert follow, outputs[1]["lines"]
+    for output in outputs:
+        assert max(output["errors"]) < 1e-3, output["errors"]  # relative, element-wise, fp32 sums in other orders

@@ -16,7 +16,7 @@ others in the agreement's all-reduce until the process group's timeout (or gloo'
 raises there.
 """
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -73,6 +73,9 @@ class Agreement:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.device = _device_for(group)
+        # The size this rank proposes after an out-of-memory error, (size, failed, error) -> next or None;
+        # the engine sets it per attempt for a policy that learns. None: the policy's shrink.
+        self.propose: Optional[Callable[[int, int, BaseException], Optional[int]]] = None
 
     def _min(self, value: int) -> int:
         tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
@@ -100,8 +103,10 @@ class Agreement:
         if error is None:
             proposal = FINISHED
         elif oom:
+            failed = size if failed is None else failed
             try:
-                smaller = shrink_below(policy, size, size if failed is None else failed)
+                propose = self.propose
+                smaller = shrink_below(policy, size, failed) if propose is None else propose(size, failed, error)
             except ValueError:
                 smaller = None
             valid = smaller is not None

@@ -8,7 +8,7 @@ steps are never repeated. A call that never runs out of memory pays for nothing 
 """
 
 import logging
-from typing import Any, Callable, Dict, Optional, Protocol, Tuple, TypeVar
+from typing import Any, Callable, Dict, Optional, Protocol, Tuple, TypeVar, Union
 
 from toma import stacktrace
 from toma.batchsize_cache import Batchsize, BatchsizeCache
@@ -91,6 +91,31 @@ def _checked(policy: SizePolicy, smaller: Optional[int], failed: int) -> Optiona
     return smaller
 
 
+class _Proposal:
+    """A learning policy's next size after one attempt's out-of-memory error, worked out once: by the ranks'
+    agreement (which proposes it to the others) or by the engine, whichever asks first."""
+
+    __slots__ = ("policy", "entry", "token", "asked", "outcome", "detail")
+
+    def __init__(self, policy: SizePolicy, entry: Batchsize, token: Any) -> None:
+        self.policy, self.entry, self.token = policy, entry, token
+        self.asked, self.detail = False, ""
+        self.outcome: Union[int, None, ValueError] = None
+
+    def __call__(self, size: int, failed: int, error: BaseException) -> Optional[int]:
+        if not self.asked:
+            self.asked = True
+            policy = self.policy
+            try:
+                self.outcome = _checked(policy, policy.after_oom(self.entry, self.token, size, failed, error), failed)  # type: ignore[attr-defined]
+            except ValueError as broken:
+                self.outcome = broken
+            self.detail = policy.explain(self.entry)  # type: ignore[attr-defined]
+        if isinstance(self.outcome, ValueError):
+            raise self.outcome
+        return self.outcome
+
+
 def _first_line(exception: BaseException) -> str:
     text = str(exception).strip()
     return f"{type(exception).__name__}: {text.splitlines()[0] if text else ''}"
@@ -113,11 +138,13 @@ def run(
     if agreement is not None:
         size = agreement.start(size)
         entry.shrink_to(size)
-    # Ranks that agree on every size take halving's (the policy's shrink); a learning policy is for one.
-    learns = getattr(policy, "learns", False) and agreement is None
+    learns = getattr(policy, "learns", False)
     detail = ""
     while True:
         token = policy.begin(entry, size) if learns else None  # type: ignore[attr-defined]
+        proposal = _Proposal(policy, entry, token) if learns else None
+        if agreement is not None:  # each rank proposes its policy's next size; the smallest is agreed
+            agreement.propose = proposal
         fitted = entry.fitted
         # The first chunk of this attempt, worth reading only when it may be news to the entry.
         ran = _effective(step, size) if learns or fitted is None or size > fitted else 0
@@ -137,14 +164,16 @@ def run(
             next_size, own_failure = retry.size, None
             # No local name may keep the cause (this rank's OOM, its frames and tensors) past the block.
             reason = retry.reason + (f": {_first_line(retry.__cause__)}" if retry.__cause__ is not None else "")
+            if proposal is not None and proposal.asked:  # this rank's own proposal: say why it chose it
+                detail = proposal.detail
         except Exception as exception:
             if not should_reduce_batch_size(exception):
                 raise
             failed = _effective(step, size)
             try:
-                if learns:
-                    smaller = _checked(policy, policy.after_oom(entry, token, size, failed, exception), failed)  # type: ignore[attr-defined]
-                    detail = policy.explain(entry)  # type: ignore[attr-defined]
+                if proposal is not None:
+                    smaller = proposal(size, failed, exception)
+                    detail = proposal.detail
                 else:
                     smaller = shrink_below(policy, size, failed)
             except ValueError:

@@ -62,6 +62,7 @@ class _Learned:
     quiet: int = 0  # calls since the size last changed
     reading: Any = None  # the free-memory gauge's reading at the last measurement
     note: str = ""  # why the last size after an error was chosen, for the log line
+    announced: int = 0  # the last size this call site grew to (ranks that agree may hold it smaller)
 
     def model(self) -> Optional[LinearNeed]:
         sizes = {size for size, _ in self.fits}
@@ -180,7 +181,10 @@ class FitToMemory(SizePolicy):
             state.quiet += 1
             return None
         entry.set(best)
-        state.quiet = 0
+        if best == state.announced:  # another rank holds the agreed size below this one's: said already
+            state.quiet += 1
+            return None
+        state.quiet, state.announced = 0, best
         return (
             f"{ran} needed {_bytes(used)} of {_bytes(mark.budget)}; "
             f"{'growing' if best > current else 'shrinking into the margin'} to {best} ({model})"
@@ -200,7 +204,7 @@ class FitToMemory(SizePolicy):
     ) -> Optional[int]:
         state = self.learned(entry)
         halved = shrink_below(self, size, failed)
-        state.quiet, state.note = 0, ""
+        state.quiet, state.note, state.announced = 0, "", 0
         if token is None:
             return halved
         meter, mark = token
