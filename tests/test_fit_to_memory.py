@@ -285,7 +285,8 @@ def test_accumulation_stats_and_the_trainer_history_carry_the_model():
     x, y = torch.randn(64, 8), torch.randint(0, 2, (64,))
     compute_loss(x, y)
     assert isinstance(compute_loss.stats.model, LinearNeed)
-    assert compute_loss.stats.model.need(16) >= 16 * 2**20
+    # accumulation sizes by elements: a row of x (8) and y (1) holds 9
+    assert compute_loss.stats.model.need(16 * 9) >= 16 * 2**20 > compute_loss.stats.model.need(15 * 9)
     batches = [(x[i : i + 16], y[i : i + 16]) for i in range(0, 64, 16)]
     def forward(batch):
         memory.allocate(2**20 * len(batch[0]))
@@ -296,3 +297,43 @@ def test_accumulation_stats_and_the_trainer_history_carry_the_model():
                       verbose=0, forward=forward, policy=FitToMemory(meter=memory))
     trainer.fit(1)
     assert all("per item" in step["memory_model"] for step in trainer.history.steps), trainer.history.steps
+
+
+def test_accumulation_sizes_by_elements_so_batches_of_other_widths_need_no_new_search():
+    """Padded sequences of different lengths: the need grows with rows x length. Once measured, a batch of
+    another width starts at the size predicted for it (no OOM, near the largest that fits), not at the
+    last width's size (an OOM for a wider batch, a needlessly small one for a narrower)."""
+    from toma import toma
+
+    memory = SimulatedMemory(512 * MiB)
+    per_element, fixed = 4096, 16 * MiB
+    model = torch.nn.Linear(4, 1)
+    attempts = []
+
+    @toma.accumulate(model=model, initial_micro_batch=4096, policy=FitToMemory(meter=memory))
+    def compute_loss(tokens):
+        attempts.append(tokens.shape)
+        start = memory.in_use
+        try:
+            memory.allocate(fixed)
+            memory.allocate(per_element * tokens.numel())
+        finally:
+            memory.in_use = start
+        return model(tokens[:, :4].float()).mean()
+
+    widths = [64, 256, 64, 512, 128, 256, 512, 64, 128, 512] * 2
+    ooms, micro = [], []
+    for width in widths:
+        attempts.clear()
+        before = compute_loss.stats.oom_retries
+        compute_loss(torch.ones(4096, width, dtype=torch.long))
+        ooms.append(compute_loss.stats.oom_retries - before)
+        micro.append(compute_loss.stats.micro_batch)
+    seen = set()
+    for width, oom, size in zip(widths, ooms, micro):
+        fits = (512 * MiB - fixed) // (per_element * width)
+        if width in seen or len(seen) >= 2:  # measured twice: every later width is predicted
+            assert oom == 0, (widths, ooms, micro)
+            assert 0.85 * fits <= size <= fits, (width, size, fits, micro)
+        seen.add(width)
+    assert sum(ooms) <= 3, ooms

@@ -254,7 +254,8 @@ class AccumulationStats:
     oom_retries: int = 0  # logical batches redone after an out-of-memory error, over all calls
     calls: int = 0
     weight: Optional[float] = None  # what the last logical batch's loss averaged over (rows, or weight's total)
-    model: Any = None  # FitToMemory's memory model of the call site (a LinearNeed), once it measured
+    # FitToMemory's memory model of the call site once it measured: a LinearNeed per element of the batch
+    model: Any = None
 
 
 Batch = Union[BatchSplit, Parts]
@@ -290,6 +291,13 @@ class AccumulateStep:
         self.total_weight: Optional[float] = None
         self.attempts = 0
         self.size: Optional[int] = None
+
+    @property
+    def row_items(self) -> float:
+        """The elements a row of the batch's widest part holds, summed over its tensors: a learning policy
+        sizes by elements, so batches padded to other widths need no new search."""
+        parts = self.batch.parts if isinstance(self.batch, Parts) else [self.batch]
+        return float(max(sum(t.numel() for _, t in part.tensors) / part.size for part in parts))
 
     def effective(self, size: int) -> int:
         """A micro-batch never holds more rows than the largest part of the logical batch."""

@@ -29,7 +29,8 @@ class Step(Protocol):
     `effective(size)` is how much work an attempt at `size` really does (the rows left in a range, the rows of
     a short batch): after an out-of-memory error the engine shrinks from it, not from `size`, so a chunk is
     never retried unchanged. `name` (None: the function's name) and `size_name` say what a log line names.
-    Both `effective` and `name` may be left out.
+    `row_items` (1 when left out) is how many items a row holds, for a policy that sizes by items (the
+    elements of a padded row in accumulation). `effective`, `name` and `row_items` may be left out.
     """
 
     func: Callable[..., Any]
@@ -135,13 +136,16 @@ def run(
     if store is not None and entry.store_key is None:
         _recall(entry, step, store)
     size = entry.start(initial_size)
+    learns = getattr(policy, "learns", False)
+    scale = float(getattr(step, "row_items", 1.0)) if learns else 1.0
+    if learns:
+        size = policy.start(entry, size, initial_size, scale)  # type: ignore[attr-defined]
     if agreement is not None:
         size = agreement.start(size)
         entry.shrink_to(size)
-    learns = getattr(policy, "learns", False)
     detail = ""
     while True:
-        token = policy.begin(entry, size) if learns else None  # type: ignore[attr-defined]
+        token = policy.begin(entry, size, scale) if learns else None  # type: ignore[attr-defined]
         proposal = _Proposal(policy, entry, token) if learns else None
         if agreement is not None:  # each rank proposes its policy's next size; the smallest is agreed
             agreement.propose = proposal

@@ -38,7 +38,7 @@ class LinearNeed:
     fixed: float
     per_item: float
 
-    def need(self, size: int) -> float:
+    def need(self, size: float) -> float:
         return self.fixed + self.per_item * size
 
     def largest_within(self, budget: float) -> int:
@@ -54,15 +54,17 @@ class LinearNeed:
 class _Learned:
     """What a call site's attempts showed (kept on its cache entry)."""
 
-    fits: List[Tuple[int, float]] = field(default_factory=list)  # (size, bytes it needed)
-    bounds: List[Tuple[int, float]] = field(default_factory=list)  # (size, at least this many bytes)
+    # sizes in items: rows times items per row (1 for the forms; elements per row in accumulation)
+    fits: List[Tuple[float, float]] = field(default_factory=list)  # (items, bytes they needed)
+    bounds: List[Tuple[float, float]] = field(default_factory=list)  # (items, at least this many bytes)
     # (size, the budget it failed with, the largest size to try again with no more budget than that)
-    failures: List[Tuple[int, int, int]] = field(default_factory=list)
+    failures: List[Tuple[float, int, float]] = field(default_factory=list)
     distrust: bool = False  # an error contradicted the model: halve until measured again
     quiet: int = 0  # calls since the size last changed
     reading: Any = None  # the free-memory gauge's reading at the last measurement
     note: str = ""  # why the last size after an error was chosen, for the log line
     announced: int = 0  # the last size this call site grew to (ranks that agree may hold it smaller)
+    scale: float = 1.0  # items per row (elements per row in accumulation) that the entry's size is for
 
     def model(self) -> Optional[LinearNeed]:
         sizes = {size for size, _ in self.fits}
@@ -150,33 +152,52 @@ class FitToMemory(SizePolicy):
 
     # --- the engine's hooks ----------------------------------------------------------------------------
 
-    def begin(self, entry: Batchsize, size: int) -> Optional[Tuple[MemoryMeter, Mark]]:
+    def start(self, entry: Batchsize, size: int, asked: int, scale: float) -> int:
+        """The size a call begins with when its rows hold `scale` items (elements) each: `size` (the entry's)
+        when the scale is the one it was found for, else the largest the model predicts to fit now (never
+        above `asked`, the size the call asked for). Padded batches of other widths need no new search."""
         state = self.learned(entry)
-        settled = state.quiet >= 2 and not state.distrust
+        if scale == state.scale:
+            return size
+        model = state.model()
+        state.scale, state.quiet = scale, 0
+        mark = None if model is None else self._meter_for().begin()
+        if model is None or mark is None:
+            return size
+        fits = min(asked, self._rows(self._best(state, model, mark.budget, 1 - self.margin), scale))
+        entry.set(fits)
+        return fits
+
+    def begin(self, entry: Batchsize, size: int, scale: float = 1.0) -> Optional[Tuple[MemoryMeter, Mark, float]]:
+        state = self.learned(entry)
+        settled = state.quiet >= 2 and not state.distrust and scale == state.scale
         if settled and state.quiet % self.measure_every:
             reading = self.gauge.read()  # throttled: a clock read most of the time
             if reading == state.reading or not _moved(reading, state.reading):
                 state.quiet += 1
                 return None
         state.reading = self.gauge.read()
+        state.scale = scale
         meter = self._meter_for()
         mark = meter.begin()
-        return None if mark is None else (meter, mark)
+        return None if mark is None else (meter, mark, scale)
 
-    def succeeded(self, entry: Batchsize, token: Optional[Tuple[MemoryMeter, Mark]], ran: int) -> Optional[str]:
+    def succeeded(
+        self, entry: Batchsize, token: Optional[Tuple[MemoryMeter, Mark, float]], ran: int
+    ) -> Optional[str]:
         state = self.learned(entry)
         if token is None or ran < 1:
             return None
-        meter, mark = token
+        meter, mark, scale = token
         used = float(meter.used(mark))
-        state.fits = (state.fits + [(ran, used)])[-_KEPT:]
+        state.fits = (state.fits + [(ran * scale, used)])[-_KEPT:]
         state.distrust = False
         model = state.model()
         current = entry.value or ran
         if model is None or ran < current:  # a short batch: a point for the model, not a verdict on the size
             state.quiet += 1
             return None
-        best = self._best(state, model, mark.budget, 1 - self.margin)
+        best = self._rows(self._best(state, model, mark.budget, 1 - self.margin), scale)
         if abs(best - current) <= 0.02 * current:  # not for noise: a size that creeps is worse than none
             state.quiet += 1
             return None
@@ -197,7 +218,7 @@ class FitToMemory(SizePolicy):
     def after_oom(
         self,
         entry: Batchsize,
-        token: Optional[Tuple[MemoryMeter, Mark]],
+        token: Optional[Tuple[MemoryMeter, Mark, float]],
         size: int,
         failed: int,
         error: BaseException,
@@ -207,36 +228,42 @@ class FitToMemory(SizePolicy):
         state.quiet, state.note, state.announced = 0, "", 0
         if token is None:
             return halved
-        meter, mark = token
+        meter, mark, scale = token
+        items = failed * scale
         before = state.model() if state.fits else None
-        if before is not None and before.need(failed) <= mark.budget * (1 - self.margin):
+        if before is not None and before.need(items) <= mark.budget * (1 - self.margin):
             state.distrust = True  # it was predicted to fit: memory the meter cannot see, fragmentation...
         known = meter.failed_bytes(error)
         bound = float(meter.used(mark) + (known or 0))
         if bound > 0:
-            state.bounds = (state.bounds + [(failed, bound)])[-_KEPT:]
+            state.bounds = (state.bounds + [(items, bound)])[-_KEPT:]
         model = state.model()
         if model is None or halved is None:
-            state.failures = (state.failures + [(failed, mark.budget, halved or 1)])[-_KEPT:]
+            state.failures = (state.failures + [(items, mark.budget, (halved or 1) * scale)])[-_KEPT:]
             return halved
         # Measured fits make the model a ceiling; errors alone make it a floor (the layers an attempt never
         # reached are missing from it), so it is aimed at half the budget and the size grows once measured.
         share = 1 - self.margin if state.fits else 0.5
-        best = self._best(state, model, mark.budget, share)
-        if model.largest_within(mark.budget * share) >= failed:
+        best = self._rows(self._best(state, model, mark.budget, share), scale)
+        if model.largest_within(mark.budget * share) >= items:
             state.distrust = True  # what the meter saw would have fit: the error came from memory it cannot see
-        chosen = max(self.minimum, min(best, halved) if state.distrust else best)
+        chosen = min(failed - 1, max(self.minimum, min(best, halved) if state.distrust else best))
         # An error the model explains bars only the failed size; one it cannot explain bars growing above
-        # the size chosen now, until the budget grows.
-        state.failures = (state.failures + [(failed, mark.budget, chosen if state.distrust else failed - 1)])[-_KEPT:]
+        # the size chosen now, until the budget grows. Kept in items: they hold for any width.
+        ceiling = chosen if state.distrust else failed - 1
+        state.failures = (state.failures + [(items, mark.budget, ceiling * scale)])[-_KEPT:]
         state.note = f"needed >= {_bytes(bound)} of {_bytes(mark.budget)}: {model}"
         return chosen
 
-    def _best(self, state: _Learned, model: LinearNeed, budget: int, share: float) -> int:
-        """The largest size predicted to fit in `share` of the budget, below every size that failed with
+    def _best(self, state: _Learned, model: LinearNeed, budget: int, share: float) -> float:
+        """The most items predicted to fit in `share` of the budget, below every size that failed with
         no more memory than there is now."""
-        best = model.largest_within(budget * share)
+        best: float = model.largest_within(budget * share)
         for _, failed_budget, ceiling in state.failures:
             if failed_budget >= budget * (1 - self.margin / 2):
                 best = min(best, ceiling)
-        return max(self.minimum, best)
+        return best
+
+    def _rows(self, items: float, scale: float) -> int:
+        """The rows of `scale` items each that `items` make, at least `minimum`."""
+        return max(self.minimum, int(math.floor(items / scale + 1e-9)))

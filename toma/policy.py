@@ -24,8 +24,10 @@ __all__ = [
 class SizePolicy:
     """Base class: `shrink(size)` returns the next smaller size to try, or None when none is left.
 
-    A policy that learns from measurements sets `learns = True`; the engine then calls, per attempt,
-    `begin(entry, size)` (a token, or None when it measures nothing this time), and after it either
+    A policy that learns from measurements sets `learns = True`; the engine then calls, per call,
+    `start(entry, size, asked, scale)` (the size to begin with, at most `asked`; `scale`: the items each row holds, the step's
+    `row_items`, 1 unless a step says otherwise), and per attempt `begin(entry, size, scale)` (a token,
+    or None when it measures nothing this time), and after it either
     `succeeded(entry, token, ran)` (`ran`: the rows the attempt's first chunk had; returns a description
     of a size change to log, or None) or `after_oom(entry, token, size, failed, error)`, which returns the
     next size (below `failed`) or None, and `explain(entry)` says why for the log line. `entry` is the
