@@ -110,3 +110,49 @@ def test_remember_sizes_in_process_and_the_cli_lists_and_clears(tmp_path):
     with pytest.raises(TypeError, match="path"):
         remember_sizes(3)
     sqlite3.connect(str(path)).close()
+
+
+FIT_RUN = """
+import json, os, torch
+from toma import FitToMemory, toma
+from toma.meters import Mark, MemoryMeter
+MiB = 2**20
+class Device(MemoryMeter):   # a simulated device of CAPACITY bytes: 64 MiB fixed + 1 MiB per row
+    def __init__(self, capacity):
+        self.capacity, self.peak = capacity, 0
+    def begin(self):
+        self.peak = 0
+        return Mark(0, self.capacity)
+    def used(self, mark):
+        return self.peak
+device = Device(int(os.environ["CAPACITY"]) * MiB)
+attempts = []
+@toma.batch(initial_batchsize=100000, policy=FitToMemory(meter=device))
+def work(batchsize):
+    attempts.append(batchsize)
+    need = (64 + batchsize) * MiB
+    if need > device.capacity:
+        device.peak = 64 * MiB
+        raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {batchsize} MiB (simulated)")
+    device.peak = need
+    return batchsize
+sizes = [work() for _ in range(4)]
+print(json.dumps(dict(attempts=attempts, sizes=sizes)))
+"""
+
+
+@pytest.mark.slow
+def test_fit_to_memory_keeps_its_model_across_runs_and_predicts_a_size_for_another_budget(tmp_path):
+    """Second run, same budget: the remembered size, no OOM. A run with less memory: a size predicted from
+    the remembered model (no new search: at most one OOM), near the largest that fits; with more memory it
+    starts larger than the remembered size at once."""
+    path = tmp_path / "sizes.db"
+    first, _ = run(FIT_RUN, path, dict(CAPACITY="4160"))  # 4096 rows fit
+    again, _ = run(FIT_RUN, path, dict(CAPACITY="4160"))
+    assert len(first["attempts"]) > 4, "the first run searches"
+    assert again["attempts"] == again["sizes"] == [first["sizes"][-1]] * 4, (first, again)
+    smaller, _ = run(FIT_RUN, path, dict(CAPACITY="2112"))  # 2048 rows fit
+    assert len(smaller["attempts"]) <= 5, smaller
+    assert 0.9 * 2048 <= smaller["sizes"][-1] <= 2048 and smaller["sizes"][0] >= 0.9 * 2048, smaller
+    larger, _ = run(FIT_RUN, path, dict(CAPACITY="8256"))  # 8192 rows fit
+    assert larger["attempts"][0] >= 0.9 * 8192 and len(larger["attempts"]) <= 5, larger

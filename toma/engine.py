@@ -63,17 +63,22 @@ def _effective(step: Step, size: int) -> int:
     return size if effective is None else int(effective(size))
 
 
-def _recall(entry: Batchsize, step: Step, store: SizeStore) -> None:
-    """Give a cache entry used for the first time its key in the size file, and the size stored there."""
+def _recall(entry: Batchsize, step: Step, store: SizeStore, policy: SizePolicy) -> None:
+    """Give a cache entry used for the first time its key in the size file, the size stored there, and
+    to a learning policy the model stored with it."""
     func = step.func
     function = f"{getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', repr(func))}"
     site = f"{function} called from {stacktrace.describe_call_site().rsplit(' in ', 1)[0]}"
     device = device_key()
     entry.store_key = f"{site} | {device}"
-    remembered = store.get(entry.store_key)
+    remembered = store.recall(entry.store_key)
     if remembered is not None:
-        entry.set(remembered)
-        log.info("%s starts at %s %d, remembered in %s", _name(step), step.size_name, remembered, store.path)
+        size, model = remembered
+        entry.set(size)
+        restore = getattr(policy, "restore", None)
+        if model is not None and getattr(policy, "learns", False) and callable(restore):
+            restore(entry, model)
+        log.info("%s starts at %s %d, remembered in %s", _name(step), step.size_name, size, store.path)
 
 
 def _remember(entry: Batchsize, store: SizeStore, policy: SizePolicy) -> None:
@@ -134,7 +139,7 @@ def run(
     """
     store = active_store()
     if store is not None and entry.store_key is None:
-        _recall(entry, step, store)
+        _recall(entry, step, store, policy)
     size = entry.start(initial_size)
     learns = getattr(policy, "learns", False)
     scale = float(getattr(step, "row_items", 1.0)) if learns else 1.0

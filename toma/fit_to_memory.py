@@ -9,6 +9,7 @@ it halves, as toma always did; when an error contradicts the model it shrinks at
 halving and trusts the model again only after a new measurement.
 """
 
+import json
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -65,6 +66,8 @@ class _Learned:
     note: str = ""  # why the last size after an error was chosen, for the log line
     announced: int = 0  # the last size this call site grew to (ranks that agree may hold it smaller)
     scale: float = 1.0  # items per row (elements per row in accumulation) that the entry's size is for
+    budget: float = 0.0  # the budget of the last measured attempt
+    recalled: Optional[float] = None  # the budget a size restored from the size file was found with
 
     def model(self) -> Optional[LinearNeed]:
         sizes = {size for size, _ in self.fits}
@@ -150,6 +153,22 @@ class FitToMemory(SizePolicy):
         state = entry.learned
         return None if state is None else state.model()
 
+    def restore(self, entry: Batchsize, text: str) -> None:
+        """Take up a model remembered in the size file (`toma.size_store.describe_model`'s JSON): the next
+        call keeps the remembered size if its budget is the one it was found with, else predicts one."""
+        try:
+            data = json.loads(text)
+            fixed, per_item = float(data["fixed"]), float(data["per_item"])
+            budget, scale = float(data.get("budget") or 0), float(data.get("scale") or 1)
+        except (ValueError, TypeError, KeyError, AttributeError):
+            return  # a model this version cannot read: the remembered size alone
+        if not (per_item > 0 and fixed >= 0 and scale > 0 and budget > 0 and entry.value):
+            return
+        state = self.learned(entry)
+        items = entry.value * scale
+        state.fits = [(items, fixed + per_item * items), (items / 2, fixed + per_item * items / 2)]
+        state.scale, state.budget, state.recalled = scale, budget, budget
+
     # --- the engine's hooks ----------------------------------------------------------------------------
 
     def start(self, entry: Batchsize, size: int, asked: int, scale: float) -> int:
@@ -157,13 +176,16 @@ class FitToMemory(SizePolicy):
         when the scale is the one it was found for, else the largest the model predicts to fit now (never
         above `asked`, the size the call asked for). Padded batches of other widths need no new search."""
         state = self.learned(entry)
-        if scale == state.scale:
+        recalled, state.recalled = state.recalled, None
+        if scale == state.scale and recalled is None:
             return size
         model = state.model()
         state.scale, state.quiet = scale, 0
         mark = None if model is None else self._meter_for().begin()
         if model is None or mark is None:
             return size
+        if recalled is not None and recalled * (1 - self.margin / 2) <= mark.budget <= recalled * (1 + self.margin):
+            return size  # about the budget the remembered size was found with: keep it
         fits = min(asked, self._rows(self._best(state, model, mark.budget, 1 - self.margin), scale))
         entry.set(fits)
         return fits
@@ -189,6 +211,7 @@ class FitToMemory(SizePolicy):
         if token is None or ran < 1:
             return None
         meter, mark, scale = token
+        state.budget = mark.budget
         used = float(meter.used(mark))
         state.fits = (state.fits + [(ran * scale, used)])[-_KEPT:]
         state.distrust = False
@@ -229,6 +252,7 @@ class FitToMemory(SizePolicy):
         if token is None:
             return halved
         meter, mark, scale = token
+        state.budget = mark.budget
         items = failed * scale
         before = state.model() if state.fits else None
         if before is not None and before.need(items) <= mark.budget * (1 - self.margin):

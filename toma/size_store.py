@@ -60,15 +60,23 @@ class SizeStore:
             log.warning("toma: cannot use the size file %s (%s); going on without remembered sizes", self.path, error)
 
     def get(self, key: str) -> Optional[int]:
+        """The size remembered under `key` (None: none)."""
+        remembered = self.recall(key)
+        return None if remembered is None else remembered[0]
+
+    def recall(self, key: str) -> Optional[Tuple[int, Optional[str]]]:
+        """(size, the policy's model as JSON text or None) remembered under `key` (None: nothing usable)."""
         if self.broken:
             return None
         try:
             with self._lock:
-                row = self._connect().execute("SELECT size FROM toma_sizes WHERE key = ?", (key,)).fetchone()
+                row = self._connect().execute("SELECT size, model FROM toma_sizes WHERE key = ?", (key,)).fetchone()
         except (sqlite3.Error, OSError) as error:
             self._fail(error)
             return None
-        return None if row is None or not isinstance(row[0], int) or row[0] < 1 else int(row[0])
+        if row is None or not isinstance(row[0], int) or row[0] < 1:
+            return None
+        return int(row[0]), row[1] if isinstance(row[1], str) else None
 
     def put(self, key: str, site: str, device: str, size: int, model: Optional[str] = None) -> None:
         if self.broken:
@@ -141,9 +149,19 @@ def device_key() -> str:
 
 
 def describe_model(learned: Any) -> Optional[str]:
-    """A learning policy's model as text for the file (None when there is none)."""
+    """A learning policy's model as JSON text for the file (None when there is none): the line, and the
+    budget and items per row it was last measured with, so that a later run can predict its size."""
     model = getattr(learned, "model", None)
     if not callable(model):
         return None
     line = model()
-    return None if line is None else json.dumps(dict(fixed=line.fixed, per_item=line.per_item))
+    if line is None:
+        return None
+    return json.dumps(
+        dict(
+            fixed=line.fixed,
+            per_item=line.per_item,
+            budget=getattr(learned, "budget", None),
+            scale=getattr(learned, "scale", None),
+        )
+    )
