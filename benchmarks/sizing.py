@@ -6,7 +6,9 @@ Each workload runs in fresh subprocesses, each capped at the same headroom above
 M, the largest size that fits, is found by bisection, one fresh subprocess per probe. Then each rule makes 8
 calls from a start far above M, in a fresh subprocess of its own: `Halving`, `ShrinkByFactor(0.9)` (accelerate's rule), a
 bisection with a 5% margin (Lightning's binsearch rule, written here) and `FitToMemory`. Reported per rule
-and workload: the final size / M, the OOMs of the 8 calls, and their time over 8 calls at M.
+and workload: the final size / M, the OOMs of the 8 calls, and their time over 8 calls at M. Then, for
+`FitToMemory`: a second run reading the size file (TOMA_SIZES) the first run wrote, and a run in which memory
+held for 4 calls is freed (against `Halving`, which never grows back).
 """
 
 import json
@@ -14,6 +16,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -118,6 +121,27 @@ if RULE == "at M":   # the baseline: 8 calls at M (a process may have a little l
             started = time.perf_counter()
     print(json.dumps(dict(final=m_here, ooms=0, seconds=time.perf_counter() - started)))
     sys.exit(0)
+def batch_calls(policy, count):
+    # `count` calls of one call site: the size each ran at, and the OOMs
+    sizes, ooms = [], 0
+    for call in range(count):
+        attempts = []
+        def attempt(size):
+            attempts.append(size)
+            return work(size)
+        explicit.batch(attempt, START, toma_policy=policy, toma_cache_type=GlobalBatchsizeCache)
+        ooms += len(attempts) - 1
+        sizes.append(attempts[-1])
+    return sizes, ooms
+if RULE.startswith("frees:"):   # a tensor holds 40% of the room for 4 calls, then is freed: 4 more calls
+    policy = FitToMemory() if RULE == "frees:FitToMemory" else Halving()
+    ballast = torch.ones(int(HEADROOM * 0.4 * 2**30) // 4)
+    held, ooms = batch_calls(policy, 4)
+    del ballast
+    gc.collect()
+    freed, more = batch_calls(policy, 4)
+    print(json.dumps(dict(final=freed[-1], ooms=ooms + more, held=held, freed=freed, seconds=0)))
+    sys.exit(0)
 policy = dict(Halving=Halving(), ShrinkByFactor=ShrinkByFactor(0.9), FitToMemory=FitToMemory()).get(RULE)
 sizes, ooms = [], 0
 started = time.perf_counter()
@@ -136,14 +160,7 @@ if policy is None:
                 gc.collect()
     sizes = [rule.size]
 else:
-    for call in range(8):
-        attempts = []
-        def attempt(size):
-            attempts.append(size)
-            return work(size)
-        explicit.batch(attempt, START, toma_policy=policy, toma_cache_type=GlobalBatchsizeCache)
-        ooms += len(attempts) - 1
-        sizes.append(attempts[-1])
+    sizes, ooms = batch_calls(policy, 8)
 print(json.dumps(dict(final=sizes[-1], ooms=ooms, seconds=time.perf_counter() - started)))
 """
 
@@ -156,8 +173,11 @@ RULE_NAMES = {
 }
 
 
-def python(code: str, timeout: float = 600) -> str:
+def python(code: str, timeout: float = 600, sizes_file: str = "") -> str:
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    env.pop("TOMA_SIZES", None)
+    if sizes_file:
+        env["TOMA_SIZES"] = sizes_file
     done = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env, timeout=timeout
     )
@@ -180,7 +200,7 @@ def largest_fitting(workload: str) -> int:
 
 
 def main(quick: bool = False) -> None:
-    rows = []
+    rows, second, frees = [], [], []
     names = list(WORKLOADS)[:2] if quick else list(WORKLOADS)
     for workload in names:
         best = largest_fitting(workload)
@@ -193,6 +213,16 @@ def main(quick: bool = False) -> None:
         for rule, label in RULE_NAMES.items():
             result = json.loads(python(code.replace("RULE_NAME", rule)))
             rows.append((workload, best, label, result["final"] / best, result["ooms"], result["seconds"] / base["seconds"]))
+        with tempfile.TemporaryDirectory() as folder:  # a first run fills a size file, a second reads it
+            sizes_file = os.path.join(folder, "sizes.db")
+            python(code.replace("RULE_NAME", "FitToMemory"), sizes_file=sizes_file)
+            result = json.loads(python(code.replace("RULE_NAME", "FitToMemory"), sizes_file=sizes_file))
+            second.append((workload, best, result["final"] / best, result["ooms"], result["seconds"] / base["seconds"]))
+        for rule in ("Halving", "FitToMemory"):
+            result = json.loads(python(code.replace("RULE_NAME", "frees:" + rule)))
+            # calls after the release until the size reaches 0.90 of M (None: not in the 4 calls)
+            reached = next((i + 1 for i, size in enumerate(result["freed"]) if size >= 0.9 * best), None)
+            frees.append((workload, best, rule, result["held"][-1] / best, result["final"] / best, reached, result["ooms"]))
     print(f"Headroom {HEADROOM_GIB} GiB above the settled address space, start {START}, 8 calls per rule.")
     print("M by bisection over fresh subprocesses; each rule, and the 8 calls at M, in a fresh one of its own.\n")
     print("| workload | M | rule | final / M | OOMs in 8 calls | time / 8 calls at M |")
@@ -207,6 +237,16 @@ def main(quick: bool = False) -> None:
             f"| {rule} | {statistics.mean(r[3] for r in mine):.3f} | {min(r[3] for r in mine):.3f} "
             f"| {statistics.mean(r[4] for r in mine):.2f} |"
         )
+    print("\nA second run of `FitToMemory` with TOMA_SIZES set (the first run filled the file):\n")
+    print("| workload | final / M | OOMs in 8 calls | time / 8 calls at M |")
+    print("|---|---|---|---|")
+    for workload, best, ratio, ooms, time_ratio in second:
+        print(f"| {workload} | {ratio:.3f} | {ooms} | {time_ratio:.2f} |")
+    print("\nMemory frees mid-run: a tensor holds 40% of the headroom for 4 calls, then is freed; 4 more calls:\n")
+    print("| workload | rule | size while held / M | final / M | calls after the release to >= 0.90 M | OOMs |")
+    print("|---|---|---|---|---|---|")
+    for workload, best, rule, held, final, reached, ooms in frees:
+        print(f"| {workload} | {rule} | {held:.3f} | {final:.3f} | {reached if reached else 'never'} | {ooms} |")
 
 
 if __name__ == "__main__":
