@@ -29,8 +29,11 @@ print(json.dumps(dict(attempts=attempts, sizes=sizes)))
 """
 
 
-def run(code, path, extra_env=None):
+def run(code, path, extra_env=None, log_level=None):
     env = dict(os.environ, PYTHONPATH=REPO, TOMA_SIZES=str(path), **(extra_env or {}))
+    if log_level is not None:
+        # on the code's first line, which is empty: the call sites' lines, part of their keys, stay
+        code = f"import logging; logging.basicConfig(level=logging.{log_level})" + code
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
@@ -151,7 +154,8 @@ def test_fit_to_memory_keeps_its_model_across_runs_and_predicts_a_size_for_anoth
     again, _ = run(FIT_RUN, path, dict(CAPACITY="4160"))
     assert len(first["attempts"]) > 4, "the first run searches"
     assert again["attempts"] == again["sizes"] == [first["sizes"][-1]] * 4, (first, again)
-    smaller, _ = run(FIT_RUN, path, dict(CAPACITY="2112"))  # 2048 rows fit
+    smaller, log = run(FIT_RUN, path, dict(CAPACITY="2112"), log_level="INFO")  # 2048 rows fit
+    assert "instead of" in log and "predicted for 2.1 GiB free" in log, log
     assert len(smaller["attempts"]) <= 5, smaller
     assert 0.9 * 2048 <= smaller["sizes"][-1] <= 2048 and smaller["sizes"][0] >= 0.9 * 2048, smaller
     larger, _ = run(FIT_RUN, path, dict(CAPACITY="8256"))  # 8192 rows fit

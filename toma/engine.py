@@ -138,13 +138,25 @@ def run(
     (see `toma.distributed`) is retried at the size they agreed on.
     """
     store = active_store()
-    if store is not None and entry.store_key is None:
-        _recall(entry, step, store, policy)
+    recalled = store is not None and entry.store_key is None
+    if recalled:
+        _recall(entry, step, store, policy)  # type: ignore[arg-type]
     size = entry.start(initial_size)
     learns = getattr(policy, "learns", False)
     scale = float(getattr(step, "row_items", 1.0)) if learns else 1.0
     if learns:
-        size = policy.start(entry, size, initial_size, scale)  # type: ignore[attr-defined]
+        predicted = policy.start(entry, size, initial_size, scale)  # type: ignore[attr-defined]
+        if predicted != size:  # a remembered model under another budget (INFO), rows of another width
+            log.log(
+                logging.INFO if recalled else logging.DEBUG,
+                "%s starts at %s %d instead of %d (%s)",
+                _name(step),
+                step.size_name,
+                predicted,
+                size,
+                policy.explain(entry),  # type: ignore[attr-defined]
+            )
+            size = predicted
     if agreement is not None:
         size = agreement.start(size)
         entry.shrink_to(size)

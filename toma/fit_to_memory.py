@@ -188,6 +188,7 @@ class FitToMemory(SizePolicy):
             return size  # about the budget the remembered size was found with: keep it
         fits = min(asked, self._rows(self._best(state, model, mark.budget, 1 - self.margin), scale))
         entry.set(fits)
+        state.note = f"predicted for {_bytes(mark.budget)} free and {scale:g} items per row: {model}"
         return fits
 
     def begin(self, entry: Batchsize, size: int, scale: float = 1.0) -> Optional[Tuple[MemoryMeter, Mark, float]]:
