@@ -337,3 +337,27 @@ def test_accumulation_sizes_by_elements_so_batches_of_other_widths_need_no_new_s
             assert 0.85 * fits <= size <= fits, (width, size, fits, micro)
         seen.add(width)
     assert sum(ooms) <= 3, ooms
+
+
+def test_with_the_default_cache_a_new_free_memory_level_starts_at_the_size_the_model_predicts(fresh):
+    """The default cache keys entries by free memory too. Under FitToMemory a level the call site has not
+    met takes the model along, and its first call starts at the size predicted for the memory there: no
+    OOM when memory falls step after step, and a larger size at once when it rises."""
+    from toma import StacktraceMemoryBatchsizeCache, toma
+
+    bucket = StacktraceMemoryBatchsizeCache.MEMORY_GRANULARITY
+    memory = SimulatedMemory(1024 * MiB)
+    attempts = []
+    work = layered(memory, log=attempts)
+    decorated = toma.batch(initial_batchsize=10**6, policy=FitToMemory(meter=memory))(work)
+    ooms, sizes = [], []
+    for capacity in (1024, 1024, 1024, 900, 800, 700, 600, 1024):  # MiB, with free RAM reading along
+        memory.capacity = capacity * MiB
+        fresh.cpu = capacity * bucket
+        before = len(attempts)
+        sizes.append(decorated())
+        ooms.append(len(attempts) - before - 1)
+    assert sum(ooms[:3]) >= 1 and ooms[3:] == [0] * 5, (ooms, sizes)
+    for capacity, size in list(zip((1024, 1024, 1024, 900, 800, 700, 600, 1024), sizes))[3:]:
+        best = largest_fitting(capacity * MiB)
+        assert 0.9 * best <= size <= best, (capacity, size, best, sizes)

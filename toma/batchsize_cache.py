@@ -194,6 +194,11 @@ class StacktraceMemoryBatchsizeCache(BatchsizeCache):
         """An entry for a free-memory level the call site has not met, seeded from the levels it has."""
         levels: Dict[Tuple[int, int], Batchsize] = self._levels.get_or_create(site, dict)
         entry = Batchsize(_seed(levels, level))
+        # A learning policy's state goes with it: its model predicts the size for this level's memory.
+        learned = [e.learned for _, e in sorted(levels.items(), key=lambda item: _distance(item[0], level))]
+        fork = getattr(next((state for state in learned if state is not None), None), "fork", None)
+        if callable(fork):
+            entry.learned = fork()
         levels[level] = entry
         while len(levels) > self.LEVELS_PER_SITE:
             levels.pop(next(iter(levels)), None)
@@ -205,6 +210,10 @@ def _at_most(a: Tuple[int, int], b: Tuple[int, int]) -> bool:
     return a[0] <= b[0] and a[1] <= b[1]
 
 
+def _distance(a: Tuple[int, int], b: Tuple[int, int]) -> int:
+    return abs(a[0] - b[0]) + abs(a[1] - b[1])
+
+
 def _seed(levels: Dict[Tuple[int, int], Batchsize], level: Tuple[int, int]) -> Optional[int]:
     """The size a new level starts from: the nearest known level's, no smaller than a size that ran through
     with less memory free (it fits now), and below any size that ran out of memory with more free (it fails
@@ -212,7 +221,7 @@ def _seed(levels: Dict[Tuple[int, int], Batchsize], level: Tuple[int, int]) -> O
     known = [(other, entry) for other, entry in list(levels.items()) if entry.value]
     if not known:
         return None
-    _, nearest = min(known, key=lambda item: abs(item[0][0] - level[0]) + abs(item[0][1] - level[1]))
+    _, nearest = min(known, key=lambda item: _distance(item[0], level))
     size: int = nearest.value  # type: ignore[assignment]
     failures = [e.failed for other, e in known if e.failed is not None and _at_most(level, other)]
     if failures:

@@ -68,6 +68,14 @@ class _Learned:
     scale: float = 1.0  # items per row (elements per row in accumulation) that the entry's size is for
     budget: float = 0.0  # the budget of the last measured attempt
     recalled: Optional[float] = None  # the budget a size restored from the size file was found with
+    fresh: bool = False  # a new free-memory level's copy: its first call predicts its size
+
+    def fork(self) -> "_Learned":
+        """A copy for a new free-memory level of the call site (what the default cache asks for)."""
+        return _Learned(
+            fits=list(self.fits), bounds=list(self.bounds), failures=list(self.failures), scale=self.scale,
+            budget=self.budget, fresh=True,
+        )
 
     def model(self) -> Optional[LinearNeed]:
         sizes = {size for size, _ in self.fits}
@@ -177,7 +185,8 @@ class FitToMemory(SizePolicy):
         above `asked`, the size the call asked for). Padded batches of other widths need no new search."""
         state = self.learned(entry)
         recalled, state.recalled = state.recalled, None
-        if scale == state.scale and recalled is None:
+        fresh, state.fresh = state.fresh, False
+        if scale == state.scale and recalled is None and not fresh:
             return size
         model = state.model()
         state.scale, state.quiet = scale, 0
