@@ -163,9 +163,9 @@ def run(
     detail = ""
     while True:
         token = policy.begin(entry, size, scale) if learns else None  # type: ignore[attr-defined]
-        proposal = _Proposal(policy, entry, token) if learns else None
+        proposal = None
         if agreement is not None:  # each rank proposes its policy's next size; the smallest is agreed
-            agreement.propose = proposal
+            proposal = agreement.propose = _Proposal(policy, entry, token) if learns else None
         fitted = entry.fitted
         # The first chunk of this attempt, worth reading only when it may be news to the entry.
         ran = _effective(step, size) if learns or fitted is None or size > fitted else 0
@@ -192,7 +192,8 @@ def run(
                 raise
             failed = _effective(step, size)
             try:
-                if proposal is not None:
+                if learns:
+                    proposal = proposal or _Proposal(policy, entry, token)
                     smaller = proposal(size, failed, exception)
                     detail = proposal.detail
                 else:
