@@ -59,11 +59,6 @@ class SizeStore:
             self.broken = True
             log.warning("toma: cannot use the size file %s (%s); going on without remembered sizes", self.path, error)
 
-    def get(self, key: str) -> Optional[int]:
-        """The size remembered under `key` (None: none)."""
-        remembered = self.recall(key)
-        return None if remembered is None else remembered[0]
-
     def recall(self, key: str) -> Optional[Tuple[int, Optional[str]]]:
         """(size, the policy's model as JSON text or None) remembered under `key` (None: nothing usable)."""
         if self.broken:
