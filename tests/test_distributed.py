@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import REPO, run_ranks
+from helpers import COLLECT_TOMA_LOG, REPO, run_ranks
 from torch import nn
 
 from toma import distributed
@@ -328,16 +328,10 @@ def test_fit_to_memory_over_ranks_with_different_real_caps_agrees_on_every_size_
     cap)."""
     code = (
         SETUP.replace("TIMEOUT", "120")
+        + COLLECT_TOMA_LOG
         + f"""
-import logging
 from toma.cpu_memory import predictable_heap, set_cpu_memory_headroom
 predictable_heap()
-lines = []
-class Keep(logging.Handler):
-    def emit(self, record):
-        lines.append(record.getMessage())
-logging.getLogger("toma").addHandler(Keep())
-logging.getLogger("toma").setLevel(logging.INFO)
 ROWS = {CAPPED_ROWS}
 torch.manual_seed(0)
 inputs, targets = torch.randn(ROWS * world, 64), torch.randint(0, 10, (ROWS * world,))
@@ -363,7 +357,7 @@ for call in range(3):
     compute_loss(x, y)
     calls.append(dict(micro=compute_loss.stats.micro_batch, retries=compute_loss.stats.oom_retries - before))
     errors.append(max(float(((p.grad - r).abs() / (r.abs() + 1e-6)).max()) for p, r in zip(model.parameters(), reference)))
-finish(dict(calls=calls, errors=errors, lines=lines))
+finish(dict(calls=calls, errors=errors, lines=messages))
 """
     )
     runs = run_ranks(code, 2, timeout=240, check=False)
