@@ -21,6 +21,7 @@ from toma.cpu_memory import is_out_of_cpu_memory
 from toma.fit_to_memory import FitToMemory
 from toma.forms import PackageModule, explicit, simple, toma
 from toma.history import TrainingHistory
+from toma.hosted_embedding import HostedEmbedding
 from toma.misuse import AccumulationMisuse
 from toma.oom import register_oom_predicate, release_memory, should_reduce_batch_size, unregister_oom_predicate
 from toma.policy import Halving, ShrinkByFactor, SizePolicy
@@ -50,6 +51,7 @@ __all__ = [
     "Halving",
     "FitToMemory",
     "remember_sizes",
+    "HostedEmbedding",
     "whole",
     "AccumulationMisuse",
     "Trainer",
@@ -69,4 +71,7 @@ __all__ = [
 # the package module's class. Declared here so that type checkers know it.
 DEFAULT_CACHE_TYPE: Type[BatchsizeCache]
 DEFAULT_POLICY: SizePolicy  # the forms' sizing policy where none is given (Halving), live like DEFAULT_CACHE_TYPE
+# `toma.map(func, *inputs, device=...)` also from the package (left out of __all__: a star import would shadow
+# the builtin).
+map = toma.map
 sys.modules[__name__].__class__ = PackageModule

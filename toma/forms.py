@@ -41,10 +41,13 @@ from toma.batchsize_cache import (
     set_default_cache_type,
 )
 from toma.distributed import AgreedStep, agreement_for
+from toma.host_map import MapStep
+from toma.hosted_embedding import HostedEmbedding
 from toma.policy import SizePolicy, check_policy, get_default_policy, set_default_policy
 from toma.signatures import AccumulateFunction, BatchFunction, ChunkedFunction, RangeFunction
 from toma.splitting import BatchSplit, whole
 from toma.stacktrace import call_site_key
+from toma.transfer import Transfers, check_device
 
 __all__ = ["toma", "explicit", "simple", "PackageModule"]
 
@@ -64,6 +67,18 @@ def _drive(step: S, cache: BatchsizeCache, initial: int, policy: SizePolicy, dis
         return engine.drive(step, cache, initial, policy)
     engine.drive(AgreedStep(step, agreement, policy), cache, initial, policy, agreement)
     return step
+
+
+def _leaf_values(obj: Any) -> Any:
+    """The values inside tuples, lists and dicts, depth first."""
+    if isinstance(obj, (tuple, list)):
+        for item in obj:
+            yield from _leaf_values(item)
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from _leaf_values(value)
+    else:
+        yield obj
 
 
 # --- choosing the cache --------------------------------------------------------------------------------
@@ -338,6 +353,7 @@ class toma(metaclass=_TomaNamespace):
     explicit = explicit
     simple = simple
     whole = whole
+    HostedEmbedding = HostedEmbedding
 
     @overload
     @staticmethod
@@ -628,6 +644,37 @@ class toma(metaclass=_TomaNamespace):
             return wrapped
 
         return _decorate(func, "toma.accumulate", "initial_micro_batch", wrap)
+
+    @staticmethod
+    def map(
+        func: Callable[..., Any],
+        *inputs: Any,
+        device: Any = None,
+        initial_step: Optional[int] = None,
+        output_device: Any = "cpu",
+        cache_type: CacheType = None,
+        context: Optional[Hashable] = None,
+        policy: Optional[SizePolicy] = None,
+        distributed: Any = False,
+    ) -> Any:
+        """`func(*chunk)` over row chunks of `inputs` (tensors, also in tuples, lists and dicts, that agree on
+        dim 0; usually on the host) on `device`, each chunk's copy overlapping the previous chunk's compute;
+        returns the outputs joined along dim 0 on `output_device` (the host by default), detached. The chunk
+        size (`initial_step`, default all rows) shrinks on out-of-memory errors, finished chunks are kept, and
+        it is cached per call site (or `context`)."""
+        check_function(func, "toma.map")
+        target = check_device(device, "device")
+        output = check_device(output_device, "output_device")
+        if not any(isinstance(t, torch.Tensor) and t.dim() > 0 for t in _leaf_values(inputs)):
+            raise ValueError(
+                "toma.map needs inputs: tensors (also inside tuples, lists or dicts) whose dim 0 holds the rows "
+                f"to map over; got {len(inputs)} input(s) with none"
+            )
+        split = BatchSplit(inputs, {}, name="inputs")
+        initial = split.size if initial_step is None else check_size(initial_step, "initial_step")
+        options = _Options(cache_type, call_site_key() if context is None else context, policy, distributed)
+        step = options.call(MapStep(func, split, Transfers(target), output), initial)
+        return step.result()
 
     class execute:
         """Run the decorated block at once (`@toma.execute.batch(512)` above a `def`); cached per call site."""

@@ -143,9 +143,9 @@ class BatchSplit:
 
     __slots__ = ("args", "kwargs", "size", "tensors", "_arg_slots", "_kwarg_slots", "_plain", "_changing", "_per_row")
 
-    def __init__(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+    def __init__(self, args: Tuple[Any, ...], kwargs: Dict[str, Any], name: str = "args") -> None:
         scan = _Scan()
-        arg_hits = [scan.walk(arg, f"args[{i}]", []) for i, arg in enumerate(args)]
+        arg_hits = [scan.walk(arg, f"{name}[{i}]", []) for i, arg in enumerate(args)]
         kwarg_hits = {key: scan.walk(value, f"kwargs[{key!r}]", []) for key, value in kwargs.items()}
         if not scan.tensors:
             raise ValueError(
