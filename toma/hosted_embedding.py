@@ -226,12 +226,13 @@ class HostedEmbedding(nn.Module):
         per_row = {key: value for key, value in state.items() if _is_rows(value, rows)}
         if self._rows is None:
             fresh = self._fresh_rows()
-            self._rows = {}
+            tables = {}
             for key, value in per_row.items():
                 table = torch.empty(self.num_embeddings, self.embedding_dim, dtype=value.dtype, pin_memory=self._pin)
                 start = fresh.get(key)
                 table.copy_(start.to(value.dtype).expand_as(table) if start is not None else torch.zeros(()))
-                self._rows[key] = table
+                tables[key] = table
+            self._rows = tables  # only once all are made: a part that fails here leaves no half-made state
         host = self._transfers.to_host((rows, per_row)).take(copy=False)
         self.weight.index_copy_(0, ids, host[0])
         for key, value in host[1].items():
