@@ -932,3 +932,25 @@ print(json.dumps(dict(sizes=sizes, close=close, messages=messages)))
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["messages"] and all("out of memory" in m for m in result["messages"])
     assert result["sizes"][-1] < 65536 and all(result["close"])
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_a_host_batch_moves_to_the_models_gpu_micro_batch_by_micro_batch_with_exact_gradients():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 3)).cuda()
+    inputs, targets = torch.randn(1000, 16), torch.randint(0, 3, (1000,))  # the logical batch on the host
+    torch.nn.functional.cross_entropy(model(inputs.cuda()), targets.cuda()).backward()
+    reference = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    devices = []
+
+    @toma.accumulate(model=model, initial_micro_batch=128, cache_type=NoBatchsizeCache)
+    def loss(x, y):
+        devices.append((x.device.type, y.device.type))
+        return torch.nn.functional.cross_entropy(model(x), y)
+
+    loss(inputs, targets)
+    assert set(devices) == {("cuda", "cuda")} and len(devices) == 8
+    for p, g in zip(model.parameters(), reference):
+        torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-6)

@@ -204,6 +204,13 @@ def test_a_step_with_more_rows_than_fit_runs_in_parts_with_the_same_result():
             ((module(indices) - target) ** 2).sum().backward()
             module.step()
     assert parts.step_rows <= 8 and whole.step_rows > 8
+
+    small_first = hosted(lambda params: torch.optim.Adam(params, lr=1e-2))
+    small_first(torch.tensor([1])).sum().backward()
+    small_first.step()
+    small_first(torch.arange(30)).sum().backward()
+    small_first.step()
+    assert small_first.step_rows == 30  # a step of one row does not cap the parts of a later one
     torch.testing.assert_close(parts.weight, whole.weight, rtol=1e-6, atol=1e-7)
 
 

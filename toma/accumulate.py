@@ -32,6 +32,7 @@ from toma.fit_to_memory import FitToMemory
 from toma.policy import SizePolicy
 from toma.rollback import BufferStash, RandomState
 from toma.splitting import BatchSplit, Parts, Window
+from toma.transfer import Pending, Transfers, shared_transfers
 
 __all__ = [
     "accumulate",
@@ -261,6 +262,19 @@ class AccumulationStats:
 Batch = Union[BatchSplit, Parts]
 
 
+def _pipeline_for(params: List[torch.Tensor], batch: Batch) -> Optional[Transfers]:
+    """Transfers to the model's CUDA device when the logical batch lives on the host: each micro-batch then
+    moves while the previous one computes. None when there is nothing to move (a CPU model, a batch already
+    on the device)."""
+    device = next((p.device for p in params if p.device.type == "cuda"), None)
+    if device is None:
+        return None
+    parts = batch.parts if isinstance(batch, Parts) else [batch]
+    if not any(t.device.type == "cpu" for part in parts for _, t in part.tensors):
+        return None
+    return shared_transfers(device)
+
+
 class AccumulateStep:
     """One attempt at the whole logical batch: forward and backward of every micro-batch at `size`."""
 
@@ -287,6 +301,7 @@ class AccumulateStep:
         # DDP's reducer on one rank swaps gradients for views of its buckets: only parameters can be watched.
         self.watch = MisuseWatch(self.params, model, check_grads=not isinstance(self.sync, DDPNoSync))
         self.random: Optional[RandomState] = None
+        self.transfers = _pipeline_for(self.params, batch)
         self.result: Optional[torch.Tensor] = None
         self.total_weight: Optional[float] = None
         self.attempts = 0
@@ -360,10 +375,18 @@ class AccumulateStep:
         running = [index for index, factor in enumerate(factors) if factor is not None]
         last = running[-1] if running else -1
         total: Optional[torch.Tensor] = None
+        ahead: Optional[Pending] = None
+        if self.transfers is not None and running:
+            ahead = self.transfers.prefetch(arguments[running[0]])
         with self.watch:
-            for index in running:
+            for position, index in enumerate(running):
                 split, start, stop = windows[index]
-                args, kwargs = arguments[index]
+                if ahead is None:
+                    args, kwargs = arguments[index]
+                else:  # this micro-batch is on the device; the next one's copy overlaps its compute
+                    args, kwargs = ahead.take()
+                    following = running[position + 1] if position + 1 < len(running) else None
+                    ahead = None if following is None else self.transfers.prefetch(arguments[following])  # type: ignore[union-attr]
                 factor = factors[index] or 0.0
                 with self.sync.micro_batch(last=index == last):
                     try:

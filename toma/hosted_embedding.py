@@ -191,7 +191,8 @@ class HostedEmbedding(nn.Module):
         rows = rows.detach()
         del used
         update = _RowUpdate(self, unique, rows, grad)  # type: ignore[arg-type]
-        engine.drive(update, self._sizes, max(1, len(unique)), self.policy or get_default_policy())
+        # Sized against the whole table, so a small step never caps the parts of a later, larger one.
+        engine.drive(update, self._sizes, self.num_embeddings, self.policy or get_default_policy())
         self._shared = update.shared_after if update.shared_after is not None else self._shared
         self._refresh_prefetched(unique)
 

@@ -9,13 +9,14 @@ there still reads it. Results come back the same way (`to_host`). Without CUDA t
 calls (nothing is pinned) and tensors already on `device` are not copied at all.
 """
 
-from typing import Any, Iterable, List, Optional, Tuple
+import threading
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
 from toma.splitting import map_tensors
 
-__all__ = ["Transfers", "Pending", "check_device", "ALIGNMENT"]
+__all__ = ["Transfers", "Pending", "check_device", "shared_transfers", "ALIGNMENT"]
 
 ALIGNMENT = 256  # bytes between packed tensors: every dtype's alignment, and CUDA's preferred for copies
 
@@ -236,3 +237,15 @@ def _view(block: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
     nbytes = like.numel() * like.element_size()
     return block[offset : offset + nbytes].view(like.dtype).view(like.shape)
 
+
+
+_per_thread = threading.local()
+
+
+def shared_transfers(device: torch.device) -> Transfers:
+    """This thread's `Transfers` for `device`, kept between calls so that staging buffers are pinned once."""
+    kept: Dict[torch.device, Transfers] = _per_thread.__dict__.setdefault("transfers", {})
+    transfers = kept.get(device)
+    if transfers is None:
+        transfers = kept[device] = Transfers(device)
+    return transfers

@@ -1,0 +1,118 @@
+"""GPU figures for host memory as the overflow (needs CUDA; prints a table, exits 0 with a note without it).
+
+Run: python benchmarks/transfer_gpu.py
+1. Host-to-device GB/s: a large pinned `copy_` (the peak), a pageable `.to()`, and `toma.map`'s transfers
+   (a pageable host tensor mapped with a function that does next to nothing).
+2. Overlap: `toma.map` wall time for a function whose compute per chunk is about its transfer, against
+   max(transfer alone, compute alone); 1.0 is perfect overlap, 2.0 none.
+3. `HostedEmbedding` steps/s (Adam) against `nn.Embedding(sparse=True)` + `SparseAdam` on the GPU (the table
+   fits there) and on the CPU.
+"""
+
+import sys
+import time
+
+import torch
+
+from toma import HostedEmbedding, NoBatchsizeCache
+from toma import toma as tm
+
+GiB = 1 << 30
+
+
+def timed(func, repeat=3):
+    best = float("inf")
+    for _ in range(repeat):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        func()
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def transfer_rates(size=2 * GiB, chunk_rows=16384):
+    rows = size // (4 * 4096)
+    pageable = torch.randn(rows, 4096)
+    pinned = pageable.pin_memory()
+    target = torch.empty_like(pinned, device="cuda")
+    peak = size / timed(lambda: target.copy_(pinned, non_blocking=True)) / 1e9
+    plain = size / timed(lambda: pageable.to("cuda")) / 1e9
+    del target
+    mapped = size / timed(lambda: tm.map(lambda c: c[:, :1], pageable, device="cuda", initial_step=chunk_rows,
+                                        cache_type=NoBatchsizeCache)) / 1e9
+    return peak, plain, mapped, pageable, chunk_rows
+
+
+def overlap(pageable, chunk_rows):
+    weight = torch.randn(4096, 4096, device="cuda") / 64
+    chunk = pageable[:chunk_rows].cuda()
+
+    def compute(c):
+        for _ in range(repeats):
+            c = torch.tanh(c @ weight)
+        return c[:, :1]
+
+    repeats = 1
+    per_chunk_copy = timed(lambda: chunk.copy_(pageable[:chunk_rows].pin_memory(), non_blocking=True))
+    while timed(lambda: compute(chunk)) < per_chunk_copy and repeats < 64:
+        repeats += 1
+    chunks = len(pageable) // chunk_rows
+    compute_alone = timed(lambda: [compute(chunk) for _ in range(chunks)])
+    transfer_alone = timed(lambda: tm.map(lambda c: c[:, :1], pageable, device="cuda", initial_step=chunk_rows,
+                                          cache_type=NoBatchsizeCache))
+    both = timed(lambda: tm.map(compute, pageable, device="cuda", initial_step=chunk_rows, cache_type=NoBatchsizeCache))
+    return compute_alone, transfer_alone, both
+
+
+def embedding_rates(rows=4_000_000, width=64, lookups=65536, steps=50):
+    generator = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, rows, (lookups,), generator=generator) for _ in range(steps)]
+    results = {}
+
+    def sparse(device):
+        table = torch.nn.Embedding(rows, width, sparse=True, device=device)
+        optimizer = torch.optim.SparseAdam(table.parameters(), lr=1e-3)
+
+        def run():
+            for indices in batches:
+                optimizer.zero_grad()
+                table(indices.to(device)).pow(2).sum().backward()
+                optimizer.step()
+
+        return run
+
+    hosted = HostedEmbedding(rows, width, optimizer=lambda p: torch.optim.Adam(p, lr=1e-3), device="cuda")
+
+    def run_hosted():
+        for i, indices in enumerate(batches):
+            out = hosted(indices)
+            if i + 1 < len(batches):
+                hosted.prefetch(batches[i + 1])
+            out.pow(2).sum().backward()
+            hosted.step()
+
+    results["HostedEmbedding (Adam), table on the host"] = steps / timed(run_hosted, repeat=2)
+    results["nn.Embedding(sparse=True) + SparseAdam on the GPU"] = steps / timed(sparse("cuda"), repeat=2)
+    results["nn.Embedding(sparse=True) + SparseAdam on the CPU"] = steps / timed(sparse("cpu"), repeat=1)
+    return results
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("transfer_gpu.py needs a CUDA GPU; nothing measured")
+        return 0
+    print(torch.cuda.get_device_name(), "torch", torch.__version__)
+    peak, plain, mapped, pageable, chunk_rows = transfer_rates()
+    print(f"host-to-device: pinned copy_ {peak:.1f} GB/s, pageable .to() {plain:.1f} GB/s, "
+          f"toma.map {mapped:.1f} GB/s = {mapped / peak:.2f} of the pinned peak")
+    compute_alone, transfer_alone, both = overlap(pageable, chunk_rows)
+    print(f"overlap: compute alone {compute_alone * 1e3:.0f} ms, transfer alone {transfer_alone * 1e3:.0f} ms, "
+          f"toma.map {both * 1e3:.0f} ms = {both / max(compute_alone, transfer_alone):.2f}x the larger")
+    for name, rate in embedding_rates().items():
+        print(f"{name}: {rate:.1f} steps/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
