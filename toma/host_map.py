@@ -100,7 +100,7 @@ class MapStep(RangeStep):
     ) -> None:
         super().__init__(func, 0, split.size, (), {}, name)
         self.split, self.transfers = split, transfers
-        label = name or getattr(func, "__qualname__", repr(func))
+        label = str(name or getattr(func, "__qualname__", repr(func)))
         self.joined = _Joined(split.size, output_device, label)
         # Outputs go back through pinned staging when they are on CUDA and asked for on the host.
         self.to_host = transfers.cuda and output_device.type == "cpu"

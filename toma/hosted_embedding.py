@@ -217,7 +217,7 @@ class HostedEmbedding(nn.Module):
                 if _is_rows(value, self._placeholder):
                     state[key] = value[:1].expand(len(ids), -1).clone()
             return state
-        gathered = {key: table.index_select(0, ids) for key, table in self._rows.items()}
+        gathered = {key: table.index_select(0, ids) for key, table in (self._rows or {}).items()}
         state = {key: _clone(value) for key, value in (self._shared or {}).items()}
         state.update(self._transfers.move(gathered))
         return state

@@ -84,7 +84,7 @@ class _Slot:
         if capacity < nbytes or capacity > 4 * max(nbytes, 1 << 20):
             self.buffer = None  # let the old pinned block go before pinning the new one
             self.buffer = torch.empty(nbytes + nbytes // 4, dtype=torch.uint8, pin_memory=True)
-        return self.buffer
+        return self.buffer  # type: ignore[return-value]
 
 
 class Pending:
@@ -209,7 +209,8 @@ class Transfers:
         slot = self._slot(True)
         buffer = slot.reserve(total)
         stream = self.stream
-        stream.wait_stream(torch.cuda.current_stream(self.device))  # type: ignore[union-attr]
+        assert stream is not None
+        stream.wait_stream(torch.cuda.current_stream(self.device))
         placed = {}
         with torch.cuda.stream(stream):
             for tensor, offset in zip(on_device, offsets):
