@@ -6,8 +6,8 @@ import torch.nn.functional as F
 from helpers import raise_fake_oom, requires_cuda
 from torch import nn
 
-from toma import NoBatchsizeCache, explicit, toma
-from toma.rollback import BufferStash, RandomState
+from toma import HostedEmbedding, NoBatchsizeCache, explicit, toma
+from toma.rollback import BufferStash, PendingState, RandomState
 
 N = 64
 
@@ -182,3 +182,117 @@ def test_an_out_of_memory_error_while_saving_still_rolls_back_the_retry(monkeypa
 
     compute_loss(inputs, targets)
     assert sizes[-8:] == [8] * 8 and int(model[1].num_batches_tracked) == 8
+
+
+# --- pending state: what a module queues for a later step besides gradients -------------------------------
+
+ROWS, DIM = 40, 6
+
+
+class EmbeddingModel(nn.Module):
+    """A table and a linear head: the table is a `HostedEmbedding` (its rows queue for `step()`) or, as the
+    full-batch reference, a dense `nn.Embedding` with the same starting values."""
+
+    def __init__(self, hosted):
+        super().__init__()
+        torch.manual_seed(0)
+        self.table = HostedEmbedding(ROWS, DIM, optimizer=lambda p: torch.optim.SGD(p, lr=0.5), device="cpu")
+        if not hosted:
+            dense = nn.Embedding(ROWS, DIM)
+            with torch.no_grad():
+                dense.weight.copy_(self.table.weight)
+            self.table = dense
+        torch.manual_seed(1)
+        self.head = nn.Linear(DIM, 3)
+
+    def forward(self, ids):
+        return self.head(self.table(ids).mean(1))
+
+
+def embedding_batches(steps=4):
+    generator = torch.Generator().manual_seed(2)
+    for _ in range(steps):
+        yield torch.randint(0, ROWS, (32, 5), generator=generator), torch.randint(0, 3, (32,), generator=generator)
+
+
+def train_embedding_model(hosted, fail_second_micro_batch):
+    model = EmbeddingModel(hosted)
+    head_optimizer = torch.optim.SGD(model.head.parameters() if hosted else model.parameters(), lr=0.5)
+    for ids, labels in embedding_batches():
+        seen = []
+
+        def compute_loss(ids, labels):
+            seen.append(len(ids))
+            loss = F.cross_entropy(model(ids), labels)
+            if fail_second_micro_batch and len(seen) == 2 and len(ids) > 8:
+                raise_fake_oom()  # after the first micro-batch's rows were queued and got their gradients
+            return loss
+
+        head_optimizer.zero_grad()
+        if hosted:
+            explicit.accumulate(compute_loss, model, 16, ids, labels, toma_cache_type=NoBatchsizeCache)
+            model.table.step()
+        else:
+            compute_loss(ids, labels).backward()
+        head_optimizer.step()
+    return model.table.weight.detach().clone(), model.head.weight.detach().clone()
+
+
+def test_a_hosted_embedding_under_accumulate_counts_a_failed_micro_batch_once():
+    table, head = train_embedding_model(hosted=True, fail_second_micro_batch=True)
+    reference_table, reference_head = train_embedding_model(hosted=False, fail_second_micro_batch=False)
+    torch.testing.assert_close(head, reference_head, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(table, reference_table, rtol=1e-5, atol=1e-6)
+
+
+class QueueingModule(nn.Module):
+    """Any module with pending work: it queues every row it saw in forward for later use."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(6, 4)
+        self.queue = []
+
+    def forward(self, x):
+        self.queue.append(x.detach().clone())
+        return self.linear(x)
+
+    def pending_mark(self):
+        return len(self.queue)
+
+    def pending_rewind(self, mark):
+        del self.queue[mark:]
+
+
+def test_any_module_with_pending_state_is_rewound_after_a_failed_attempt():
+    module = QueueingModule()
+    model = nn.Sequential(module)
+    inputs, targets = data()
+    calls = []
+
+    def compute_loss(inputs, targets):
+        calls.append(len(inputs))
+        loss = F.cross_entropy(model(inputs), targets)
+        if len(inputs) == 32 and len(calls) == 2:
+            raise_fake_oom()
+        return loss
+
+    explicit.accumulate(compute_loss, model, 32, inputs, targets, toma_cache_type=NoBatchsizeCache)
+    assert calls == [32, 32, 16, 16, 16, 16]
+    assert torch.equal(torch.cat(module.queue), inputs)  # each row queued once, in order, whatever failed
+    assert isinstance(module, PendingState) and not isinstance(nn.Linear(1, 1), PendingState)
+
+
+def test_pending_state_of_a_failed_non_oom_attempt_is_rewound_too():
+    module = QueueingModule()
+    inputs, targets = data()
+
+    def compute_loss(inputs, targets):
+        loss = F.cross_entropy(module(inputs), targets)
+        if len(module.queue) == 2:
+            raise ValueError("a bug in the loss")
+        return loss
+
+    with pytest.raises(ValueError, match="a bug in the loss"):
+        explicit.accumulate(compute_loss, module, 16, inputs, targets, toma_cache_type=NoBatchsizeCache)
+    assert module.queue == []

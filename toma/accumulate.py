@@ -30,7 +30,7 @@ from toma.misuse import AccumulationMisuse, MisuseWatch
 from toma.oom import should_reduce_batch_size
 from toma.fit_to_memory import FitToMemory
 from toma.policy import SizePolicy
-from toma.rollback import BufferStash, RandomState
+from toma.rollback import BufferStash, PendingStash, RandomState
 from toma.splitting import BatchSplit, Parts, Window
 from toma.transfer import Pending, Transfers, shared_transfers
 
@@ -298,6 +298,7 @@ class AccumulateStep:
         self.sync = sync_for(model)
         self.params: List[torch.Tensor] = [p for p in model.parameters() if p.requires_grad]
         self.buffers = BufferStash(model)
+        self.pending = PendingStash(model)
         # DDP's reducer on one rank swaps gradients for views of its buckets: only parameters can be watched.
         self.watch = MisuseWatch(self.params, model, check_grads=not isinstance(self.sync, DDPNoSync))
         self.random: Optional[RandomState] = None
@@ -329,6 +330,7 @@ class AccumulateStep:
         else:  # a retry: the same random numbers as the failed attempt drew
             self.random.restore()
         self.buffers.save_once()
+        self.pending.save()
         asked, size = size, self.effective(size)
         self.size = size
         windows = self.batch.windows(size)
@@ -351,6 +353,7 @@ class AccumulateStep:
         except BaseException:
             self.sync.abort()
             self.buffers.restore()
+            self.pending.restore()
             raise
         return True
 

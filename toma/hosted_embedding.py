@@ -171,6 +171,14 @@ class HostedEmbedding(nn.Module):
         self._pending = []
         super().zero_grad(set_to_none)
 
+    def pending_mark(self) -> int:
+        """`toma.rollback.PendingState`: how many lookups are queued for `step()`."""
+        return len(self._pending)
+
+    def pending_rewind(self, mark: int) -> None:
+        """Drop the lookups a failed attempt queued (under `toma.accumulate`), so `step()` counts each once."""
+        del self._pending[mark:]
+
     def step(self) -> None:
         """Update the rows used since the last step with the optimizer, from their gradients; nothing happens
         when no backward pass reached them."""
