@@ -1010,3 +1010,32 @@ def test_with_fake_cuda_the_pipeline_moves_rows_per_micro_batch_and_whole_values
     assert all(stream is fake.default for _, stream in fake.recorded)
     assert_grads_equal(model, [p.grad for p in reference.parameters()])
     torch.testing.assert_close(inputs.grad, x_reference.grad, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_on_cuda_a_host_batch_with_whole_sparse_zero_dim_and_grad_inputs_trains_the_reference(exact_cuda_math):
+    torch.manual_seed(0)
+    x, y = torch.randn(N, 6), torch.randint(0, 4, (N,))
+    weights, temperature = torch.rand(4) + 0.5, torch.tensor(1.5)
+    mix = (torch.eye(6) + torch.randn(6, 6).relu()).to_sparse()
+    reference = make_case("mlp")[0].cuda()
+    x_reference = x.clone().requires_grad_(True)
+    mixed_arguments_loss(reference)(x_reference.cuda(), y.cuda(), weights.cuda(), mix.cuda(), temperature).backward()
+
+    model = make_case("mlp")[0].cuda()
+    inputs = x.clone().requires_grad_(True)
+    loss = mixed_arguments_loss(model)
+    seen = []
+
+    def compute_loss(x, y, weights, mix, temperature):
+        seen.append((x, y, weights, mix))
+        return loss(x, y, weights, mix, temperature)
+
+    step = toma.accumulate(model=model, initial_micro_batch=16, reduction="sum", cache_type=NoBatchsizeCache)
+    step(compute_loss)(inputs, y, toma.whole(weights), toma.whole(mix), temperature)
+    assert len(seen) == 4 and all(t.is_cuda for t in seen[0]) and seen[0][3].is_sparse
+    assert all(s[2] is seen[0][2] and s[3] is seen[0][3] for s in seen)  # moved once per call
+    for p, r in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, r.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(inputs.grad, x_reference.grad, rtol=1e-4, atol=1e-5)

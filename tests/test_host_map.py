@@ -237,7 +237,9 @@ def test_with_fake_cuda_whole_values_move_once_per_call_and_only_rows_are_staged
         seen.append((w, s, sparse))
         return chunk @ w * s + torch.sparse.sum(sparse)
 
-    out = tm.map(project, x, toma.whole(weights), scale, toma.whole(shift), initial_step=10, cache_type=NoBatchsizeCache)
+    out = tm.map(
+        project, x, toma.whole(weights), scale, toma.whole(shift), initial_step=10, cache_type=NoBatchsizeCache
+    )
     assert torch.allclose(out, x @ weights * scale + 3.0)
     assert len(seen) == 4 and [id(t) for t in placed] == [id(weights), id(shift)]  # once per call, not per chunk
     assert all(w is seen[0][0] and sparse is seen[0][2] for w, _, sparse in seen) and seen[0][2].is_sparse
@@ -269,3 +271,19 @@ def test_with_fake_cuda_a_refused_pinning_never_shrinks_the_chunk(fake, monkeypa
         out = tm.map(double, x, initial_step=16, cache_type=NoBatchsizeCache)
     assert torch.equal(out, x * 2) and sizes == [16, 16, 16, 16]
     assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_on_cuda_whole_values_move_once_per_call():
+    x, weights = torch.randn(1000, 16), torch.randn(16, 4)
+    seen = []
+
+    def project(chunk, w):
+        seen.append(w)
+        return chunk @ w
+
+    with torch.no_grad():
+        out = tm.map(project, x, toma.whole(weights), device="cuda", initial_step=128, cache_type=NoBatchsizeCache)
+    assert len(seen) == 8 and seen[0].is_cuda and all(w is seen[0] for w in seen)
+    torch.testing.assert_close(out, x @ weights, rtol=1e-4, atol=1e-4)

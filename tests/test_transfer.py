@@ -1,13 +1,14 @@
 """toma.transfer: moves of nested batches, device checks, and on CUDA pinned staging and overlapping streams."""
 
 import collections
+import json
 import logging
 import weakref
 
 import fake_cuda
 import pytest
 import torch
-from helpers import requires_cuda
+from helpers import requires_cuda, run_python
 
 from toma import transfer
 from toma.transfer import Transfers, _aligned, check_device
@@ -218,3 +219,62 @@ def test_keyboard_interrupt_while_pinning_is_not_swallowed(fake, monkeypatch):
     monkeypatch.setattr(transfer, "_pin", interrupted)
     with pytest.raises(KeyboardInterrupt):
         Transfers("cpu").move(torch.randn(4, 2))
+
+
+# --- the same on a GPU ------------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_on_cuda_sparse_zero_dim_and_grad_requiring_tensors_move_intact():
+    sparse = torch.randn(4, 3).relu().to_sparse()
+    leaf, scalar, dense = torch.randn(5, 3, requires_grad=True), torch.tensor(2.5), torch.randn(5, 3)
+    moved = Transfers("cuda").move((sparse, leaf, scalar, dense))
+    assert moved[0].is_sparse and moved[0].is_cuda and torch.equal(moved[0].to_dense().cpu(), sparse.to_dense())
+    assert moved[1].is_cuda and moved[3].is_cuda and torch.equal(moved[2].cpu(), scalar)
+    (moved[1] * moved[3]).sum().backward()
+    assert torch.equal(leaf.grad, dense)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_on_two_gpus_to_host_of_an_output_on_the_other_gpu_is_not_stale():
+    transfers = Transfers("cuda:0")
+    square = torch.randn(4096, 4096, device="cuda:1") / 64
+    torch.cuda.synchronize(1)
+    for _ in range(30):  # queued on cuda:1: busy long after this loop returns
+        square = torch.tanh(square @ square) * 2
+    out = square[:, :8] + 1.0
+    back = transfers.to_host(out).take()
+    assert torch.equal(back, out.cpu())
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_under_cuda_malloc_async_no_record_stream_warning(monkeypatch):
+    """record_stream onto a block's allocating stream warns at every step under backend:cudaMallocAsync; rows
+    prefetched and written back (HostedEmbedding) and an identity function in toma.map are such blocks."""
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "backend:cudaMallocAsync")
+    out = run_python(
+        """
+import json, warnings, torch
+import toma
+from toma import HostedEmbedding
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    table = HostedEmbedding(1000, 16, optimizer=lambda params: torch.optim.SGD(params, lr=0.1), device="cuda")
+    for step in range(4):
+        indices = torch.randint(0, 1000, (64,))
+        table.prefetch(indices)
+        table(indices).pow(2).sum().backward()
+        table.step()
+    x = torch.randn(512, 8)
+    same = toma.map(lambda chunk: chunk, x, device="cuda", initial_step=64)
+print(json.dumps(dict(backend=torch.cuda.get_allocator_backend(), same=bool(torch.equal(same, x)),
+                      warnings=[str(w.message) for w in caught])))
+"""
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["backend"] == "cudaMallocAsync" and result["same"]
+    assert not [w for w in result["warnings"] if "record_stream" in w], result["warnings"]
+    assert "record_stream" not in out.stderr

@@ -7,9 +7,10 @@ copy per chunk runs on a side stream, the stream that uses the result waits on a
 memory (allocated on the side stream) is recorded on that stream (`record_stream`) so the caching allocator
 cannot hand it out while work queued there still reads it. Tensors whose bytes cannot stand for them (sparse,
 requiring grad, subclasses) move with `.to()` where they are used, keeping layout and autograd. Results come
-back the same way (`to_host`). When the driver refuses page-locked memory the moves fall back to pageable
-`.to()` copies (one warning). Without CUDA the moves are plain `.to()` calls (nothing is pinned) and tensors
-already on `device` are not copied at all.
+back through staging too (`to_host`), the device tensors kept referenced until their copy is waited on (no
+`record_stream`); outputs on another GPU are copied at once. When the driver refuses page-locked memory the
+moves fall back to pageable `.to()` copies (one warning), never an out-of-memory error. Without CUDA the moves
+are plain `.to()` calls (nothing is pinned) and tensors already on `device` are not copied at all.
 
 `MicroBatchTransfers` moves the micro-batches of one call's logical batch: only the split (per-row) tensors
 of each micro-batch go through the pipeline; `toma.whole` values move once per call.
@@ -17,7 +18,7 @@ of each micro-batch go through the pipeline; `toma.whole` values move once per c
 
 import logging
 import threading
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -90,7 +91,8 @@ def _aligned(nbytes: int) -> int:
 
 def _dense(tensor: torch.Tensor) -> bool:
     """A plain strided tensor: its bytes, copied into a buffer and viewed with its dtype and shape, are it."""
-    return type(tensor) is torch.Tensor and tensor.layout == torch.strided and not tensor.is_quantized and not tensor.is_nested
+    plain = type(tensor) is torch.Tensor and tensor.layout == torch.strided
+    return plain and not tensor.is_quantized and not tensor.is_nested
 
 
 def stageable(tensor: torch.Tensor) -> bool:
@@ -201,10 +203,14 @@ class _Arriving(Pending):
                 for block in self.blocks:
                     block.record_stream(stream)
         placed, later, device = self.placed, self.later, self.device
-        self.value = map_tensors(
-            self.source,
-            lambda tensor: placed[id(tensor)] if id(tensor) in placed else tensor.to(device) if id(tensor) in later else tensor,
-        )
+
+        def arrived(tensor: torch.Tensor) -> torch.Tensor:
+            moved = placed.get(id(tensor))
+            if moved is not None:
+                return moved
+            return tensor.to(device) if id(tensor) in later else tensor
+
+        self.value = map_tensors(self.source, arrived)
         self.source, self.placed, self.blocks, self.done = None, {}, (), True
         return self.value
 
