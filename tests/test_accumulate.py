@@ -5,6 +5,7 @@ import logging
 import re
 import weakref
 
+import fake_cuda
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,6 +13,7 @@ from helpers import COLLECT_TOMA_LOG, WIDE_MLP_UNDER_A_CAP, raise_fake_oom, requ
 from torch import nn
 
 from toma import GlobalBatchsizeCache, NoBatchsizeCache, explicit, toma
+from toma.transfer import Transfers
 
 N = 64
 RTOL, ATOL = 1e-5, 1e-6
@@ -954,3 +956,86 @@ def test_a_host_batch_moves_to_the_models_gpu_micro_batch_by_micro_batch_with_ex
     assert set(devices) == {("cuda", "cuda")} and len(devices) == 8
     for p, g in zip(model.parameters(), reference):
         torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-6)
+
+
+# --- the host-to-device pipeline's CUDA path on the CPU (tests/fake_cuda.py) -----------------------------
+
+
+def mixed_arguments_loss(model):
+    """A loss over a split input that requires grad, split targets, class weights and a sparse mixing matrix
+    shared by every micro-batch (toma.whole), and a 0-dim temperature."""
+
+    def compute_loss(x, y, weights, mix, temperature):
+        features = torch.sparse.mm(mix, x.T).T
+        return F.cross_entropy(model(features) / temperature, y, weight=weights, reduction="sum")
+
+    return compute_loss
+
+
+def test_with_fake_cuda_the_pipeline_moves_rows_per_micro_batch_and_whole_values_once_per_call(monkeypatch):
+    fake = fake_cuda.install(monkeypatch)
+    placed = []
+
+    def place(self, tensor):  # the once-per-call move, noted; a copy, as a device's would be
+        placed.append(tensor)
+        return tensor.clone()
+
+    monkeypatch.setattr(Transfers, "place", place, raising=False)
+    torch.manual_seed(0)
+    x, y = torch.randn(N, 6), torch.randint(0, 4, (N,))
+    weights, temperature = torch.rand(4) + 0.5, torch.tensor(1.5)
+    mix = (torch.eye(6) + torch.randn(6, 6).relu()).to_sparse()
+    reference = make_case("mlp")[0]
+    x_reference = x.clone().requires_grad_(True)
+    mixed_arguments_loss(reference)(x_reference, y, weights, mix, temperature).backward()
+
+    model = make_case("mlp")[0]
+    inputs = x.clone().requires_grad_(True)  # on main its micro-batches lost the autograd link in staging
+    loss = mixed_arguments_loss(model)
+    seen = []
+
+    def compute_loss(x, y, weights, mix, temperature):
+        seen.append((x, y, weights, mix, temperature))
+        if len(seen) == 1:
+            raise_fake_oom()  # the first attempt fails before any backward pass
+        return loss(x, y, weights, mix, temperature)
+
+    step = toma.accumulate(model=model, initial_micro_batch=32, reduction="sum", cache_type=NoBatchsizeCache)
+    step(compute_loss)(inputs, y, toma.whole(weights), toma.whole(mix), temperature)
+
+    assert len(seen) > 2 and [id(t) for t in placed] == [id(weights), id(mix)]  # once per call, not per attempt
+    assert all(s[2] is seen[0][2] and s[3] is seen[0][3] and s[4] is temperature for s in seen)
+    assert seen[0][3].is_sparse
+    assert all(s[1].untyped_storage().data_ptr() != y.untyped_storage().data_ptr() for s in seen)  # staged rows
+    assert all(stream is fake.default for _, stream in fake.recorded)
+    assert_grads_equal(model, [p.grad for p in reference.parameters()])
+    torch.testing.assert_close(inputs.grad, x_reference.grad, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_on_cuda_a_host_batch_with_whole_sparse_zero_dim_and_grad_inputs_trains_the_reference(exact_cuda_math):
+    torch.manual_seed(0)
+    x, y = torch.randn(N, 6), torch.randint(0, 4, (N,))
+    weights, temperature = torch.rand(4) + 0.5, torch.tensor(1.5)
+    mix = (torch.eye(6) + torch.randn(6, 6).relu()).to_sparse()
+    reference = make_case("mlp")[0].cuda()
+    x_reference = x.clone().requires_grad_(True)
+    mixed_arguments_loss(reference)(x_reference.cuda(), y.cuda(), weights.cuda(), mix.cuda(), temperature).backward()
+
+    model = make_case("mlp")[0].cuda()
+    inputs = x.clone().requires_grad_(True)
+    loss = mixed_arguments_loss(model)
+    seen = []
+
+    def compute_loss(x, y, weights, mix, temperature):
+        seen.append((x, y, weights, mix))
+        return loss(x, y, weights, mix, temperature)
+
+    step = toma.accumulate(model=model, initial_micro_batch=16, reduction="sum", cache_type=NoBatchsizeCache)
+    step(compute_loss)(inputs, y, toma.whole(weights), toma.whole(mix), temperature)
+    assert len(seen) == 4 and all(t.is_cuda for t in seen[0]) and seen[0][3].is_sparse
+    assert all(s[2] is seen[0][2] and s[3] is seen[0][3] for s in seen)  # moved once per call
+    for p, r in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, r.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(inputs.grad, x_reference.grad, rtol=1e-4, atol=1e-5)

@@ -1,14 +1,17 @@
 """toma.map: a function over row chunks of host inputs on a device, outputs joined along dim 0."""
 
 import json
+import logging
 
+import fake_cuda
 import pytest
 import torch
 from helpers import COLLECT_TOMA_LOG, raise_fake_oom, requires_cuda, run_python
 
 import toma
-from toma import FitToMemory, NoBatchsizeCache
+from toma import FitToMemory, NoBatchsizeCache, transfer
 from toma import toma as tm
+from toma.transfer import Transfers
 
 
 def pair_function(x, extras):
@@ -201,3 +204,86 @@ def test_a_real_cuda_oom_keeps_finished_chunks():
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
         torch.cuda.empty_cache()
+
+
+# --- CUDA paths on the CPU (tests/fake_cuda.py) ----------------------------------------------------------
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    return fake_cuda.install(monkeypatch)
+
+
+def count_places(monkeypatch):
+    """Wrap `Transfers.place` (the once-per-call move): each call noted, the result a copy, as a device's is."""
+    placed = []
+
+    def place(self, tensor):
+        placed.append(tensor)
+        return tensor.clone()
+
+    monkeypatch.setattr(Transfers, "place", place, raising=False)
+    return placed
+
+
+def test_with_fake_cuda_whole_values_move_once_per_call_and_only_rows_are_staged(fake, monkeypatch):
+    placed = count_places(monkeypatch)
+    x = torch.randn(40, 3)
+    weights, scale = torch.randn(3, 2), torch.tensor(0.5)
+    shift = torch.tensor([[0.0, 1.0], [2.0, 0.0]]).to_sparse()  # on main: "copy_() between dense and sparse"
+    seen = []
+
+    def project(chunk, w, s, sparse):
+        seen.append((w, s, sparse))
+        return chunk @ w * s + torch.sparse.sum(sparse)
+
+    out = tm.map(
+        project, x, toma.whole(weights), scale, toma.whole(shift), initial_step=10, cache_type=NoBatchsizeCache
+    )
+    assert torch.allclose(out, x @ weights * scale + 3.0)
+    assert len(seen) == 4 and [id(t) for t in placed] == [id(weights), id(shift)]  # once per call, not per chunk
+    assert all(w is seen[0][0] and sparse is seen[0][2] for w, _, sparse in seen) and seen[0][2].is_sparse
+    assert all(s is scale for _, s, _ in seen)  # a 0-dim tensor passes as given
+    assert all(stream is fake.default for _, stream in fake.recorded)  # never onto the side stream
+
+
+def test_with_fake_cuda_outputs_come_back_without_record_stream(fake):
+    x = torch.randn(30, 4)
+    out = tm.map(lambda chunk: chunk, x, initial_step=8, cache_type=NoBatchsizeCache)  # outputs are the inputs' views
+    assert torch.equal(out, x)
+    assert fake.recorded and all(stream is fake.default for _, stream in fake.recorded)
+
+
+def test_with_fake_cuda_a_refused_pinning_never_shrinks_the_chunk(fake, monkeypatch, caplog):
+    def refuse(nbytes):
+        raise RuntimeError("CUDA error: out of memory")  # what cudaHostAlloc failing reads like
+
+    monkeypatch.setattr(transfer, "_pin", refuse)
+    monkeypatch.setattr(transfer, "_refusal_warned", False)
+    sizes = []
+
+    def double(chunk):
+        sizes.append(len(chunk))
+        return chunk * 2
+
+    x = torch.randn(64, 3)
+    with caplog.at_level(logging.WARNING, logger="toma"):
+        out = tm.map(double, x, initial_step=16, cache_type=NoBatchsizeCache)
+    assert torch.equal(out, x * 2) and sizes == [16, 16, 16, 16]
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_on_cuda_whole_values_move_once_per_call():
+    x, weights = torch.randn(1000, 16), torch.randn(16, 4)
+    seen = []
+
+    def project(chunk, w):
+        seen.append(w)
+        return chunk @ w
+
+    with torch.no_grad():
+        out = tm.map(project, x, toma.whole(weights), device="cuda", initial_step=128, cache_type=NoBatchsizeCache)
+    assert len(seen) == 8 and seen[0].is_cuda and all(w is seen[0] for w in seen)
+    torch.testing.assert_close(out, x @ weights, rtol=1e-4, atol=1e-4)

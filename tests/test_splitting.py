@@ -110,3 +110,44 @@ def test_cutting_a_long_per_row_list_does_not_walk_it_again_for_every_micro_batc
     for _, start, stop in split.windows(1):
         assert split.micro_batch(start, stop)[0][1] == [str(start)]
     assert not walked, "what is per-row was decided once, when the batch was scanned"
+
+
+def _ids(tensors):
+    return sorted(id(tensor) for tensor in tensors)
+
+
+@pytest.mark.parametrize("start, stop", [(2, 5), (0, 6)])
+def test_rows_names_the_split_tensors_of_a_micro_batch_and_nothing_else(start, stop):
+    x, y, weights, temperature = torch.zeros(6, 2), torch.arange(6), torch.ones(3), torch.tensor(0.5)
+    split = BatchSplit((x, {"y": y, "w": whole(weights)}, temperature, ["a", "b", "c", "d", "e", "f"]), {"k": x})
+    rows = []
+    args, kwargs = split.micro_batch(start, stop, rows)
+    assert _ids(rows) == _ids([args[0], args[1]["y"], kwargs["k"]])  # not the whole value, not the 0-dim tensor
+    assert args[1]["w"] is weights and args[2] is temperature and args[3] == ["a", "b", "c", "d", "e", "f"][start:stop]
+    plain_rows = []
+    plain = BatchSplit((x, y), {})
+    plain_args, _ = plain.micro_batch(start, stop, plain_rows)
+    assert _ids(plain_rows) == _ids(plain_args)
+
+
+def test_placed_moves_what_is_in_whole_once_and_leaves_the_rest():
+    x, weights, temperature, shape = torch.zeros(6, 2), torch.ones(3), torch.tensor(0.5), torch.Size([4, 4])
+    split = BatchSplit((x, whole({"w": weights, "shape": shape}), temperature, whole(shape)), {"v": whole(weights)})
+    moves = []
+
+    def move(tensor):
+        moves.append(tensor)
+        return tensor.double()
+
+    placed = split.placed(move)
+    assert [id(t) for t in moves] == [id(weights), id(weights)]  # each place a whole tensor sits, once
+    args, kwargs = placed.micro_batch(1, 3)
+    assert torch.equal(args[0], x[1:3]) and args[2] is temperature
+    assert args[1]["w"].dtype == torch.float64 and args[1]["shape"] is shape and args[3] is shape
+    assert kwargs["v"].dtype == torch.float64 and placed.describe() == split.describe()
+    assert split.micro_batch(1, 3)[0][1]["w"] is weights  # the original split is unchanged
+
+
+def test_placed_is_the_split_itself_when_nothing_moves():
+    split = BatchSplit((torch.zeros(6, 2), whole(torch.ones(3)), whole((224, 224))), {})
+    assert split.placed(lambda tensor: tensor) is split

@@ -32,7 +32,8 @@ from toma.fit_to_memory import FitToMemory
 from toma.policy import SizePolicy
 from toma.rollback import BufferStash, PendingStash, RandomState
 from toma.splitting import BatchSplit, Parts, Window
-from toma.transfer import Pending, Transfers, shared_transfers
+from toma import transfer
+from toma.transfer import MicroBatchTransfers, Pending, shared_transfers
 
 __all__ = [
     "accumulate",
@@ -262,17 +263,17 @@ class AccumulationStats:
 Batch = Union[BatchSplit, Parts]
 
 
-def _pipeline_for(params: List[torch.Tensor], batch: Batch) -> Optional[Transfers]:
-    """Transfers to the model's CUDA device when the logical batch lives on the host: each micro-batch then
-    moves while the previous one computes. None when there is nothing to move (a CPU model, a batch already
-    on the device)."""
-    device = next((p.device for p in params if p.device.type == "cuda"), None)
+def _pipeline_for(params: List[torch.Tensor], batch: Batch) -> Optional[MicroBatchTransfers]:
+    """The moves of this call's micro-batches to the model's CUDA device when the logical batch lives on the
+    host: each micro-batch's split tensors move while the previous one computes, `toma.whole` values once per
+    call. None when there is nothing to move (a CPU model, a batch already on the device)."""
+    device = next((p.device for p in params if transfer.uses_cuda(p.device)), None)
     if device is None:
         return None
     parts = batch.parts if isinstance(batch, Parts) else [batch]
     if not any(t.device.type == "cpu" for part in parts for _, t in part.tensors):
         return None
-    return shared_transfers(device)
+    return MicroBatchTransfers(shared_transfers(device))
 
 
 class AccumulateStep:
@@ -378,18 +379,19 @@ class AccumulateStep:
         running = [index for index, factor in enumerate(factors) if factor is not None]
         last = running[-1] if running else -1
         total: Optional[torch.Tensor] = None
+        moving = self.transfers
         ahead: Optional[Pending] = None
-        if self.transfers is not None and running:
-            ahead = self.transfers.prefetch(arguments[running[0]])
+        if moving is not None and running:
+            ahead = moving.prefetch(*windows[running[0]])
         with self.watch:
             for position, index in enumerate(running):
                 split, start, stop = windows[index]
-                if ahead is None:
+                if moving is None or ahead is None:
                     args, kwargs = arguments[index]
                 else:  # this micro-batch is on the device; the next one's copy overlaps its compute
                     args, kwargs = ahead.take()
                     following = running[position + 1] if position + 1 < len(running) else None
-                    ahead = None if following is None else self.transfers.prefetch(arguments[following])  # type: ignore[union-attr]
+                    ahead = None if following is None else moving.prefetch(*windows[following])
                 factor = factors[index] or 0.0
                 with self.sync.micro_batch(last=index == last):
                     try:

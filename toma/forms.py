@@ -673,7 +673,9 @@ class toma(metaclass=_TomaNamespace):
         split = BatchSplit(inputs, {}, name="inputs")
         initial = split.size if initial_step is None else check_size(initial_step, "initial_step")
         options = _Options(cache_type, call_site_key() if context is None else context, policy, distributed)
-        step = options.call(MapStep(func, split, Transfers(target), output), initial)
+        transfers = Transfers(target)
+        split = split.placed(transfers.place)  # toma.whole values move once per call, not once per chunk
+        step = options.call(MapStep(func, split, transfers, output), initial)
         return step.result()
 
     class execute:

@@ -109,8 +109,10 @@ class MapStep(RangeStep):
         self.returns_none: Optional[bool] = None  # whether the chunks return None (known after the first)
 
     def _send(self, start: int, stop: int) -> Pending:
-        args, _ = self.split.micro_batch(start, stop)
-        return self.transfers.prefetch(args)
+        """Start moving the chunk's split tensors; `toma.whole` values were moved once (`BatchSplit.placed`)."""
+        rows: List[torch.Tensor] = []
+        args, _ = self.split.micro_batch(start, stop, rows)
+        return self.transfers.prefetch(args, stage=rows)
 
     def call(self, start: int, stop: int) -> None:
         ahead, self.ahead = self.ahead, None

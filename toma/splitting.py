@@ -14,7 +14,7 @@ different widths): `Parts` cuts its micro-batches within each part.
 
 import copy
 from collections.abc import Mapping
-from typing import Any, Callable, Dict, List, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -124,6 +124,23 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     return obj
 
 
+def _place_whole(obj: Any, move: Callable[[torch.Tensor], torch.Tensor], inside: bool) -> Any:
+    """`obj` with `move` applied to the tensors inside `whole` values; containers rebuilt only where
+    something changed (types such as `torch.Size` stay as they are)."""
+    if isinstance(obj, torch.Tensor):
+        return move(obj) if inside else obj
+    if isinstance(obj, whole):
+        value = _place_whole(obj.value, move, True)
+        return obj if value is obj.value else whole(value)
+    if isinstance(obj, (tuple, list)):
+        items = [_place_whole(item, move, inside) for item in obj]
+        return obj if all(new is old for new, old in zip(items, obj)) else _rebuild_sequence(obj, items)
+    if isinstance(obj, Mapping):
+        values = {key: _place_whole(value, move, inside) for key, value in obj.items()}
+        return obj if all(values[key] is value for key, value in obj.items()) else _rebuild_mapping(obj, values)
+    return obj
+
+
 def _mark_per_row(parents: List[Any], sequence: Any, size: int, changing: Set[int], per_row: Set[int]) -> None:
     """A sequence of `size` items is the rows' own data (texts, ids): split with them. Inside one of another
     length, sequences of `size` items are looked for further down (a tuple of such lists, like a dict)."""
@@ -141,7 +158,9 @@ def _mark_per_row(parents: List[Any], sequence: Any, size: int, changing: Set[in
 class BatchSplit:
     """A call's `(args, kwargs)`, split into micro-batches `[start, stop)` of the logical batch."""
 
-    __slots__ = ("args", "kwargs", "size", "tensors", "_arg_slots", "_kwarg_slots", "_plain", "_changing", "_per_row")
+    __slots__ = (
+        "args", "kwargs", "size", "tensors", "name", "_arg_slots", "_kwarg_slots", "_plain", "_changing", "_per_row"
+    )
 
     def __init__(self, args: Tuple[Any, ...], kwargs: Dict[str, Any], name: str = "args") -> None:
         scan = _Scan()
@@ -167,7 +186,7 @@ class BatchSplit:
         per_row: Set[int] = set()  # ids of the sequences that hold one item per row
         for parents, sequence in scan.sequences:
             _mark_per_row(parents, sequence, size, changing, per_row)
-        self.args, self.kwargs, self.size, self.tensors = args, kwargs, size, scan.tensors
+        self.args, self.kwargs, self.size, self.tensors, self.name = args, kwargs, size, scan.tensors, name
         self._changing, self._per_row = changing, per_row
         # Which top-level arguments change per micro-batch, and whether each is a plain tensor (a fast slice).
         self._arg_slots = [
@@ -186,9 +205,14 @@ class BatchSplit:
     def largest(self) -> int:
         return int(self.size)
 
-    def _cut(self, obj: Any, start: int, stop: int) -> Any:
+    def _cut(self, obj: Any, start: int, stop: int, rows: Optional[List[torch.Tensor]]) -> Any:
         if isinstance(obj, torch.Tensor):
-            return obj if obj.dim() == 0 else obj[start:stop]
+            if obj.dim() == 0:
+                return obj
+            cut = obj[start:stop]
+            if rows is not None:
+                rows.append(cut)
+            return cut
         if isinstance(obj, whole):
             return obj.value
         if id(obj) not in self._changing:
@@ -196,29 +220,57 @@ class BatchSplit:
         if id(obj) in self._per_row:
             return obj[start:stop]
         if isinstance(obj, (tuple, list)):
-            return _rebuild_sequence(obj, [self._cut(item, start, stop) for item in obj])
-        return _rebuild_mapping(obj, {key: self._cut(value, start, stop) for key, value in obj.items()})
+            return _rebuild_sequence(obj, [self._cut(item, start, stop, rows) for item in obj])
+        return _rebuild_mapping(obj, {key: self._cut(value, start, stop, rows) for key, value in obj.items()})
 
-    def _fill(self, container: Any, slots: List[Tuple[Any, bool]], start: int, stop: int, full: bool) -> Any:
+    def _fill(
+        self,
+        container: Any,
+        slots: List[Tuple[Any, bool]],
+        start: int,
+        stop: int,
+        full: bool,
+        rows: Optional[List[torch.Tensor]],
+    ) -> Any:
         """Replace `container[slot]` by its micro-batch for each slot (a plain tensor needs no slicing when full)."""
         for slot, is_tensor in slots:
             if not is_tensor:
-                container[slot] = self._cut(container[slot], start, stop)
-            elif not full:
+                container[slot] = self._cut(container[slot], start, stop, rows)
+                continue
+            if not full:
                 container[slot] = container[slot][start:stop]
+            if rows is not None:
+                rows.append(container[slot])
         return container
 
-    def micro_batch(self, start: int, stop: int) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
-        """The arguments for rows `[start, stop)`; the call's own arguments when that is all of them."""
+    def micro_batch(
+        self, start: int, stop: int, rows: Optional[List[torch.Tensor]] = None
+    ) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+        """The arguments for rows `[start, stop)`; the call's own arguments when that is all of them. `rows`,
+        when given, receives the micro-batch's split tensors (its per-row data, as opposed to what every
+        micro-batch shares), for a caller that moves them apart."""
         args, kwargs = self.args, self.kwargs
         full = start == 0 and stop >= self.size
         if full and self._plain:
+            if rows is not None:
+                rows.extend(tensor for _, tensor in self.tensors)
             return args, kwargs
         if self._arg_slots:
-            args = tuple(self._fill(list(args), self._arg_slots, start, stop, full))
+            args = tuple(self._fill(list(args), self._arg_slots, start, stop, full, rows))
         if self._kwarg_slots:
-            kwargs = self._fill(dict(kwargs), self._kwarg_slots, start, stop, full)
+            kwargs = self._fill(dict(kwargs), self._kwarg_slots, start, stop, full, rows)
         return args, kwargs
+
+    def placed(self, move: Callable[[torch.Tensor], torch.Tensor]) -> "BatchSplit":
+        """This split with every tensor inside a `whole` replaced by `move(tensor)`, so that a caller moving
+        micro-batches to a device moves what they all share once; itself when nothing changes."""
+        args = tuple(_place_whole(arg, move, False) for arg in self.args)
+        kwargs = {key: _place_whole(value, move, False) for key, value in self.kwargs.items()}
+        if all(new is old for new, old in zip(args, self.args)) and all(
+            kwargs[key] is value for key, value in self.kwargs.items()
+        ):
+            return self
+        return BatchSplit(args, kwargs, self.name)
 
     def windows(self, size: int) -> List["Window"]:
         """The micro-batches `(split, start, stop)` of at most `size` rows that cover the batch."""

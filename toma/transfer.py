@@ -1,22 +1,41 @@
 """Moving batches between the host and a device ahead of use.
 
 `Transfers(device)` copies tensors (also inside tuples, lists and dicts) to `device` so that the copy of the
-next chunk overlaps the compute of this one. On CUDA: host tensors are packed into a pinned staging buffer
-(a few, reused round-robin, grown and shrunk with the chunk size, never pinned per chunk), one copy per chunk
-runs on a side stream, the stream that uses the result waits on an event, and the result's memory is
-recorded on that stream (`record_stream`) so the caching allocator cannot hand it out while work queued
-there still reads it. Results come back the same way (`to_host`). Without CUDA the moves are plain `.to()`
-calls (nothing is pinned) and tensors already on `device` are not copied at all.
+next chunk overlaps the compute of this one. On CUDA: plain dense host tensors are packed into a pinned
+staging buffer (a few, reused round-robin, grown and shrunk with the chunk size, never pinned per chunk), one
+copy per chunk runs on a side stream, the stream that uses the result waits on an event, and the result's
+memory (allocated on the side stream) is recorded on that stream (`record_stream`) so the caching allocator
+cannot hand it out while work queued there still reads it. Tensors whose bytes cannot stand for them (sparse,
+requiring grad, subclasses) move with `.to()` where they are used, keeping layout and autograd. Results come
+back through staging too (`to_host`), the device tensors kept referenced until their copy is waited on (no
+`record_stream`); outputs on another GPU are copied at once. When the driver refuses page-locked memory the
+moves fall back to pageable `.to()` copies (one warning), never an out-of-memory error. Without CUDA the moves
+are plain `.to()` calls (nothing is pinned) and tensors already on `device` are not copied at all.
+
+`MicroBatchTransfers` moves the micro-batches of one call's logical batch: only the split (per-row) tensors
+of each micro-batch go through the pipeline; `toma.whole` values move once per call.
 """
 
+import logging
 import threading
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-from toma.splitting import map_tensors
+from toma.splitting import BatchSplit, map_tensors
 
-__all__ = ["Transfers", "Pending", "check_device", "shared_transfers", "ALIGNMENT"]
+__all__ = [
+    "Transfers",
+    "Pending",
+    "MicroBatchTransfers",
+    "check_device",
+    "shared_transfers",
+    "stageable",
+    "uses_cuda",
+    "ALIGNMENT",
+]
+
+log = logging.getLogger("toma")
 
 ALIGNMENT = 256  # bytes between packed tensors: every dtype's alignment, and CUDA's preferred for copies
 
@@ -50,6 +69,11 @@ def _backend_available(kind: str) -> bool:
     return bool(available()) if callable(available) else False
 
 
+def uses_cuda(device: torch.device) -> bool:
+    """Whether moves to `device` go through CUDA streams, events and pinned staging."""
+    return device.type == "cuda"
+
+
 def _tensors(obj: Any) -> List[torch.Tensor]:
     found: List[torch.Tensor] = []
     map_tensors(obj, lambda tensor: found.append(tensor))
@@ -65,56 +89,174 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGNMENT) * ALIGNMENT
 
 
-class _Slot:
-    """A pinned staging buffer and the event after which the copy that last read or wrote it is done."""
+def _dense(tensor: torch.Tensor) -> bool:
+    """A plain strided tensor: its bytes, copied into a buffer and viewed with its dtype and shape, are it."""
+    plain = type(tensor) is torch.Tensor and tensor.layout == torch.strided
+    return plain and not tensor.is_quantized and not tensor.is_nested
 
-    __slots__ = ("buffer", "event")
+
+def stageable(tensor: torch.Tensor) -> bool:
+    """Whether a host tensor can travel through a uint8 staging buffer: dense and outside autograd. The others
+    (sparse, requiring grad, subclasses) move with `.to()`, which keeps their layout and autograd link."""
+    return _dense(tensor) and not tensor.requires_grad
+
+
+def _pin(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+_refusal_lock = threading.Lock()
+_refusal_warned = False
+
+
+def _pinning_refused(error: BaseException, nbytes: int) -> None:
+    """Page-locked host memory could not be had: host memory, not device memory, so never an out-of-memory
+    error that shrinks device work. Warned once per process; the moves go on with pageable memory."""
+    global _refusal_warned
+    with _refusal_lock:
+        first, _refusal_warned = not _refusal_warned, True
+    if first:
+        log.warning(
+            "toma could not pin %d bytes of host memory for staging transfers (%s); moving tensors from "
+            "pageable memory instead (slower, without overlap)",
+            nbytes,
+            str(error).splitlines()[0] if str(error) else type(error).__name__,
+        )
+    else:
+        log.debug("pinning %d bytes of host memory failed again: %s", nbytes, error)
+
+
+class _Slot:
+    """A pinned staging buffer and the event after which the copy that last read or wrote it is done; for a
+    copy back, the device tensors it reads, kept alive until then."""
+
+    __slots__ = ("buffer", "event", "reading")
 
     def __init__(self) -> None:
         self.buffer: Optional[torch.Tensor] = None
         self.event: Optional[Any] = None
+        self.reading: Tuple[torch.Tensor, ...] = ()
 
-    def reserve(self, nbytes: int) -> torch.Tensor:
-        """The buffer, at least `nbytes` long, once no copy uses it any more. It follows the chunk size: grown
-        by a quarter beyond what is asked (chunks of one size vary a little), released when 4x too large."""
+    def settle(self) -> None:
+        """Wait for the last copy that used the buffer."""
         if self.event is not None:
             self.event.synchronize()
             self.event = None
+        self.reading = ()
+
+    def reserve(self, nbytes: int) -> Optional[torch.Tensor]:
+        """The buffer, at least `nbytes` long, once no copy uses it any more; None if the driver refuses to
+        pin that much (warned). It follows the chunk size: grown by a quarter beyond what is asked (chunks of
+        one size vary a little), released when 4x too large."""
+        self.settle()
         capacity = 0 if self.buffer is None else self.buffer.numel()
         if capacity < nbytes or capacity > 4 * max(nbytes, 1 << 20):
             self.buffer = None  # let the old pinned block go before pinning the new one
-            self.buffer = torch.empty(nbytes + nbytes // 4, dtype=torch.uint8, pin_memory=True)
-        return self.buffer  # type: ignore[return-value]
+            try:
+                self.buffer = _pin(nbytes + nbytes // 4)
+            except RuntimeError as error:  # cudaHostAlloc failing reads "CUDA error: out of memory"
+                _pinning_refused(error, nbytes + nbytes // 4)
+                return None
+        return self.buffer
 
 
 class Pending:
-    """A transfer under way: `take()` returns its result, usable on the caller's current stream."""
+    """A transfer under way: `take()` returns its result (here: a value that needed no transfer)."""
 
-    __slots__ = ("value", "event", "blocks", "copy_out")
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def take(self, copy: bool = True) -> Any:
+        return self.value
+
+
+class _Arriving(Pending):
+    """A copy to the device: `take()` makes the current stream wait for it, records the memory that the side
+    stream allocated on the current stream, and moves the tensors left for `.to()` there."""
+
+    __slots__ = ("source", "placed", "later", "device", "event", "blocks", "side", "done")
 
     def __init__(
         self,
-        value: Any,
+        source: Any,
+        placed: Dict[int, torch.Tensor],
+        later: Set[int],
+        device: torch.device,
         event: Any = None,
         blocks: Tuple[torch.Tensor, ...] = (),
-        copy_out: bool = False,
+        side: Any = None,
     ) -> None:
-        self.value, self.event, self.blocks, self.copy_out = value, event, blocks, copy_out
+        super().__init__(None)
+        self.source, self.placed, self.later, self.device = source, placed, later, device
+        self.event, self.blocks, self.side, self.done = event, blocks, side, False
 
     def take(self, copy: bool = True) -> Any:
-        """The moved value: to a device, once the current stream waits for the copy (the memory recorded on that
-        stream); to the host, once the copy is done, copied out of the staging buffer (`copy=False`: views of
-        the buffer, valid until the next transfer back reuses it, for a caller that copies them at once)."""
-        if self.event is None:
+        """The moved value, usable on the current stream."""
+        if self.done:
             return self.value
-        if self.copy_out:
-            self.event.synchronize()
-            return map_tensors(self.value, lambda tensor: tensor.clone()) if copy else self.value
-        stream = torch.cuda.current_stream(self.blocks[0].device) if self.blocks else None
-        if stream is not None:
+        if self.event is not None:
+            stream = torch.cuda.current_stream(self.device)
             stream.wait_event(self.event)
-            for block in self.blocks:
-                block.record_stream(stream)
+            if stream != self.side:  # never onto the stream that allocated the blocks (cudaMallocAsync warns)
+                for block in self.blocks:
+                    block.record_stream(stream)
+        placed, later, device = self.placed, self.later, self.device
+
+        def arrived(tensor: torch.Tensor) -> torch.Tensor:
+            moved = placed.get(id(tensor))
+            if moved is not None:
+                return moved
+            return tensor.to(device) if id(tensor) in later else tensor
+
+        self.value = map_tensors(self.source, arrived)
+        self.source, self.placed, self.blocks, self.done = None, {}, (), True
+        return self.value
+
+
+class _Returning(Pending):
+    """A copy back to the host: `take()` waits for it and returns host tensors of their own.
+
+    The device tensors being read stay referenced (here and by the staging slot) until the copy's event has
+    been waited on, instead of being recorded on the side stream: `record_stream` onto a tensor's allocating
+    stream warns under the cudaMallocAsync backend, and an output can be a view of memory the side stream
+    allocated (rows `prefetch`ed and returned as they are). If a `_Returning` is dropped untaken, the slot keeps
+    them until its next use waits on the same event, so no memory is freed while the side stream reads it."""
+
+    __slots__ = ("source", "placed", "copied", "event", "slot", "done")
+
+    def __init__(
+        self,
+        source: Any,
+        placed: Dict[int, torch.Tensor],
+        copied: Dict[int, torch.Tensor],
+        event: Any = None,
+        slot: Optional[_Slot] = None,
+    ) -> None:
+        super().__init__(None)
+        self.source, self.placed, self.copied, self.event, self.slot = source, placed, copied, event, slot
+        self.done = False
+
+    def take(self, copy: bool = True) -> Any:
+        """The host value; `copy=False`: staged tensors as views of the staging buffer, valid until the next
+        transfer back reuses it, for a caller that copies them at once."""
+        if self.done:
+            return self.value
+        if self.event is not None:
+            self.event.synchronize()
+            if self.slot is not None and self.slot.event is self.event:
+                self.slot.reading = ()  # read: the device tensors may go
+        placed, copied = self.placed, self.copied
+
+        def back(tensor: torch.Tensor) -> torch.Tensor:
+            view = placed.get(id(tensor))
+            if view is not None:
+                return view.clone() if copy else view
+            return copied.get(id(tensor), tensor)
+
+        self.value = map_tensors(self.source, back)
+        self.source, self.placed, self.copied, self.slot, self.done = None, {}, {}, None, True
         return self.value
 
 
@@ -124,11 +266,12 @@ class Transfers:
 
     def __init__(self, device: Any, slots: int = 2) -> None:
         self.device = check_device(device, "device")
-        self.cuda = self.device.type == "cuda"
+        self.cuda = uses_cuda(self.device)
         self.stream: Optional[Any] = torch.cuda.Stream(self.device) if self.cuda else None
         count = max(1, slots) if self.cuda else 0
         self._slots = [_Slot() for _ in range(2 * count)]  # the first half inbound, the rest outbound
         self._next = [0, 0]
+        self.pinning = self.cuda  # False once the driver refused page-locked memory: pageable copies from then on
         self.copied_bytes = 0  # host-to-device bytes copied so far (pinned staging or pinned sources)
         self.staged_bytes = 0  # of those, bytes that went through a staging buffer
 
@@ -141,6 +284,12 @@ class Transfers:
         self._next[outbound] = (index + 1) % half
         return self._slots[index + half * outbound]
 
+    def _reserve(self, slot: _Slot, nbytes: int) -> Optional[torch.Tensor]:
+        buffer = slot.reserve(nbytes)
+        if buffer is None:
+            self.pinning = False
+        return buffer
+
     @property
     def pinned_bytes(self) -> int:
         """Pinned host memory held by the staging buffers."""
@@ -149,80 +298,107 @@ class Transfers:
     def release(self) -> None:
         """Free the staging buffers (after the copies that use them are done)."""
         for slot in self._slots:
-            if slot.event is not None:
-                slot.event.synchronize()
-            slot.buffer, slot.event = None, None
+            slot.settle()
+            slot.buffer = None
+
+    def place(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` on the device now, as `.to()` moves it (autograd and layout kept): for values that every
+        micro-batch or chunk shares, moved once."""
+        return tensor.to(self.device)
 
     def move(self, obj: Any) -> Any:
         """`obj` with every tensor on the device, usable at once on the current stream."""
         return self.prefetch(obj).take()
 
-    def prefetch(self, obj: Any) -> Pending:
-        """Start copying `obj`'s tensors to the device; `take()` the result where it is used."""
+    def prefetch(self, obj: Any, stage: Optional[Sequence[torch.Tensor]] = None) -> Pending:
+        """Start copying `obj`'s tensors to the device; `take()` the result where it is used. `stage`: the
+        tensors of `obj` to move (the others are passed as they are); None: all of them."""
+        moving = _distinct(_tensors(obj) if stage is None else stage)
         if not self.cuda:
-            device = self.device
-            return Pending(map_tensors(obj, lambda tensor: tensor.to(device)))
-        host = _distinct(t for t in _tensors(obj) if t.device.type == "cpu")
-        if not host:
-            return Pending(map_tensors(obj, lambda tensor: tensor.to(self.device, non_blocking=True)))
-        staged = [t for t in host if not t.is_pinned()]
-        offsets, total = self._layout(staged)
+            ids, device = {id(tensor) for tensor in moving}, self.device
+            return Pending(map_tensors(obj, lambda tensor: tensor.to(device) if id(tensor) in ids else tensor))
+        host = [t for t in moving if t.device.type == "cpu" and stageable(t)]
+        direct = [t for t in host if t.is_pinned()]
+        packed = [t for t in host if not t.is_pinned()] if self.pinning else []
+        slot: Optional[_Slot] = None
+        buffer: Optional[torch.Tensor] = None
+        offsets: List[int] = []
+        total = 0
+        if packed:
+            offsets, total = self._layout(packed)
+            slot = self._slot(False)
+            buffer = self._reserve(slot, total)
+            if buffer is None:
+                packed = []
+        chosen = {id(t) for t in packed + direct}
+        later = {id(t) for t in moving if id(t) not in chosen}  # moved with .to() on the stream that takes them
+        if not chosen:
+            return _Arriving(obj, {}, later, self.device)
         stream = self.stream
-        placed = {}
+        placed: Dict[int, torch.Tensor] = {}
         blocks: List[torch.Tensor] = []
-        slot = self._slot(False) if staged else None
         with torch.cuda.stream(stream):
-            if slot is not None:
-                buffer = slot.reserve(total)
-                for tensor, offset in zip(staged, offsets):
+            if buffer is not None:
+                for tensor, offset in zip(packed, offsets):
                     _view(buffer, offset, tensor).copy_(tensor)
                 block = torch.empty(total, dtype=torch.uint8, device=self.device)
                 block.copy_(buffer[:total], non_blocking=True)
                 blocks.append(block)
-                for tensor, offset in zip(staged, offsets):
+                for tensor, offset in zip(packed, offsets):
                     placed[id(tensor)] = _view(block, offset, tensor)
                 self.staged_bytes += total
                 self.copied_bytes += total
-            for tensor in host:
-                if id(tensor) not in placed:  # pinned by the caller: copied straight from it
-                    moved = tensor.to(self.device, non_blocking=True)
-                    blocks.append(moved)
-                    placed[id(tensor)] = moved
-                    self.copied_bytes += tensor.numel() * tensor.element_size()
+            for tensor in direct:  # pinned by the caller: copied straight from it
+                moved = tensor.to(self.device, non_blocking=True)
+                blocks.append(moved)
+                placed[id(tensor)] = moved
+                self.copied_bytes += tensor.numel() * tensor.element_size()
             event = torch.cuda.Event()
             event.record(stream)
-        if slot is not None:
+        if slot is not None and buffer is not None:
             slot.event = event
-        device = self.device
-        value = map_tensors(obj, lambda tensor: placed.get(id(tensor)) if id(tensor) in placed else tensor.to(device))
-        return Pending(value, event, tuple(blocks))
+        return _Arriving(obj, placed, later, self.device, event, tuple(blocks), stream)
 
     def to_host(self, obj: Any) -> Pending:
-        """Start copying `obj`'s device tensors back to the host once the current stream has computed them;
-        `take()` returns host tensors of their own."""
+        """Start copying `obj`'s device tensors back to the host once the streams that computed them are done;
+        `take()` returns host tensors of their own (staged ones detached). Dense tensors on this device travel
+        through pinned staging on the side stream; those on another device (whose streams this one's event
+        does not cover), and sparse ones, are copied at once with `.to("cpu")`."""
         if not self.cuda:
             return Pending(map_tensors(obj, lambda tensor: tensor.cpu()))
-        on_device = _distinct(t for t in _tensors(obj) if t.device.type == "cuda")
-        if not on_device:
+        tensors = _distinct(_tensors(obj))
+        here = [t for t in tensors if t.device == self.device and _dense(t)] if self.pinning else []
+        slot: Optional[_Slot] = None
+        buffer: Optional[torch.Tensor] = None
+        offsets: List[int] = []
+        total = 0
+        if here:
+            offsets, total = self._layout(here)
+            slot = self._slot(True)
+            buffer = self._reserve(slot, total)
+            if buffer is None:
+                here = []
+        staging = {id(t) for t in here}
+        elsewhere = [t for t in tensors if t.device.type != "cpu" and id(t) not in staging]
+        if not here and not elsewhere:
             return Pending(obj)
-        offsets, total = self._layout(on_device)
-        slot = self._slot(True)
-        buffer = slot.reserve(total)
-        stream = self.stream
-        assert stream is not None
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        placed = {}
-        with torch.cuda.stream(stream):
-            for tensor, offset in zip(on_device, offsets):
-                tensor.record_stream(stream)  # computed on the current stream, read on the side stream
-                view = _view(buffer, offset, tensor)
-                view.copy_(tensor, non_blocking=True)
-                placed[id(tensor)] = view
-            event = torch.cuda.Event()
-            event.record(stream)
-        slot.event = event
-        value = map_tensors(obj, lambda tensor: placed.get(id(tensor), tensor))
-        return Pending(value, event, copy_out=True)
+        placed: Dict[int, torch.Tensor] = {}
+        event = None
+        if buffer is not None and slot is not None:
+            stream = self.stream
+            assert stream is not None
+            stream.wait_stream(torch.cuda.current_stream(self.device))  # the outputs are computed there
+            with torch.cuda.stream(stream):
+                for tensor, offset in zip(here, offsets):
+                    view = _view(buffer, offset, tensor)
+                    view.copy_(tensor.detach(), non_blocking=True)
+                    placed[id(tensor)] = view
+                event = torch.cuda.Event()
+                event.record(stream)
+            slot.event, slot.reading = event, tuple(here)
+        # Synchronous: ordered after the work queued on the tensor's own device's current stream.
+        copied = {id(t): t.to("cpu") for t in elsewhere}
+        return _Returning(obj, placed, copied, event, slot)
 
     @staticmethod
     def _layout(tensors: List[torch.Tensor]) -> Tuple[List[int], int]:
@@ -238,6 +414,27 @@ def _view(block: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
     nbytes = like.numel() * like.element_size()
     return block[offset : offset + nbytes].view(like.dtype).view(like.shape)
 
+
+class MicroBatchTransfers:
+    """The micro-batches of one call's logical batch on a device. Only the split (per-row) tensors of a
+    micro-batch go through `Transfers.prefetch` (pinned staging where they allow it, `.to()` where they are
+    sparse or require grad); tensors in `toma.whole(...)` move once per call with `.to()`, on first use;
+    everything else (0-dim tensors, numbers, strings) is passed as given. One instance per call."""
+
+    __slots__ = ("transfers", "_placed")
+
+    def __init__(self, transfers: Transfers) -> None:
+        self.transfers = transfers
+        self._placed: Dict[int, Tuple[BatchSplit, BatchSplit]] = {}  # id(split): (split, its placed copy)
+
+    def prefetch(self, split: BatchSplit, start: int, stop: int) -> Pending:
+        """Start moving the arguments for rows `[start, stop)` of `split`; `take()` gives `(args, kwargs)`."""
+        entry = self._placed.get(id(split))
+        if entry is None:
+            entry = self._placed[id(split)] = (split, split.placed(self.transfers.place))
+        rows: List[torch.Tensor] = []
+        arguments = entry[1].micro_batch(start, stop, rows)
+        return self.transfers.prefetch(arguments, stage=rows)
 
 
 _per_thread = threading.local()
