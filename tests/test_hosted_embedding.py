@@ -488,6 +488,11 @@ def test_every_torch_optimizer_trains_lazily_or_is_refused_at_construction(kind)
     assert parts.step_rows == 2 and whole.step_rows == 7
 
 
+def test_the_probe_sees_rows_depend_on_each_other_also_at_a_learning_rate_of_zero():
+    with pytest.raises(ValueError, match="Muon"):
+        hosted(lambda params: torch.optim.Muon(params, lr=0.0))  # a scheduler would raise it later
+
+
 # --- a batch that looks up no rows (issue 19, item 4) -----------------------------------------------------------
 
 

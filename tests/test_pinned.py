@@ -1,5 +1,6 @@
 """toma.pinned: host tensors page-locked at their own size and unlocked when freed, pageable when locking fails."""
 
+import ctypes
 import gc
 import logging
 
@@ -25,6 +26,7 @@ class Recording:
 
     def unregister(self, address):
         self.calls.append(("unregister", address))
+        self.last_bytes = ctypes.string_at(address, 4)  # still mapped when unlocked (else this would crash)
 
 
 def test_a_tensor_is_locked_at_its_exact_size_and_unlocked_once_when_its_last_view_is_freed():
@@ -43,6 +45,7 @@ def test_a_tensor_is_locked_at_its_exact_size_and_unlocked_once_when_its_last_vi
     assert float(view.sum()) == 20.0
     del view
     assert registrar.calls[1:] == [("unregister", address)] and host.registered_bytes == 0
+    assert registrar.last_bytes == torch.tensor([2.0]).numpy().tobytes()
     gc.collect()
     assert len(registrar.calls) == 2  # once
 

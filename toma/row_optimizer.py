@@ -5,8 +5,8 @@ entries hold one row per parameter row (Adam's moments) and which are shared by 
 what state a row has before its first update. It refuses an optimizer whose lazy update could not equal its
 dense one on the rows it updates: a step that needs a closure (LBFGS), that takes no dense gradients
 (SparseAdam), or whose rows do not update independently (checked by updating the probe rows together and in
-parts of other sizes, over two steps: Muon orthogonalises the whole matrix, Adafactor keeps a factor shared by
-all rows).
+parts of other sizes, over two steps at a learning rate of 0.01: Muon orthogonalises the whole matrix,
+Adafactor keeps a factor shared by all rows).
 """
 
 import copy
@@ -24,6 +24,7 @@ Build = Callable[[List[torch.Tensor]], torch.optim.Optimizer]
 _ROWS = 6  # probe rows; parts of other sizes (and a second run on one row fewer) tell rows from shared state
 _PARTS = ((0, 4, 6), (0, 1, 6))  # where the probe's two steps cut the rows into parts
 _TOLERANCE = 1e-4  # relative to the largest value compared: rounding passes, a dependence between rows does not
+_RATE = 1e-2  # the probe's learning rate: updates well above rounding (the factory's may be 0 until a scheduler)
 
 
 class RowState:
@@ -150,9 +151,16 @@ def _check_rows(
     start = torch.randn(_ROWS, width, generator=generator, dtype=exact).to(device)
     grads = [torch.randn(_ROWS, width, generator=generator, dtype=exact).to(device) for _ in _PARTS]
 
+    def probing(params: List[torch.Tensor]) -> torch.optim.Optimizer:
+        optimizer = build(params)
+        for group in optimizer.param_groups:
+            if isinstance(group.get("lr"), (int, float)):
+                group["lr"] = _RATE
+        return optimizer
+
     def dense(rows: int) -> Tuple[torch.Tensor, Dict[str, Any]]:
         weight = start[:rows].clone()
-        optimizer = build([weight])
+        optimizer = probing([weight])
         for grad in grads:
             weight.grad = grad[:rows].clone()
             _run(optimizer.step, f"on {rows} rows with a dense gradient")
@@ -165,7 +173,7 @@ def _check_rows(
     )
 
     placeholder = torch.zeros(1, width, dtype=exact, device=device)
-    optimizer = build([placeholder])
+    optimizer = probing([placeholder])
     built = dict(optimizer.state.pop(placeholder, {}))
     weight = start.clone()
     tables: Dict[str, torch.Tensor] = {}
