@@ -2,22 +2,27 @@
 
 The device holds only the rows a batch touches. `forward` gathers those rows (once each), moves them to the
 device and looks the batch up in them with autograd, as `nn.Embedding` would; `step()` runs the given
-optimizer (any `torch.optim` optimizer) on the touched rows with their hosted state, in parts whose size
+optimizer on the touched rows with their hosted state (lazily, see `toma.row_optimizer`), in parts whose size
 adapts to device memory like every toma form, and writes rows and state back to the host.
 """
 
-import copy
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from toma import engine
+from toma import engine, pinned
 from toma.arguments import check_size
 from toma.batchsize_cache import GlobalBatchsizeCache
 from toma.policy import SizePolicy, check_policy, get_default_policy
+from toma.row_optimizer import RowState, clone, initial_state, probe, step_rows
 from toma.transfer import Pending, Transfers, check_device
+
+try:
+    from torch.amp import GradScaler
+except ImportError:  # torch < 2.3
+    from torch.cuda.amp import GradScaler  # type: ignore[assignment]
 
 __all__ = ["HostedEmbedding", "OptimizerFactory"]
 
@@ -26,27 +31,29 @@ OptimizerFactory = Callable[[List[torch.Tensor]], torch.optim.Optimizer]
 _INTEGER_TYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
-def _is_rows(value: Any, like: torch.Tensor) -> bool:
-    """A state entry that holds one row per parameter row (Adam's moments), as opposed to one for all rows
-    (Adam's step count)."""
-    return isinstance(value, torch.Tensor) and value.shape == like.shape
-
-
-def _clone(value: Any) -> Any:
-    return value.clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
-
-
 class HostedEmbedding(nn.Module):
-    """An `nn.Embedding` whose table (`.weight`) and optimizer state live in host memory (pinned where CUDA is
-    available), for tables and optimizer state larger than the device.
+    """An `nn.Embedding` whose table (`.weight`) and optimizer state live in host memory (page-locked when the
+    rows are used on a CUDA device), for tables and optimizer state larger than the device.
 
     `optimizer` builds the optimizer from a list of parameters, e.g. `lambda params: torch.optim.Adam(params,
-    lr=1e-3)`; any `torch.optim` optimizer works. Call `step()` after `backward()`, in place of the optimizer's
-    own step (`.optimizer` is the optimizer, for learning-rate schedulers). Updates are lazy, like
-    `SparseAdam`: rows a batch does not use, and their optimizer state, are left untouched (no decay of their
-    moments, no weight decay); state shared by all rows, such as Adam's step count, counts every `step()`.
-    A row's state starts as the optimizer leaves a zero row after a zero gradient (zeros for Adam and
-    RMSprop, `initial_accumulator_value` for Adagrad).
+    lr=1e-3)`. Call `step()` after `backward()`, in place of the optimizer's own step (`.optimizer` is the
+    optimizer, for learning-rate schedulers). Updates are lazy, like `SparseAdam`: a step runs the optimizer on
+    the rows the batch touched, with their state, as if they were the whole parameter; rows a batch does not
+    use, and their state, are left untouched (no decay of their moments, no weight decay). State shared by all
+    rows, such as Adam's step count, counts every `step()` a backward pass reached, also one whose batch looked
+    up no rows (as SparseAdam counts it). A row's state starts as the optimizer leaves a zero row after a zero
+    gradient (zeros for Adam and RMSprop, `initial_accumulator_value` for Adagrad, `lr` for Rprop's step
+    sizes). With Adam this is `nn.Embedding(sparse=True)` with `SparseAdam`.
+
+    The factory is also called on a few probe rows when the module is made, to check that the optimizer's
+    lazy update can equal its update of the whole table on those rows; one whose step needs a closure
+    (LBFGS), that takes only sparse gradients (SparseAdam: use Adam) or whose rows depend on each other
+    (Muon, Adafactor) is refused with a ValueError that says why. Of `torch.optim`, ASGD, Adadelta, Adagrad,
+    Adam, AdamW, Adamax, NAdam, RAdam, RMSprop, Rprop and SGD train.
+
+    Mixed precision: `step(scaler)` with the `torch.amp.GradScaler` that scaled the loss unscales the rows'
+    gradients and skips the step when they hold an inf or NaN, as `scaler.step(optimizer)` does, and tells the
+    scaler (call it before `scaler.update()`).
 
     The table stays on the host under `.to()`/`.cuda()`; those move where the rows are used (`.device`).
     `prefetch(indices)` starts moving the next batch's rows while this one computes. Under DDP each rank would
@@ -78,20 +85,18 @@ class HostedEmbedding(nn.Module):
             raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
         self.device = check_device(device, "device")
         self.policy = check_policy(policy, "policy")
-        weight = torch.empty(self.num_embeddings, self.embedding_dim, dtype=dtype, pin_memory=self._pin)
-        nn.init.normal_(weight)
-        self.register_buffer("weight", weight)
         self._factory = optimizer
         placeholder = torch.zeros(1, self.embedding_dim, dtype=dtype, device=self.device)
-        built = optimizer([placeholder])
-        if not isinstance(built, torch.optim.Optimizer):
-            raise TypeError(
-                f"optimizer must return a torch.optim.Optimizer when called with a list of parameters, got {built!r}"
-            )
+        built = self._build([placeholder])
         self.optimizer = built
         self._placeholder = placeholder
         # State an optimizer makes when it is built (Adagrad's sums), not at its first step (Adam's moments).
         self._built_state: Dict[str, Any] = dict(built.state.pop(placeholder, {}))
+        probe_device = torch.device("cpu") if self.device.type == "meta" else self.device
+        self._layout: RowState = probe(built, self._build, self.embedding_dim, dtype, probe_device)
+        weight = self._host_empty((self.num_embeddings, self.embedding_dim), dtype)
+        nn.init.normal_(weight)
+        self.register_buffer("weight", weight)
         self._rows: Optional[Dict[str, torch.Tensor]] = None  # per-row state tables, made at the first step
         self._shared: Optional[Dict[str, Any]] = None  # state for all rows, as the last step left it
         self._pending: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (rows' ids, device rows) since the last step
@@ -101,9 +106,25 @@ class HostedEmbedding(nn.Module):
         self.resident_rows = 0  # distinct rows the last forward put on the device
         self.step_rows = 0  # rows updated at once on the device in the last step (fewer when memory is short)
 
+    def _build(self, params: List[torch.Tensor]) -> torch.optim.Optimizer:
+        built = self._factory(params)
+        if not isinstance(built, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer must return a torch.optim.Optimizer when called with a list of parameters, got {built!r}"
+            )
+        return built
+
     @property
     def _pin(self) -> bool:
-        return torch.cuda.is_available()
+        """Whether tables are page-locked: only for rows used on a CUDA device (a CPU table never touches CUDA)."""
+        return self.device.type == "cuda"
+
+    def _host_empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised host tensor for a table: page-locked for copies to a CUDA device (`toma.pinned`:
+        exactly its size, unlocked when freed), ordinary memory otherwise."""
+        if self._pin:
+            return pinned.empty(shape, dtype, self.device)
+        return torch.empty(tuple(shape), dtype=dtype)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, device={self.device}, optimizer={type(self.optimizer).__name__}"
@@ -179,9 +200,13 @@ class HostedEmbedding(nn.Module):
         """Drop the lookups a failed attempt queued (under `toma.accumulate`), so `step()` counts each once."""
         del self._pending[mark:]
 
-    def step(self) -> None:
+    def step(self, scaler: Optional[GradScaler] = None) -> None:
         """Update the rows used since the last step with the optimizer, from their gradients; nothing happens
-        when no backward pass reached them."""
+        when no backward pass reached them (a backward pass that reached a lookup of no rows is a step for the
+        shared state). `scaler`: the `torch.amp.GradScaler` that scaled the loss; the gradients are unscaled and
+        an inf or NaN among them skips the step and is reported to the scaler, as `scaler.step()` does."""
+        if scaler is not None and not isinstance(scaler, GradScaler):
+            raise TypeError(f"scaler must be a torch.amp.GradScaler or None, got {type(scaler).__name__}")
         pending, self._pending = self._pending, []
         used = [(unique, rows) for unique, rows in pending if rows.grad is not None]
         del pending
@@ -198,11 +223,31 @@ class HostedEmbedding(nn.Module):
             rows = self._transfers.move(self.weight.index_select(0, unique))
         rows = rows.detach()
         del used
+        if scaler is not None and not self._unscale(scaler, rows, grad):  # type: ignore[arg-type]
+            return
         update = _RowUpdate(self, unique, rows, grad)  # type: ignore[arg-type]
-        # Sized against the whole table, so a small step never caps the parts of a later, larger one.
-        engine.drive(update, self._sizes, self.num_embeddings, self.policy or get_default_policy())
+        if len(unique):
+            # Sized against the whole table, so a small step never caps the parts of a later, larger one.
+            engine.drive(update, self._sizes, self.num_embeddings, self.policy or get_default_policy())
+        else:  # a lookup of no rows: the shared state (a step count) counts the step, as SparseAdam's does
+            update.call(0, 0)
         self._shared = update.shared_after if update.shared_after is not None else self._shared
         self._refresh_prefetched(unique)
+
+    def _unscale(self, scaler: GradScaler, rows: torch.Tensor, grad: torch.Tensor) -> bool:
+        """Unscale `grad` in place through `scaler.unscale_` on the optimizer holding `rows`, which records an
+        inf/NaN for `scaler.update()`; False when there is one (the step is skipped)."""
+        if not scaler.is_enabled():
+            return True
+        group = self.optimizer.param_groups[0]
+        rows.grad = grad
+        group["params"] = [rows]
+        try:
+            scaler.unscale_(self.optimizer)
+        finally:
+            group["params"] = [self._placeholder]
+            rows.grad = None
+        return bool(torch.isfinite(grad).all())
 
     def _refresh_prefetched(self, updated: torch.Tensor) -> None:
         """Rows prefetched before this step and changed by it: moved again."""
@@ -220,48 +265,37 @@ class HostedEmbedding(nn.Module):
         the originals as they were). At the first step every row is new: the state the optimizer was built
         with, or none (it makes its own)."""
         if first:
-            state = {key: _clone(value) for key, value in self._built_state.items() if not _is_rows(value, self._placeholder)}
-            for key, value in self._built_state.items():
-                if _is_rows(value, self._placeholder):
-                    state[key] = value[:1].expand(len(ids), -1).clone()
-            return state
+            return initial_state(self._built_state, self._layout.per_row, len(ids))
         gathered = {key: table.index_select(0, ids) for key, table in (self._rows or {}).items()}
-        state = {key: _clone(value) for key, value in (self._shared or {}).items()}
+        state = {key: clone(value) for key, value in (self._shared or {}).items()}
         state.update(self._transfers.move(gathered))
         return state
 
     def _write(self, ids: torch.Tensor, rows: torch.Tensor, state: Dict[str, Any]) -> Dict[str, Any]:
-        """Put updated rows and their state back on the host; returns the shared state."""
-        per_row = {key: value for key, value in state.items() if _is_rows(value, rows)}
-        if self._rows is None:
-            fresh = self._fresh_rows()
-            tables = {}
-            for key, value in per_row.items():
-                table = torch.empty(self.num_embeddings, self.embedding_dim, dtype=value.dtype, pin_memory=self._pin)
-                start = fresh.get(key)
-                table.copy_(start.to(value.dtype).expand_as(table) if start is not None else torch.zeros(()))
-                tables[key] = table
-            self._rows = tables  # only once all are made: a part that fails here leaves no half-made state
-        host = self._transfers.to_host((rows, per_row)).take(copy=False)
-        self.weight.index_copy_(0, ids, host[0])
-        for key, value in host[1].items():
-            self._rows[key].index_copy_(0, ids, value)
-        return {key: value for key, value in state.items() if key not in per_row}
+        """Put updated rows and their state back on the host; returns the shared state. What can fail (new state
+        tables, the copy back) comes before the first write, so a part that fails leaves the host as it was."""
+        per_row, shared = self._layout.split(state)
+        tables = dict(self._rows or {})
+        missing = {key: value for key, value in per_row.items() if key not in tables}
+        if missing:
+            tables.update(self._new_tables(missing))
+        host_rows, host_state = self._transfers.to_host((rows, per_row)).take(copy=False)
+        self.weight.index_copy_(0, ids, host_rows)
+        for key, value in host_state.items():
+            tables[key].index_copy_(0, ids, value)
+        self._rows = tables
+        return shared
 
-    def _fresh_rows(self) -> Dict[str, torch.Tensor]:
-        """Each per-row state entry of a row that has never been updated: as the optimizer leaves a zero row
-        after a zero gradient (or as it built it, for state made when the optimizer is built)."""
-        zero = torch.zeros(1, self.embedding_dim, dtype=self.weight.dtype, device=self.device)
-        probe = self._factory([zero])
-        built = dict(probe.state.get(zero, {}))
-        zero.grad = torch.zeros_like(zero)
-        probe.step()
-        fresh = {}
-        for key, value in probe.state.get(zero, {}).items():
-            if _is_rows(value, zero):
-                start = built.get(key, value)
-                fresh[key] = start[0].detach().to("cpu")
-        return fresh
+    def _new_tables(self, per_row: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """A table for each per-row state entry, every row as a row never updated has it."""
+        tables = {}
+        for key, value in per_row.items():
+            table = self._host_empty((self.num_embeddings, *value.shape[1:]), value.dtype)
+            fresh = self._layout.fresh.get(key)
+            start = fresh.to(value.dtype).expand_as(table) if fresh is not None else torch.zeros((), dtype=value.dtype)
+            table.copy_(start)
+            tables[key] = table
+        return tables
 
     # --- saving ------------------------------------------------------------------------------------------
 
@@ -272,10 +306,9 @@ class HostedEmbedding(nn.Module):
     def set_extra_state(self, state: Dict[str, Any]) -> None:
         rows = state.get("rows")
         self._rows = None if rows is None else {
-            key: table.detach().to("cpu").clone().pin_memory() if self._pin else table.detach().to("cpu").clone()
-            for key, table in rows.items()
+            key: self._host_empty(table.shape, table.dtype).copy_(table.detach()) for key, table in rows.items()
         }
-        self._shared = None if state.get("shared") is None else {key: _clone(v) for key, v in state["shared"].items()}
+        self._shared = None if state.get("shared") is None else {key: clone(v) for key, v in state["shared"].items()}
         for group, saved in zip(self.optimizer.param_groups, state.get("param_groups", [])):
             group.update(saved)
         self._pending, self._prefetched = [], None
@@ -293,33 +326,28 @@ class _RowUpdate(engine.RangeStep):
     """The optimizer over the touched rows `[start, stop)` at a time, state moved in and written back."""
 
     size_name = "rows"
-    __slots__ = ("table", "ids", "rows", "grad", "shared_after", "first")
+    __slots__ = ("table", "ids", "rows", "grad", "shared_after", "first", "dirty_until")
 
     def __init__(self, table: HostedEmbedding, ids: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor) -> None:
         super().__init__(table.optimizer.step, 0, len(ids), (), {}, name="HostedEmbedding.step")
         self.table, self.ids, self.rows, self.grad = table, ids, rows, grad
         self.shared_after: Optional[Dict[str, Any]] = None
         self.first = table._rows is None
+        self.dirty_until = 0  # `rows` before this index may hold the update of a part that failed
 
     def call(self, start: int, stop: int) -> None:
-        table, optimizer = self.table, self.table.optimizer
+        table = self.table
         ids = self.ids[start:stop]
-        part = self.rows[start:stop]
-        part.grad = self.grad[start:stop]
-        group = optimizer.param_groups[0]
+        if start < self.dirty_until:  # a retry starts from the rows as the host table still has them
+            part = table._transfers.move(table.weight.index_select(0, ids))
+        else:
+            part = self.rows[start:stop]
         try:
-            optimizer.state[part] = table._state_for(ids, self.first)
-            group["params"] = [part]
-            optimizer.step()
-            state = optimizer.state.pop(part)
+            state = table._state_for(ids, self.first)
+            state = step_rows(table.optimizer, part, self.grad[start:stop], state, table._placeholder)
+            self.shared_after = table._write(ids, part, state)
         except BaseException:
-            # A failed part may have changed its rows in place: back to the table's (still unchanged) values.
-            optimizer.state.pop(part, None)
-            part.grad = None
-            part.copy_(table.weight.index_select(0, ids).to(part.device))
+            # Updated on the device perhaps, but nothing written to the host (see `_write`).
+            self.dirty_until = max(self.dirty_until, stop)
             raise
-        finally:
-            group["params"] = [table._placeholder]
-        part.grad = None
-        self.shared_after = table._write(ids, part, state)
         table.step_rows = max(table.step_rows if start else 0, stop - start)
