@@ -60,7 +60,9 @@ def test_a_snapshot_never_initialises_cuda_where_it_is_available(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     for name in ("init", "_lazy_init", "device_count", "get_device_properties"):
         monkeypatch.setattr(torch.cuda, name, record(name, None))
-    readings = dict(current_device=0, mem_get_info=(5, 8), memory_allocated=1, memory_reserved=2, max_memory_allocated=3)
+    readings = dict(
+        current_device=0, mem_get_info=(5, 8), memory_allocated=1, memory_reserved=2, max_memory_allocated=3
+    )
     for name, value in readings.items():
         monkeypatch.setattr(torch.cuda, name, record(name, value))
     taken = [memory.snapshot(), memory.snapshot("cuda"), memory.snapshot(0), memory.History("cuda:0").record()]
