@@ -1,6 +1,8 @@
 """GPU figures for host memory as the overflow (needs CUDA; prints a table, exits 0 with a note without it).
 
 Run: python benchmarks/transfer_gpu.py
+With TOMA_FIGURES=<path> set, each figure is also appended to that file as a JSON line,
+{"figure": ..., "value": ..., "unit": ...}, for benchmarks/gpu_check.py.
 1. Host-to-device GB/s: a large pinned `copy_` (the peak), a pageable `.to()`, and `toma.map`'s transfers
    (a pageable host tensor mapped with a function that does next to nothing).
 2. Overlap: `toma.map` wall time for a function whose compute per chunk is about its transfer, against
@@ -9,6 +11,8 @@ Run: python benchmarks/transfer_gpu.py
    fits there) and on the CPU.
 """
 
+import json
+import os
 import sys
 import time
 
@@ -98,6 +102,14 @@ def embedding_rates(rows=4_000_000, width=64, lookups=65536, steps=50):
     return results
 
 
+def record(name, value, unit):
+    """One figure as a JSON line in the file TOMA_FIGURES names, if it names one."""
+    path = os.environ.get("TOMA_FIGURES")
+    if path:
+        with open(path, "a", encoding="utf-8") as file:
+            file.write(json.dumps(dict(figure=name, value=value, unit=unit)) + "\n")
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("transfer_gpu.py needs a CUDA GPU; nothing measured")
@@ -106,11 +118,20 @@ def main() -> int:
     peak, plain, mapped, pageable, chunk_rows = transfer_rates()
     print(f"host-to-device: pinned copy_ {peak:.1f} GB/s, pageable .to() {plain:.1f} GB/s, "
           f"toma.map {mapped:.1f} GB/s = {mapped / peak:.2f} of the pinned peak")
+    record("host-to-device, pinned copy_", peak, "GB/s")
+    record("host-to-device, pageable .to()", plain, "GB/s")
+    record("host-to-device, toma.map", mapped, "GB/s")
+    record("toma.map / pinned peak", mapped / peak, "ratio")
     compute_alone, transfer_alone, both = overlap(pageable, chunk_rows)
     print(f"overlap: compute alone {compute_alone * 1e3:.0f} ms, transfer alone {transfer_alone * 1e3:.0f} ms, "
           f"toma.map {both * 1e3:.0f} ms = {both / max(compute_alone, transfer_alone):.2f}x the larger")
+    record("overlap: compute alone", compute_alone * 1e3, "ms")
+    record("overlap: transfer alone", transfer_alone * 1e3, "ms")
+    record("overlap: toma.map", both * 1e3, "ms")
+    record("overlap: toma.map / the larger (1.0 perfect, 2.0 none)", both / max(compute_alone, transfer_alone), "ratio")
     for name, rate in embedding_rates().items():
         print(f"{name}: {rate:.1f} steps/s")
+        record(name, rate, "steps/s")
     return 0
 
 

@@ -1,14 +1,17 @@
 """Gradient accumulation under DistributedDataParallel where one rank has less memory than the others.
 
     torchrun --nproc_per_node=2 examples/ddp_accumulate.py
+    torchrun --nproc_per_node=2 examples/ddp_accumulate.py --memory-fraction 0.0012   # GPUs of 80 GiB: 98 MiB
 
 Runs on the CPU with gloo (on GPUs with NCCL). Each rank trains on its share of a logical batch of 4096 rows
-per rank. Rank 0 caps its own memory (CPU only) so that a micro-batch of 4096 cannot fit there, while the
+per rank. Rank 0 caps its own memory (on the CPU always; on a GPU with `--memory-fraction`, through
+`torch.cuda.set_per_process_memory_fraction`) so that a micro-batch of 4096 cannot fit there, while the
 other ranks could run it: the ranks agree on every out-of-memory error, so all of them move to the same
 smaller micro-batch size and redo the logical batch together instead of hanging in mismatched collectives.
 Every rank ends each step with the same, exact gradients; the script checks that the parameters agree.
 """
 
+import argparse
 import logging
 import os
 import sys
@@ -25,6 +28,9 @@ PER_RANK, WIDTH, STEPS, HEADROOM_MIB = 4096, 4096, 4, 96
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--memory-fraction", type=float, help="on GPUs: the share of its GPU's memory rank 0 may take")
+    options = parser.parse_args()
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -51,6 +57,10 @@ def main() -> None:
     if rank == 0 and not cuda:
         set_cpu_memory_headroom(HEADROOM_MIB / 1024)  # a 4096 x 4096 activation alone is 64 MiB
         print(f"[rank 0] capped at {HEADROOM_MIB} MiB more than it holds", flush=True)
+    if rank == 0 and cuda and options.memory_fraction is not None:
+        torch.cuda.set_per_process_memory_fraction(options.memory_fraction, device)
+        mib = options.memory_fraction * torch.cuda.get_device_properties(device).total_memory / 2**20
+        print(f"[rank 0] capped {device} at {mib:.0f} MiB", flush=True)
 
     for step in range(STEPS):
         optimizer.zero_grad()

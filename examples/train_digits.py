@@ -3,11 +3,14 @@
 The 8x8 digits are upsampled to 32x32 so that memory matters. On a machine without a GPU the script caps
 its own memory (the address space it holds plus HEADROOM_MIB) so that a logical batch of 256 cannot pass
 in one piece: toma.Trainer finds a micro-batch size that fits, for real, and trains with exact gradients of
-the full logical batch. On CUDA it trains on the GPU, uncapped. It prints the micro-batch size found, the
-out-of-memory retries and the test accuracy, and writes the training history as a PNG.
+the full logical batch. On CUDA it trains on the GPU, uncapped unless `--memory-fraction` caps the GPU
+memory PyTorch may take (`torch.cuda.set_per_process_memory_fraction`): 48 MiB forces real CUDA out-of-memory
+errors. It prints the micro-batch size found, the out-of-memory retries and the test accuracy, and writes the
+training history as a PNG.
 
     python examples/train_digits.py            # 15 epochs
     python examples/train_digits.py --quick    # 10 epochs, for CI
+    python examples/train_digits.py --memory-fraction 0.0006   # on an 80 GiB GPU: 48 MiB
 """
 
 import argparse
@@ -78,10 +81,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="10 epochs instead of 15")
     parser.add_argument("--plot", default="train_digits_history.png", help="where to write the history PNG")
+    parser.add_argument(
+        "--memory-fraction", type=float, help="CUDA only: the share of the GPU's memory PyTorch may take"
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
 
     cuda = torch.cuda.is_available()
+    if args.memory_fraction is not None:
+        if not cuda:
+            parser.error("--memory-fraction caps GPU memory and needs CUDA")
+        torch.cuda.set_per_process_memory_fraction(args.memory_fraction)
+        mib = args.memory_fraction * torch.cuda.get_device_properties(0).total_memory / 2**20
+        print(f"capped the GPU at {mib:.0f} MiB; logical batch {LOGICAL_BATCH}")
     if not cuda:
         torch.set_num_threads(1)  # thread stacks count against the cap too
         # oneDNN reports an allocation that fails under an address-space cap as "could not create a

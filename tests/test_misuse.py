@@ -1,12 +1,16 @@
 """Stepping, zeroing or clipping inside an accumulated function is caught, with advice, and undone."""
 
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import raise_fake_oom
 from torch import nn
 
-from toma import explicit, toma
+from toma import engine, explicit, toma
 from toma.misuse import AccumulationMisuse
+from toma.oom import release_memory
 
 N = 32
 
@@ -128,3 +132,28 @@ def test_modules_that_change_weights_or_gradients_legitimately_are_not_flagged()
     compute_loss(tokens, targets)
     assert compute_loss.stats.micro_batch == 8
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_a_failed_attempts_gradients_are_gone_when_memory_is_released_for_the_retry(monkeypatch):
+    """The watcher must not keep the failed attempt's gradients alive through the release between attempts:
+    on a GPU they are the memory the retry needs."""
+    model, _, inputs, targets = case()
+    made, alive_after_release, sizes = [], [], []
+
+    def release_and_look():
+        release_memory()
+        alive_after_release.extend(ref() is not None for ref in made)
+
+    monkeypatch.setattr(engine, "release_memory", release_and_look)
+
+    @toma.accumulate(model=model, initial_micro_batch=16)
+    def compute_loss(inputs, targets):
+        sizes.append(len(inputs))
+        if len(sizes) == 2:  # the second micro-batch: the gradients exist, made by this attempt's first one
+            made.extend(weakref.ref(p.grad) for p in model.parameters())
+            raise_fake_oom()
+        return F.cross_entropy(model(inputs), targets)
+
+    compute_loss(inputs, targets)
+    assert sizes[:2] == [16, 16] and sizes[2] < 16 and compute_loss.stats.oom_retries == 1
+    assert len(made) == 4 and alive_after_release == [False] * 4

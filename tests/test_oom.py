@@ -2,9 +2,12 @@
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
 from torch._dynamo.exc import InternalTorchDynamoError
 
-from toma import explicit, register_oom_predicate, should_reduce_batch_size, unregister_oom_predicate
+from toma import explicit, register_oom_predicate, should_reduce_batch_size, toma, unregister_oom_predicate
 from toma.cpu_memory import is_out_of_cpu_memory
 from toma.distributed import AgreedRetry, RankFailed
 from toma.oom import ControlException
@@ -161,3 +164,167 @@ def test_tomas_control_exceptions_are_never_oom_whatever_their_cause():
     retry.__cause__ = MemoryError()
     assert not should_reduce_batch_size(retry)
     assert not should_reduce_batch_size(KeyError("x")) and issubclass(RankFailed, ControlException)
+
+
+# The CUDA libraries' allocation failures, worded as PyTorch's checks word them (ATen/cuda/Exceptions.h,
+# CuFFTUtils.h; cuDNN's and cuSPARSE's strings from their own cudnnGetErrorString / cusparseGetErrorString).
+CUDA_LIBRARY_OOMS = [
+    RuntimeError("cuDNN error: CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED"),
+    RuntimeError("cuDNN error: CUDNN_STATUS_INTERNAL_ERROR_HOST_ALLOCATION_FAILED"),
+    RuntimeError(
+        "cuDNN Frontend error: [cudnn_frontend] Error: No execution plans support the graph. "
+        "CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED"
+    ),
+    RuntimeError("CUDA error: CUBLAS_STATUS_NOT_INITIALIZED when calling `cublasCreate(handle)`"),
+    RuntimeError(
+        "cusolver error: CUSOLVER_STATUS_ALLOC_FAILED, when calling `cusolverDnCreate(handle)`. If you keep seeing "
+        "this error, you may use `torch.backends.cuda.preferred_linalg_library()` to try linear algebra operators "
+        "with other supported backends."
+    ),
+    RuntimeError("cuFFT error: CUFFT_ALLOC_FAILED"),
+    # cusparseGetErrorString(CUSPARSE_STATUS_ALLOC_FAILED) is "out of memory"
+    RuntimeError(
+        "CUDA error: out of memory when calling `cusparseSpMM_bufferSize( handle, opa, opb, &alpha, descA, descB, "
+        "&beta, descC, compute_type, CUSPARSE_SPMM_CSR_ALG1, &bufferSize)`"
+    ),
+    RuntimeError("CuSparseError: CUSPARSE_STATUS_ALLOC_FAILED"),  # as other wrappers name it
+]
+
+# Statuses that are not memory running out, however close their names.
+CUDA_LIBRARY_NEAR_MISSES = [
+    RuntimeError("cuDNN error: CUDNN_STATUS_BAD_PARAM"),
+    RuntimeError("cuDNN error: CUDNN_STATUS_INTERNAL_ERROR"),
+    RuntimeError("cuDNN error: CUDNN_STATUS_EXECUTION_FAILED"),
+    RuntimeError("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED_ARCH_MISMATCH"),
+    RuntimeError("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED_INCOMPATIBLE_CUDA_DRIVER"),
+    # NOT_INITIALIZED from any call but cublasCreate is a broken or uninitialised handle, not a full device
+    RuntimeError("CUDA error: CUBLAS_STATUS_NOT_INITIALIZED when calling `cublasSetStream(handle, stream)`"),
+    RuntimeError("CUDA error: CUBLAS_STATUS_NOT_INITIALIZED"),
+    RuntimeError(
+        "CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasSgemm( handle, opa, opb, m, n, k, &alpha, "
+        "a, lda, b, ldb, &beta, c, ldc)`"
+    ),
+    RuntimeError("CUDA error: CUBLAS_STATUS_INVALID_VALUE when calling `cublasCreate(handle)`"),
+    RuntimeError(
+        "cusolver error: CUSOLVER_STATUS_INVALID_VALUE, when calling `cusolverDnSgetrf( handle, m, n, dA, ldda, "
+        "static_cast<float*>(dataPtr.get()), ipiv, info)`. This error may appear if the input matrix contains NaN."
+    ),
+    RuntimeError("cusolver error: CUSOLVER_STATUS_EXECUTION_FAILED, when calling `cusolverDnCreate(handle)`. "),
+    RuntimeError("cuFFT error: CUFFT_INVALID_SIZE"),
+    RuntimeError("cuFFT error: CUFFT_INTERNAL_ERROR"),
+    RuntimeError("CUDA error: insufficient resources when calling `cusparseSpGEMM_workEstimation( handle, ...)`"),
+    RuntimeError("CUDA error: internal error when calling `cusparseSpGEMM_workEstimation( handle, ...)`"),
+]
+
+
+@pytest.mark.parametrize("error", CUDA_LIBRARY_OOMS, ids=lambda e: str(e)[:60])
+def test_the_cuda_libraries_allocation_failures_are_oom(error):
+    assert is_cuda_out_of_memory(error)
+    assert should_reduce_batch_size(error)
+
+
+@pytest.mark.parametrize("error", CUDA_LIBRARY_NEAR_MISSES, ids=lambda e: str(e)[:60])
+def test_the_cuda_libraries_other_failures_are_not(error):
+    assert not is_cuda_out_of_memory(error)
+    assert not should_reduce_batch_size(error)
+
+
+def test_cudnns_plain_not_supported_stays_a_snafu_and_its_reasons_do_not():
+    legacy = RuntimeError(
+        "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a non-contiguous input."
+    )
+    assert is_cudnn_snafu(legacy) and should_reduce_batch_size(legacy)
+    assert is_cudnn_snafu(RuntimeError("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED"))
+    assert not is_cudnn_snafu(RuntimeError("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED_LAYOUT"))
+
+
+# What a collective raises when NCCL itself cannot allocate (ProcessGroupNCCL's check of an NCCL call).
+NCCL_OOM = (
+    "NCCL error in: ../torch/csrc/distributed/c10d/NCCLUtils.hpp:275, unhandled cuda error (run with "
+    "NCCL_DEBUG=INFO for details), NCCL version 2.21.5\nncclUnhandledCudaError: Call to CUDA function failed.\n"
+    "Last error:\nCuda failure 2 'out of memory'"
+)
+
+
+def raised_from(error, cause):
+    try:
+        try:
+            raise cause
+        except BaseException as inner:
+            raise error from inner
+    except BaseException as outer:
+        return outer
+
+
+def collective_errors():
+    return [
+        dist.DistBackendError(NCCL_OOM),
+        dist.DistError(NCCL_OOM),
+        dist.DistNetworkError("Connection reset by peer: out of memory"),
+        dist.DistStoreError("out of memory"),
+        RuntimeError(NCCL_OOM),  # an older torch's plain RuntimeError with NCCL's text
+    ]
+
+
+@pytest.mark.parametrize("error", collective_errors(), ids=lambda e: type(e).__name__)
+def test_an_error_of_a_collective_is_never_a_local_oom(error):
+    assert should_reduce_batch_size(RuntimeError("Cuda failure 2 'out of memory'")), "the text alone is an OOM"
+    assert not should_reduce_batch_size(error)
+
+
+def test_a_collective_error_anywhere_in_the_cause_chain_stops_the_retry():
+    """Outer from collective: the collective failed first, whatever the wrapper says. Collective from an OOM:
+    the collective still failed, the peers are in it. Either way a local retry cannot mend it."""
+    nccl = dist.DistBackendError(NCCL_OOM)
+    wrapped = raised_from(ValueError("the gradient all-reduce failed"), nccl)
+    assert not should_reduce_batch_size(wrapped)
+    named_oom = raised_from(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB"), nccl)
+    assert not should_reduce_batch_size(named_oom), "an OOM raised from a collective's error is the collective's"
+    from_oom = raised_from(dist.DistBackendError("NCCL communicator was aborted"), torch.OutOfMemoryError("CUDA"))
+    assert not should_reduce_batch_size(from_oom)
+    deep = raised_from(KeyError("outer"), raised_from(ValueError("middle"), nccl))
+    assert not should_reduce_batch_size(deep)
+    assert should_reduce_batch_size(raised_from(ValueError("outer"), torch.OutOfMemoryError("CUDA"))), "control"
+
+
+def test_a_registered_predicate_cannot_make_a_collective_error_retried():
+    predicate = register_oom_predicate(lambda e: True)
+    try:
+        assert not should_reduce_batch_size(dist.DistBackendError(NCCL_OOM))
+    finally:
+        unregister_oom_predicate(predicate)
+
+
+def test_a_collective_error_passes_through_a_decorator_untouched_and_is_never_retried():
+    error = dist.DistBackendError(NCCL_OOM)
+    sizes = []
+
+    def f(batchsize):
+        sizes.append(batchsize)
+        raise error
+
+    with pytest.raises(dist.DistBackendError) as info:
+        explicit.batch(f, 8)
+    assert info.value is error and sizes == [8]
+    assert not getattr(error, "__notes__", None)
+
+
+def test_a_collective_error_in_accumulation_passes_through_untouched_with_no_retry():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    inputs, targets = torch.randn(32, 6), torch.randint(0, 3, (32,))
+    error = dist.DistBackendError(NCCL_OOM)
+    sizes = []
+
+    @toma.accumulate(model=model, initial_micro_batch=8)
+    def compute_loss(inputs, targets):
+        sizes.append(len(inputs))
+        if len(sizes) == 2:  # the second micro-batch, after the first one's backward pass
+            raise error
+        return F.cross_entropy(model(inputs), targets)
+
+    with pytest.raises(dist.DistBackendError) as info:
+        compute_loss(inputs, targets)
+    assert info.value is error and sizes == [8, 8], "raised once, never retried"
+    assert compute_loss.stats.oom_retries == 0
+    assert all(p.grad is None for p in model.parameters()), "the failed attempt's gradients are dropped"

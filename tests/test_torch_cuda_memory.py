@@ -107,3 +107,45 @@ print(json.dumps(dict(
     assert result["starts"] == [0], "a failed attempt's tensors were still allocated when the next one began"
     assert result["allocated"] == 0 and result["reserved"] == 0
     assert result["keep"] == 64 * 2**20
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_the_cuda_libraries_failing_on_a_full_device_fail_as_oom():
+    """A fresh process fills the device to its last MiB, then uses cuBLAS, cuDNN, cuSOLVER and cuFFT for the
+    first time: their handles and workspaces cannot be had, and every error they raise is one toma retries."""
+    code = """
+        import json, torch
+        from toma import should_reduce_batch_size
+        torch.cuda.init()
+        a = torch.randn(64, 64, device="cuda")
+        symmetric = a + a.T  # no matmul yet: cuBLAS stays unused
+        image, kernel = torch.randn(1, 3, 32, 32, device="cuda"), torch.randn(8, 3, 3, 3, device="cuda")
+        torch.cuda.synchronize()
+        held, block = [], 2**30
+        while block >= 2**20:
+            try:
+                held.append(torch.empty(block, dtype=torch.uint8, device="cuda"))
+            except torch.OutOfMemoryError:
+                block //= 2
+        uses = dict(
+            cublas=lambda: a @ a,
+            cudnn=lambda: torch.nn.functional.conv2d(image, kernel),
+            cusolver=lambda: torch.linalg.eigh(symmetric),
+            cufft=lambda: torch.fft.fft(a),
+        )
+        outcomes = {}
+        for name, use in uses.items():
+            try:
+                use()
+                torch.cuda.synchronize()
+                outcomes[name] = None
+            except Exception as error:
+                outcomes[name] = dict(type=type(error).__name__, message=str(error).splitlines()[0][:300],
+                                      oom=should_reduce_batch_size(error))
+        print(json.dumps(dict(free=torch.cuda.mem_get_info()[0], outcomes=outcomes)))
+        """
+    result = json.loads(run_python(code, timeout=300).stdout.splitlines()[-1])
+    failures = {name: outcome for name, outcome in result["outcomes"].items() if outcome is not None}
+    assert failures, f"a full device gave every library what it needed: {result}"
+    assert all(outcome["oom"] for outcome in failures.values()), f"not recognised as out of memory: {failures}"

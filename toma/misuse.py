@@ -63,6 +63,8 @@ class MisuseWatch:
         self, kind: Optional[Type[BaseException]], error: Optional[BaseException], trace: Optional[TracebackType]
     ) -> None:
         self.handle.remove()
+        # A failed attempt's gradients must not outlive it: the engine frees memory before the retry.
+        self.grads, self.tracked, self.versions = [], [], []
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if threading.get_ident() != self.thread:

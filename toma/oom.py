@@ -2,9 +2,10 @@
 
 import gc
 import threading
-from typing import Callable, Optional, Tuple
+from typing import Callable, List, Optional, Tuple, Type
 
 import torch
+import torch.distributed
 
 from toma.cpu_memory import is_out_of_cpu_memory
 from toma.torch_cuda_memory import is_cuda_out_of_memory, is_cudnn_snafu
@@ -29,6 +30,14 @@ _predicates_lock = threading.Lock()
 # How far `raise ... from ...` chains are followed (a guard against cycles built by hand).
 _MAX_CAUSES = 16
 
+# The errors of torch.distributed's collectives and stores (DistBackendError, DistNetworkError, ...); absent in
+# torch builds that predate them.
+_COLLECTIVE_ERRORS: Tuple[Type[BaseException], ...] = tuple(
+    kind for kind in (getattr(torch.distributed, "DistError", None),) if isinstance(kind, type)
+)
+# NCCL's wording, also where an older torch raises it as a plain RuntimeError ("NCCL error in: ...").
+_NCCL_MARKER = "nccl error"
+
 
 class ControlException(Exception):
     """Base of toma's own control-flow exceptions (a rank that failed, an agreed retry): never an
@@ -40,15 +49,36 @@ def should_reduce_batch_size(exception: BaseException) -> bool:
 
     An error raised *from* an out-of-memory error (`raise X from oom`, as `torch.compile` wraps a
     `MemoryError`) counts too: the `__cause__` chain is followed. toma's own control exceptions never count.
+    Nor does any chain with a collective's error in it (NCCL's "Cuda failure 2 'out of memory'" included):
+    the other ranks wait in that collective or have left it, and a communicator that failed stays failed, so
+    a local retry cannot mend it, only issue collectives that match nothing. The ranks stop instead.
     """
-    cause: Optional[BaseException] = exception
-    for _ in range(_MAX_CAUSES):
-        if cause is None or isinstance(cause, ControlException):
+    chain = _causes(exception)
+    if any(_is_collective_error(error) for error in chain):
+        return False
+    for cause in chain:
+        if isinstance(cause, ControlException):
             return False
         if _is_out_of_memory(cause):
             return True
-        cause = cause.__cause__
     return False
+
+
+def _causes(exception: BaseException) -> List[BaseException]:
+    """`exception` and what it was raised from, outermost first."""
+    chain: List[BaseException] = []
+    cause: Optional[BaseException] = exception
+    while cause is not None and len(chain) < _MAX_CAUSES:
+        chain.append(cause)
+        cause = cause.__cause__
+    return chain
+
+
+def _is_collective_error(exception: BaseException) -> bool:
+    """An error of torch.distributed's communication (a collective, the store, the network), not a local one."""
+    return isinstance(exception, _COLLECTIVE_ERRORS) or (
+        isinstance(exception, RuntimeError) and _NCCL_MARKER in str(exception).lower()
+    )
 
 
 def _is_out_of_memory(exception: BaseException) -> bool:

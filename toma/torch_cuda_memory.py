@@ -2,6 +2,7 @@
 
 import gc
 import logging
+import re
 from typing import Optional
 
 import torch
@@ -20,14 +21,32 @@ __all__ = [
 
 log = logging.getLogger("toma")
 
+# Texts of PyTorch's errors that mean CUDA memory ran out: the caching allocator's, the runtime's, and those
+# of the CUDA libraries, which allocate their workspaces and handles outside the caching allocator and so fail
+# exactly when a sizing policy has filled the device. PyTorch words them "CUDA error: <status> when calling
+# `<call>`" (cuBLAS, cuSPARSE), "cuDNN error: <status>", "cusolver error: <status>, when calling ...",
+# "cuFFT error: <status>". cuSPARSE's ALLOC_FAILED reaches PyTorch as "CUDA error: out of memory when calling
+# `cusparse...`"; its status name is what other wrappers print.
 CUDA_OOM_MARKERS = (
     "CUDA out of memory",
     "CUDA error: out of memory",
     "HIP out of memory",
     "CUBLAS_STATUS_ALLOC_FAILED",
-    "CUDNN_STATUS_ALLOC_FAILED",
+    "CUDNN_STATUS_ALLOC_FAILED",  # cuDNN 8; an alias of HOST_ALLOCATION_FAILED in cuDNN 9
+    "CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED",  # cuDNN 9
+    "CUDNN_STATUS_INTERNAL_ERROR_HOST_ALLOCATION_FAILED",  # cuDNN 9
+    "CUSOLVER_STATUS_ALLOC_FAILED",
+    "CUFFT_ALLOC_FAILED",
+    "CUSPARSE_STATUS_ALLOC_FAILED",
 )
-CUDNN_SNAFU_MARKER = "CUDNN_STATUS_NOT_SUPPORTED"
+# A status that means memory ran out only where one call reports it: cublasCreate answers NOT_INITIALIZED when
+# it cannot get the memory for a handle (the first matmul on a full device). Elsewhere NOT_INITIALIZED means a
+# handle that is broken or used without initialisation, which no smaller size mends.
+CUDA_OOM_STATUS_OF_CALL = (("CUBLAS_STATUS_NOT_INITIALIZED", "`cublasCreate("),)
+# cuDNN's plain NOT_SUPPORTED (legacy API, "...NOT_SUPPORTED. This error may appear if you passed in a
+# non-contiguous input."), often an input too large; not cuDNN 9's NOT_SUPPORTED_<reason> (architecture,
+# driver, layout), which no smaller size mends.
+CUDNN_SNAFU = re.compile(r"CUDNN_STATUS_NOT_SUPPORTED(?![A-Z_])")
 
 _GiB = 2**30
 _PROBE_MARGIN = 2**28
@@ -101,16 +120,19 @@ def _message(exception: BaseException) -> str:
 
 
 def is_cuda_out_of_memory(exception: BaseException) -> bool:
-    """True for out-of-memory errors of CUDA or ROCm, their allocator, cuBLAS and cuDNN."""
+    """True for out-of-memory errors of CUDA or ROCm, their allocator, and the CUDA libraries (cuBLAS, cuDNN,
+    cuSOLVER, cuFFT, cuSPARSE)."""
     if isinstance(exception, torch.OutOfMemoryError):
         return True
     message = _message(exception)
-    return any(marker in message for marker in CUDA_OOM_MARKERS)
+    return any(marker in message for marker in CUDA_OOM_MARKERS) or any(
+        status in message and call in message for status, call in CUDA_OOM_STATUS_OF_CALL
+    )
 
 
 def is_cudnn_snafu(exception: BaseException) -> bool:
     """cuDNN's NOT_SUPPORTED, which in practice often means the input was too large."""
-    return CUDNN_SNAFU_MARKER in _message(exception)
+    return CUDNN_SNAFU.search(_message(exception)) is not None
 
 
 def cuda_meminfo() -> str:
