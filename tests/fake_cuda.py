@@ -144,6 +144,14 @@ class OnCuda(torch.Tensor):
     def device(self) -> torch.device:  # type: ignore[override]
         return torch.device("cuda", 1)
 
+    @property
+    def is_cpu(self) -> bool:  # type: ignore[override]
+        return False
+
+    @property
+    def is_cuda(self) -> bool:  # type: ignore[override]
+        return True
+
 
 def on_cuda_1(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.as_subclass(OnCuda)

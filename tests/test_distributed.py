@@ -448,7 +448,8 @@ def loss(x, y):
     return ((ddp(x) - y) ** 2).mean()
 
 loss(x, y)
-print("done", rank, torch.cuda.current_device(), [round(float(g), 6) for g in model.weight.grad.flatten()[:4]], flush=True)
+grads = [round(float(g), 6) for g in model.weight.grad.flatten()[:4]]
+print("done", rank, torch.cuda.current_device(), grads, flush=True)
 dist.destroy_process_group()
 os._exit(0)
 """

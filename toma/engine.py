@@ -8,9 +8,8 @@ steps are never repeated. A call that never runs out of memory pays for nothing 
 """
 
 import logging
-from collections import deque
 from itertools import islice
-from typing import Any, Callable, Dict, Optional, Protocol, Tuple, TypeVar, Union
+from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple, TypeVar, Union
 
 import torch
 
@@ -73,18 +72,21 @@ def find_device(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[torch
     """The device of the first tensor among a call's arguments (also in tuples, lists and dicts) that is not
     on the CPU; None when there is none: host tensors are often moved inside the function, so they say
     nothing about where the work runs."""
-    queue: "deque[Any]" = deque(args)
-    queue.extend(kwargs.values())
-    looked = 0
-    while queue and looked < _LOOKED_AT:
-        value = queue.popleft()
-        looked += 1
+    if not kwargs:
+        if not args:
+            return None
+        queue: List[Any] = list(args)
+    else:
+        queue = [*args, *kwargs.values()]
+    index = 0
+    while index < len(queue) and index < _LOOKED_AT:
+        value = queue[index]
+        index += 1
         if isinstance(value, torch.Tensor):
-            device = value.device
-            if device.type not in ("cpu", "meta"):
-                return device
+            if not (value.is_cpu or value.is_meta):  # cheaper than reading `.device.type`
+                return value.device
         elif isinstance(value, (tuple, list)):
-            queue.extend(islice(value, _LOOKED_AT))
+            queue.extend(value[:_LOOKED_AT])
         elif isinstance(value, dict):
             queue.extend(islice(value.values(), _LOOKED_AT))
     return None

@@ -1,13 +1,13 @@
 """`FitToMemory`: a sizing policy that measures attempts and jumps to the largest size predicted to fit.
 
 Each measured attempt gives a point of `need(size) = fixed + per_item * size`: an attempt that fit gives
-its peak bytes above what was in use when it began (when the meter can tell: on CUDA, when it raised the
-device's peak); one that ran out of memory gives a lower bound (its peak, or what it still held, plus the
-allocation that failed). Attempts are measured on the device the work runs on (the step's `device`). After an out-of-memory error the policy jumps to the largest size
-whose predicted need fits in `budget * (1 - margin)`; after a success with room left the call site's size
-grows for the next call (never above what a call asks for). Without a meter, or with nothing measured,
-it halves, as toma always did; when an error contradicts the model it shrinks at least as fast as
-halving and trusts the model again only after a new measurement.
+its peak bytes above what was in use when it began (where the meter can tell, `toma.meters`); one that ran
+out of memory gives a lower bound (its peak, or what it still held, plus the allocation that failed).
+Attempts are measured on the device the work runs on (the step's `device`). After an out-of-memory error
+the policy jumps to the largest size whose predicted need fits in `budget * (1 - margin)`; after a
+success with room left the call site's size grows for the next call (never above what a call asks for).
+Without a meter, or with nothing measured, it halves, as toma always did; when an error contradicts the
+model it shrinks at least as fast as halving and trusts the model again only after a new measurement.
 """
 
 import json

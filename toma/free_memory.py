@@ -21,12 +21,19 @@ class FreeMemoryGauge:
 
     def __init__(self, interval: float = 0.5) -> None:
         self.interval = interval
-        self._readings: Dict[Optional[torch.device], Tuple[Reading, float]] = {}
+        self._reading: Reading = (0, None)  # the reading without a device: the one every cached call asks for
+        self._expires = float("-inf")
+        self._readings: Dict[torch.device, Tuple[Reading, float]] = {}
 
     def read(self, device: Optional[torch.device] = None) -> Reading:
         """Free CPU memory, and free memory of the CUDA `device` (None for a device that is not CUDA;
         `device` None: the current CUDA device where CUDA is in use)."""
         now = time.monotonic()
+        if device is None:
+            if now >= self._expires:
+                self._reading = (get_available_cpu_memory(), get_cuda_free_memory_if_initialized())
+                self._expires = now + self.interval
+            return self._reading
         cached = self._readings.get(device)
         if cached is not None and now < cached[1]:
             return cached[0]
@@ -36,6 +43,7 @@ class FreeMemoryGauge:
 
     def invalidate(self) -> None:
         """Force fresh readings next time, e.g. after memory was released."""
+        self._expires = float("-inf")
         self._readings = {}
 
 
