@@ -374,3 +374,94 @@ finish(dict(calls=calls, errors=errors, lines=messages))
     assert follow, outputs[1]["lines"]
     for output in outputs:
         assert max(output["errors"]) < 1e-3, output["errors"]  # relative, element-wise, fp32 sums in other orders
+
+
+# --- NCCL's agreement on the rank's GPU, not the current device (CUDA and the process group faked) --------
+
+
+@pytest.fixture
+def nccl_rank_1(monkeypatch):
+    """Rank 1 of 2 under NCCL whose current CUDA device is 0: PyTorch's DDP tutorial does `model.to(rank)`
+    without `set_device`, and a new thread's current device is 0."""
+    from fake_cuda_memory import FakeCuda
+
+    fake = FakeCuda(monkeypatch, current=0)
+    dist = torch.distributed
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    return fake
+
+
+def test_the_ddp_agreement_lives_on_ddps_device_not_the_current_one(nccl_rank_1, monkeypatch):
+    from types import SimpleNamespace
+
+    from toma.accumulate import AgreeingDDP
+
+    cuda0, cuda1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    ddp = SimpleNamespace(process_group=None, device_ids=[1], device_type="cuda", module=nn.Linear(2, 1))
+    assert AgreeingDDP(ddp).agreement.device == cuda1  # DistributedDataParallel(model, device_ids=[rank])
+    assert distributed._device_for(None, cuda1) == cuda1
+    assert distributed._device_for(None) == cuda0, "nothing known: the current device, as before"
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: "gloo")
+    assert distributed._device_for(None, cuda1) == torch.device("cpu"), "gloo reduces on the CPU"
+
+
+def test_a_form_with_distributed_agrees_on_the_device_of_its_tensors(nccl_rank_1, monkeypatch):
+    from fake_cuda_memory import on_cuda_1
+
+    from toma import toma
+
+    devices = []
+
+    def all_reduce_min(agreement, value):  # every rank alone here: the MIN is its own value
+        devices.append(agreement.device)
+        return value
+
+    monkeypatch.setattr(distributed.Agreement, "_min", all_reduce_min)
+
+    @toma.batch(initial_batchsize=8, distributed=True)
+    def work(batchsize, x):
+        return batchsize
+
+    assert work(on_cuda_1(torch.zeros(3))) == 8
+    assert devices and set(devices) == {torch.device("cuda", 1)}
+
+
+NCCL_WITHOUT_SET_DEVICE = """
+import datetime, os, torch, torch.distributed as dist, torch.nn as nn
+import toma
+
+rank = int(os.environ["RANK"])
+dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=60))
+torch.manual_seed(0)
+model = nn.Linear(16, 1).to(rank)  # PyTorch's DDP tutorial: no torch.cuda.set_device, the current device is 0
+ddp = nn.parallel.DistributedDataParallel(model, device_ids=[rank])
+torch.manual_seed(1)
+x, y = torch.randn(64, 16, device=rank), torch.randn(64, 1, device=rank)
+
+@toma.accumulate(model=ddp, initial_micro_batch=64)
+def loss(x, y):
+    if rank == 1 and len(x) > 16:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+    return ((ddp(x) - y) ** 2).mean()
+
+loss(x, y)
+grads = [round(float(g), 6) for g in model.weight.grad.flatten()[:4]]
+print("done", rank, torch.cuda.current_device(), grads, flush=True)
+dist.destroy_process_group()
+os._exit(0)
+"""
+
+
+@pytest.mark.cuda
+@pytest.mark.multiprocess
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2 or not torch.distributed.is_nccl_available(), reason="needs two GPUs and NCCL"
+)
+def test_nccl_ranks_whose_current_device_is_0_agree_on_their_own_gpus():
+    outputs = run_ranks(NCCL_WITHOUT_SET_DEVICE, 2, timeout=180)
+    lines = [out.strip().splitlines()[-1].split(" ", 3) for out in outputs]
+    assert [line[:3] for line in lines] == [["done", "0", "0"], ["done", "1", "0"]]
+    assert lines[0][3] == lines[1][3], "the same averaged gradients on both ranks"

@@ -205,3 +205,71 @@ def test_a_policy_that_does_not_shrink_is_refused_instead_of_looping_forever():
         explicit.batch(lambda bs: raise_fake_oom(), 8, toma_policy=Stubborn())
     assert isinstance(info.value.__context__, torch.OutOfMemoryError), "the OOM stays visible"
     assert not should_reduce_batch_size(info.value), "an outer toma layer does not retry a broken policy"
+
+
+class _RecordingPolicy(Halving):
+    """A learning policy that only notes the device each hook is told about."""
+
+    learns = True
+
+    def __init__(self):
+        super().__init__()
+        self.devices = []
+
+    def start(self, entry, size, asked, scale, device=None):
+        self.devices.append(("start", device))
+        return size
+
+    def begin(self, entry, size, scale, device=None):
+        self.devices.append(("begin", device))
+        return None
+
+    def succeeded(self, entry, token, ran):
+        return None
+
+    def after_oom(self, entry, token, size, failed, error):
+        return self.shrink(size)
+
+    def explain(self, entry):
+        return ""
+
+
+def test_a_learning_policy_is_told_the_device_the_step_runs_on():
+    from fake_cuda_memory import on_cuda_1
+
+    policy = _RecordingPolicy()
+    arguments = (torch.zeros(2), [on_cuda_1(torch.zeros(3))])  # a host tensor, and one on cuda:1 in a list
+    step = engine.BatchStep(lambda bs, *_: raise_fake_oom() if bs > 2 else bs, arguments, {})
+    engine.run(step, Batchsize(None), 8, policy)
+    on_1 = ("begin", torch.device("cuda", 1))
+    assert policy.devices == [("start", torch.device("cuda", 1)), on_1, on_1, on_1]
+
+
+def test_every_step_says_where_its_work_runs():
+    from fake_cuda_memory import on_cuda_1
+
+    from toma.accumulate import AccumulateStep
+    from toma.host_map import MapStep
+    from toma.hosted_embedding import HostedEmbedding, _RowUpdate
+    from toma.splitting import BatchSplit
+    from toma.transfer import Transfers
+
+    cuda1, cpu = torch.device("cuda", 1), torch.device("cpu")
+    x, host = on_cuda_1(torch.zeros(4, 2)), torch.zeros(4, 2)
+
+    def f(*args, **kwargs):
+        return None
+
+    assert engine.BatchStep(f, (host, {"rows": x}), {}).device == cuda1
+    assert engine.BatchStep(f, (host,), {"flag": True}).device is None, "host tensors say nothing: not known"
+    assert engine.RangeStep(f, 0, 4, (), {"x": x}).device == cuda1
+    assert engine.RangeStep(f, 0, 4, (x,), {}, device=cpu).device == cpu, "a device given wins"
+    assert engine.ChunkStep(f, x, 0, (), {}).device == cuda1
+    assert engine.ChunkStep(f, host, 0, (x,), {}).device == cuda1
+    assert MapStep(f, BatchSplit((host,), {}), Transfers("cpu"), cpu).device == cpu  # toma.map(..., device="cpu")
+    model = torch.nn.Linear(2, 1)
+    policy = Halving()
+    assert AccumulateStep(f, model, BatchSplit((host,), {}), "mean", None, None, policy).device == cpu
+    table = HostedEmbedding(10, 2, optimizer=lambda params: torch.optim.SGD(params, lr=0.1), device="cpu")
+    ids = torch.arange(3)
+    assert _RowUpdate(table, ids, torch.zeros(3, 2), torch.zeros(3, 2)).device == cpu

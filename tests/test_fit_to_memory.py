@@ -120,7 +120,7 @@ def test_a_steady_run_settles_with_no_oom_and_no_oscillation():
 
 def test_it_grows_after_memory_frees_but_never_above_the_size_asked_for(monkeypatch):
     memory = SimulatedMemory(512 * MiB)
-    gauge = type("Gauge", (), {"value": (0, 512 * MiB), "read": lambda self: self.value})()
+    gauge = type("Gauge", (), {"value": (0, 512 * MiB), "read": lambda self, device=None: self.value})()
     monkeypatch.setattr(FitToMemory, "gauge", gauge)
     policy = FitToMemory(meter=memory)
     first = run_calls(policy, memory, 20)
@@ -361,3 +361,156 @@ def test_with_the_default_cache_a_new_free_memory_level_starts_at_the_size_the_m
     for capacity, size in list(zip((1024, 1024, 1024, 900, 800, 700, 600, 1024), sizes))[3:]:
         best = largest_fitting(capacity * MiB)
         assert 0.9 * best <= size <= best, (capacity, size, best, sizes)
+
+
+# --- the device the work runs on, and a CUDA meter that never resets the peak (CUDA faked on the CPU) --------
+
+
+def layered_on(fake, index, fixed=64 * MiB, per_row=(3 * 2**10, 5 * 2**10, 2 * 2**10), log=None):
+    """`layered`'s workload, allocating on the fake CUDA device `index`."""
+
+    def work(batchsize):
+        if log is not None:
+            log.append(batchsize)
+        held = []
+        try:
+            for n in (fixed, *(per * batchsize for per in per_row)):
+                fake.allocate(index, n)
+                held.append(n)
+        finally:
+            for n in held:
+                fake.free(index, n)
+        return batchsize
+
+    return work
+
+
+def test_a_call_whose_tensors_are_on_cuda_1_is_measured_and_remembered_there(monkeypatch, tmp_path):
+    """The current device is 0 (a new thread's, or a rank that did `model.to(rank)` without set_device):
+    the call's tensor on cuda:1 decides what is measured and under which device the size is filed. The user's
+    earlier peak on that device stays, and the size comes close to the largest that fits all the same."""
+    from fake_cuda_memory import GiB, FakeCuda, on_cuda_1
+
+    from toma import remember_sizes, toma
+    from toma.size_store import SizeStore
+
+    fake = FakeCuda(monkeypatch, capacities=(8 * GiB, 1 * GiB), current=0)
+    fake.allocate(1, 700 * MiB)  # the user's work before: a peak of 700 MiB, still cached
+    fake.free(1, 700 * MiB)
+    attempts = []
+    work = layered_on(fake, 1, log=attempts)
+    path = tmp_path / "sizes.db"
+    remember_sizes(path)
+    try:
+
+        @toma.batch(initial_batchsize=10**6, policy=FitToMemory(), cache_type=GlobalBatchsizeCache)
+        def call(batchsize, x):
+            return work(batchsize)
+
+        sizes = [call(on_cuda_1(torch.zeros(3))) for _ in range(4)]
+    finally:
+        remember_sizes(None)
+    assert fake.indices_asked() == {1}, "GPU 0 is never read (nor given a context)"
+    assert fake.resets == [] and fake.devices[1].peak >= 700 * MiB
+    best = largest_fitting(1 * GiB)
+    assert 0.85 * best <= sizes[-1] <= best, (sizes, best)
+    assert len(attempts) - len(sizes) <= 3, attempts
+    rows = SizeStore(str(path)).rows()
+    assert rows and {device for _, device, *_ in rows} == {f"cuda:Fake GPU 1:{GiB}:world=1"}
+
+
+def test_cpu_work_in_a_process_that_uses_cuda_is_measured_and_remembered_on_the_cpu(monkeypatch, tmp_path):
+    from fake_cuda_memory import FakeCuda
+
+    from toma import remember_sizes, toma
+    from toma.size_store import SizeStore
+
+    fake = FakeCuda(monkeypatch)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    inputs = torch.randn(64, 8)
+    attempts = []
+    path = tmp_path / "sizes.db"
+    remember_sizes(path)
+    try:
+
+        @toma.accumulate(model=model, initial_micro_batch=64)  # FitToMemory, measuring the model's device
+        def loss(x):
+            attempts.append(len(x))
+            if len(x) > 16:
+                raise RuntimeError("DefaultCPUAllocator: not enough memory: you tried to allocate 8388608 bytes.")
+            return model(x).square().mean()
+
+        loss(inputs)
+    finally:
+        remember_sizes(None)
+    assert attempts[0] == 64 and attempts[-1] <= 16
+    assert fake.asked == [], "CPU work never asks CUDA anything"
+    rows = SizeStore(str(path)).rows()
+    assert rows and all(device.startswith("cpu:limit=") for _, device, *_ in rows), rows
+    reference = torch.nn.Linear(8, 1)
+    reference.load_state_dict(model.state_dict())
+    reference(inputs).square().mean().backward()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+class PeakOnly(SimulatedMemory):
+    """A meter that cannot see attempts below an earlier peak (a CUDA device whose cache hides them)."""
+
+    def begin(self):
+        return Mark(self.in_use, self.capacity - self.in_use, self.peak)
+
+    def used(self, mark):
+        return None if self.peak <= mark.since else self.peak - mark.start
+
+    def at_least(self, mark):
+        return max(0, self.peak - mark.start) if self.peak > mark.since else 0
+
+
+def test_a_success_it_cannot_measure_teaches_nothing_and_grows_nothing():
+    memory = PeakOnly(1024 * MiB)
+    memory.peak = 1000 * MiB  # an earlier peak every attempt stays below
+    policy = FitToMemory(meter=memory)
+    results = run_calls(policy, memory, 6, asked=10**6)
+    sizes = [size for size, _ in results]
+    assert results[0][1] >= 1 and sum(ooms for _, ooms in results[1:]) == 0, results
+    assert len(set(sizes)) == 1, "no growth from a model of errors alone, no shrinking: the size stays"
+    assert sizes[0] < largest_fitting(1024 * MiB)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_a_model_on_cuda_1_is_measured_on_cuda_1_while_the_current_device_is_0():
+    out = run_python(
+        """
+import json, torch
+import toma
+from toma import NoBatchsizeCache
+
+torch.cuda.init()
+has_context = getattr(torch._C, "_cuda_hasPrimaryContext", lambda index: None)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(256, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 1)).to("cuda:1")
+x = torch.randn(8192, 256, device="cuda:1")
+model(x).mean().backward()  # the same work without toma: does PyTorch itself touch GPU 0?
+model.zero_grad(set_to_none=True)
+torch.cuda.synchronize(1)
+control = has_context(0)
+
+@toma.accumulate(model=model, initial_micro_batch=8192, cache_type=NoBatchsizeCache)  # FitToMemory
+def loss(x):
+    return model(x).mean()
+
+loss(x)
+line = loss.stats.model
+print(json.dumps(dict(current=torch.cuda.current_device(), control=control, after=has_context(0),
+                      need=None if line is None else line.need(8192 * 256))))
+"""
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["current"] == 0
+    # 8192 rows of 4096 activations (and their ReLU and gradients) on cuda:1: at least 128 MiB measured there
+    assert result["need"] is not None and result["need"] >= 128 * MiB, result
+    if result["control"] is False:
+        assert result["after"] is False, "toma created a context on GPU 0, which the work never used"

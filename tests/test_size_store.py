@@ -160,3 +160,16 @@ def test_fit_to_memory_keeps_its_model_across_runs_and_predicts_a_size_for_anoth
     assert 0.9 * 2048 <= smaller["sizes"][-1] <= 2048 and smaller["sizes"][0] >= 0.9 * 2048, smaller
     larger, _ = run(FIT_RUN, path, dict(CAPACITY="8256"))  # 8192 rows fit
     assert larger["attempts"][0] >= 0.9 * 8192 and len(larger["attempts"]) <= 5, larger
+
+
+def test_the_device_key_is_the_device_of_the_work_not_the_current_one(monkeypatch):
+    import torch
+    from fake_cuda_memory import GiB, FakeCuda
+
+    from toma.size_store import device_key
+
+    fake = FakeCuda(monkeypatch, capacities=(8 * GiB, 4 * GiB), current=0)
+    assert device_key(torch.device("cuda", 1)) == f"cuda:Fake GPU 1:{4 * GiB}:world=1"
+    assert fake.indices_asked() == {1}
+    assert device_key(torch.device("cpu")).startswith("cpu:limit="), "CPU work in a process that uses CUDA"
+    assert device_key() == f"cuda:Fake GPU 0:{8 * GiB}:world=1", "not known: the current device, as before"

@@ -606,3 +606,33 @@ def test_the_policy_option_decides_how_micro_batches_shrink():
     assert isinstance(make_trainer()[0].policy, FitToMemory), "the default measures"
     with pytest.raises(TypeError, match="policy"):
         make_trainer(policy=3)
+
+
+def test_the_epoch_cuda_peak_is_the_epochs_and_the_steps_measurements_leave_it_alone(monkeypatch):
+    """The trainer reads the device's peak per epoch; the measured steps inside it (FitToMemory on the same
+    device) must not reset it, or the epoch's peak would be the last measured step's. CUDA is faked."""
+    from fake_cuda_memory import MiB, FakeCuda
+
+    import toma.trainer
+    from toma import FitToMemory
+    from toma.meters import CudaMeter
+
+    fake = FakeCuda(monkeypatch, current=0)
+    monkeypatch.setattr(toma.trainer, "to_device", lambda batch, device, non_blocking=False: batch)
+    model, optimizer = model_and_optimizer()
+    megabytes = (300, 100, 50)  # what each step's forward holds on the GPU: the first step's is the peak
+
+    def forward(batch):
+        inputs, targets = batch
+        n = megabytes[trainer.global_step] * MiB
+        fake.allocate(0, n)
+        fake.free(0, n)
+        return F.cross_entropy(model(inputs), targets)
+
+    trainer = Trainer(model, optimizer, None, loader(32, shuffle=False), batch_size=32, verbose=0, forward=forward,
+                      policy=FitToMemory(meter=CudaMeter("cuda:0")))
+    trainer.device = torch.device("cuda", 0)  # as if the model were there
+    trainer.fit(1)
+    assert trainer.global_step == 3
+    assert trainer.history.epochs[0]["peak_cuda_allocated"] == 300 * MiB
+    assert fake.resets == [0], "only the trainer resets the peak, once, as its epoch begins"

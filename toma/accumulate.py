@@ -16,7 +16,7 @@ import logging
 import re
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, ContextManager, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -140,7 +140,7 @@ class AgreeingDDP:
 
     def __init__(self, model: DistributedDataParallel) -> None:
         self.model = model
-        self.agreement = Agreement(model.process_group)
+        self.agreement = Agreement(model.process_group, _ddp_device(model))
         # Set on construction (and by a synchronised forward pass outside toma), it makes the next forward
         # pass broadcast buffers; `synchronise` does that outside the retried region instead.
         model.require_forward_param_sync = False
@@ -165,6 +165,24 @@ class AgreeingDDP:
 
     def abort(self) -> None:
         pass
+
+
+def _model_device(params: Iterable[torch.Tensor]) -> Optional[torch.device]:
+    """Where a model computes: its first parameter's device, or a later one's on an accelerator when the
+    first is on the CPU (None: no parameters)."""
+    first = None
+    for p in params:
+        if p.device.type != "cpu":
+            return p.device
+        first = first or p.device
+    return first
+
+
+def _ddp_device(model: DistributedDataParallel) -> Optional[torch.device]:
+    """DDP's device: its `device_ids[0]`, else its module's parameters' (the rank's GPU under NCCL)."""
+    if model.device_ids:
+        return torch.device(model.device_type, model.device_ids[0])
+    return _model_device(model.module.parameters())
 
 
 def sync_for(model: torch.nn.Module) -> Any:
@@ -315,6 +333,11 @@ class AccumulateStep:
         sizes by elements, so batches padded to other widths need no new search."""
         parts = self.batch.parts if isinstance(self.batch, Parts) else [self.batch]
         return float(max(sum(t.numel() for _, t in part.tensors) / part.size for part in parts))
+
+    @property
+    def device(self) -> Optional[torch.device]:
+        """Where the model computes (see `toma.engine.Step`)."""
+        return _model_device(self.params)
 
     def effective(self, size: int) -> int:
         """A micro-batch never holds more rows than the largest part of the logical batch."""

@@ -57,25 +57,42 @@ def is_distributed(group: Any = None) -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
-def _device_for(group: Any) -> torch.device:
-    """Where the agreement's tensor lives: NCCL needs it on this rank's GPU, gloo on the CPU."""
+def _device_for(group: Any, device: Optional[torch.device] = None) -> torch.device:
+    """Where the agreement's tensor lives: gloo's on the CPU; NCCL's on this rank's GPU, the one the work
+    runs on (`device`: DDP's device, the model's, the tensors'), else the current CUDA device."""
     backend = dist.get_backend(group)
     if backend == "nccl" and torch.cuda.is_available():
+        if device is not None and device.type == "cuda" and device.index is not None:
+            return device
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
 class Agreement:
-    """The agreement collectives of one process group (None: the default group)."""
+    """The agreement collectives of one process group (None: the default group). `device`: where the
+    agreed work runs, when known; else the engine tells it (`work_on`) before the first collective."""
 
-    def __init__(self, group: Any = None) -> None:
+    def __init__(self, group: Any = None, device: Optional[torch.device] = None) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self.device = _device_for(group)
+        self.work_device = device
+        self._device: Optional[torch.device] = None
         # The size this rank proposes after an out-of-memory error, (size, failed, error) -> next or None;
         # the engine sets it per attempt for a policy that learns. None: the policy's shrink.
         self.propose: Optional[Callable[[int, int, BaseException], Optional[int]]] = None
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the agreement's tensors, chosen at the first collective."""
+        if self._device is None:
+            self._device = _device_for(self.group, self.work_device)
+        return self._device
+
+    def work_on(self, device: Optional[torch.device]) -> None:
+        """Where the agreed work runs, unless the agreement was told already (DDP's device comes first)."""
+        if self.work_device is None and device is not None:
+            self.work_device, self._device = device, None
 
     def _min(self, value: int) -> int:
         tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
@@ -145,6 +162,10 @@ class AgreedStep:
     @property
     def finished(self) -> bool:
         return bool(self.step.finished)
+
+    @property
+    def device(self) -> Optional[torch.device]:
+        return getattr(self.step, "device", None)  # a step may leave it out (see toma.engine.Step)
 
     def effective(self, size: int) -> int:
         return int(self.step.effective(size))

@@ -8,7 +8,10 @@ steps are never repeated. A call that never runs out of memory pays for nothing 
 """
 
 import logging
-from typing import Any, Callable, Dict, Optional, Protocol, Tuple, TypeVar, Union
+from itertools import islice
+from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple, TypeVar, Union
+
+import torch
 
 from toma import stacktrace
 from toma.batchsize_cache import Batchsize, BatchsizeCache
@@ -18,7 +21,7 @@ from toma.oom import release_memory, should_reduce_batch_size
 from toma.policy import SizePolicy, shrink_below
 from toma.size_store import SizeStore, active_store, describe_model, device_key
 
-__all__ = ["Step", "run", "drive", "BatchStep", "RangeStep", "ChunkStep", "add_note"]
+__all__ = ["Step", "run", "drive", "BatchStep", "RangeStep", "ChunkStep", "add_note", "step_device", "find_device"]
 
 log = logging.getLogger("toma")
 
@@ -30,7 +33,11 @@ class Step(Protocol):
     a short batch): after an out-of-memory error the engine shrinks from it, not from `size`, so a chunk is
     never retried unchanged. `name` (None: the function's name) and `size_name` say what a log line names.
     `row_items` (1 when left out) is how many items a row holds, for a policy that sizes by items (the
-    elements of a padded row in accumulation). `effective`, `name` and `row_items` may be left out.
+    elements of a padded row in accumulation). `device` is where the work runs (a CUDA device, the CPU), so
+    that a learning policy measures that device, the size file keys it, and ranks agree on it; None when
+    not known (then the current CUDA device in a process that uses CUDA, else the CPU). Only a learning
+    policy, a size file or an agreement reads it, once per call. `effective`, `name`, `row_items` and
+    `device` may be left out.
     """
 
     func: Callable[..., Any]
@@ -53,6 +60,38 @@ def add_note(exception: BaseException, note: str) -> None:
         exception.__notes__ = [*getattr(exception, "__notes__", ()), note]  # type: ignore[attr-defined]
 
 
+def step_device(step: Step) -> Optional[torch.device]:
+    """Where `step`'s work runs (None: not known, or a step written before `device` existed)."""
+    return getattr(step, "device", None)
+
+
+_LOOKED_AT = 32  # arguments find_device looks at, at most: a long list of host tensors costs nothing
+
+
+def find_device(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[torch.device]:
+    """The device of the first tensor among a call's arguments (also in tuples, lists and dicts) that is not
+    on the CPU; None when there is none: host tensors are often moved inside the function, so they say
+    nothing about where the work runs."""
+    if not kwargs:
+        if not args:
+            return None
+        queue: List[Any] = list(args)
+    else:
+        queue = [*args, *kwargs.values()]
+    index = 0
+    while index < len(queue) and index < _LOOKED_AT:
+        value = queue[index]
+        index += 1
+        if isinstance(value, torch.Tensor):
+            if not (value.is_cpu or value.is_meta):  # cheaper than reading `.device.type`
+                return value.device
+        elif isinstance(value, (tuple, list)):
+            queue.extend(value[:_LOOKED_AT])
+        elif isinstance(value, dict):
+            queue.extend(islice(value.values(), _LOOKED_AT))
+    return None
+
+
 def _name(step: Step) -> str:
     return getattr(step, "name", None) or getattr(step.func, "__qualname__", None) or repr(step.func)
 
@@ -63,14 +102,15 @@ def _effective(step: Step, size: int) -> int:
     return size if effective is None else int(effective(size))
 
 
-def _recall(entry: Batchsize, step: Step, store: SizeStore, policy: SizePolicy) -> None:
+def _recall(
+    entry: Batchsize, step: Step, store: SizeStore, policy: SizePolicy, device: Optional[torch.device]
+) -> None:
     """Give a cache entry used for the first time its key in the size file, the size stored there, and
     to a learning policy the model stored with it."""
     func = step.func
     function = f"{getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', repr(func))}"
     site = f"{function} called from {stacktrace.describe_call_site().rsplit(' in ', 1)[0]}"
-    device = device_key()
-    entry.store_key = f"{site} | {device}"
+    entry.store_key = f"{site} | {device_key(device)}"
     remembered = store.recall(entry.store_key)
     if remembered is not None:
         size, model = remembered
@@ -139,13 +179,14 @@ def run(
     """
     store = active_store()
     recalled = store is not None and entry.store_key is None
-    if recalled:
-        _recall(entry, step, store, policy)  # type: ignore[arg-type]
-    size = entry.start(initial_size)
     learns = getattr(policy, "learns", False)
+    device = step_device(step) if learns or recalled or agreement is not None else None
+    if recalled:
+        _recall(entry, step, store, policy, device)  # type: ignore[arg-type]
+    size = entry.start(initial_size)
     scale = float(getattr(step, "row_items", 1.0)) if learns else 1.0
     if learns:
-        predicted = policy.start(entry, size, initial_size, scale)  # type: ignore[attr-defined]
+        predicted = policy.start(entry, size, initial_size, scale, device)  # type: ignore[attr-defined]
         if predicted != size:  # a remembered model under another budget (INFO), rows of another width
             log.log(
                 logging.INFO if recalled else logging.DEBUG,
@@ -158,11 +199,12 @@ def run(
             )
             size = predicted
     if agreement is not None:
+        agreement.work_on(device)
         size = agreement.start(size)
         entry.shrink_to(size)
     detail = ""
     while True:
-        token = policy.begin(entry, size, scale) if learns else None  # type: ignore[attr-defined]
+        token = policy.begin(entry, size, scale, device) if learns else None  # type: ignore[attr-defined]
         proposal = None
         if agreement is not None:  # each rank proposes its policy's next size; the smallest is agreed
             proposal = agreement.propose = _Proposal(policy, entry, token) if learns else None
@@ -258,6 +300,11 @@ class BatchStep:
         self.func, self.args, self.kwargs, self.name = func, args, kwargs, name
         self.result: Any = None
 
+    @property
+    def device(self) -> Optional[torch.device]:
+        """The device of the first tensor argument not on the CPU (None: none)."""
+        return find_device(self.args, self.kwargs)
+
     def effective(self, size: int) -> int:
         return size
 
@@ -273,10 +320,11 @@ class BatchStep:
 
 
 class RangeStep:
-    """`func(start, stop, *args, **kwargs)` for consecutive chunks of `[start, end)`; resumes after an OOM."""
+    """`func(start, stop, *args, **kwargs)` for consecutive chunks of `[start, end)`; resumes after an OOM.
+    `device`: where the work runs, when the caller knows (else the tensor arguments say)."""
 
     size_name = "step"
-    __slots__ = ("func", "args", "kwargs", "current", "end", "name")
+    __slots__ = ("func", "args", "kwargs", "current", "end", "name", "_device")
 
     def __init__(
         self,
@@ -286,13 +334,20 @@ class RangeStep:
         args: Tuple[Any, ...],
         kwargs: Dict[str, Any],
         name: Optional[str] = None,
+        device: Optional[torch.device] = None,
     ) -> None:
         self.func, self.args, self.kwargs, self.name = func, args, kwargs, name
         self.current, self.end = start, end
+        self._device = device
 
     @property
     def finished(self) -> bool:
         return self.current >= self.end
+
+    @property
+    def device(self) -> Optional[torch.device]:
+        """The device given, else that of the first tensor argument not on the CPU (None: none)."""
+        return self._device if self._device is not None else find_device(self.args, self.kwargs)
 
     def effective(self, size: int) -> int:
         """The length of the chunk an attempt at `size` covers: less than `size` near the end."""
@@ -331,6 +386,11 @@ class ChunkStep(RangeStep):
     ) -> None:
         super().__init__(func, 0, tensor.shape[dimension], args, kwargs)
         self.tensor, self.dimension = tensor, dimension
+
+    @property
+    def device(self) -> Optional[torch.device]:
+        """The chunked tensor's device, or another tensor argument's, when not on the CPU (None: none)."""
+        return find_device((self.tensor, *self.args), self.kwargs)
 
     def call(self, start: int, stop: int) -> None:
         self.func(self.tensor.narrow(self.dimension, start, stop - start), start, stop, *self.args, **self.kwargs)

@@ -1,12 +1,13 @@
 """`FitToMemory`: a sizing policy that measures attempts and jumps to the largest size predicted to fit.
 
 Each measured attempt gives a point of `need(size) = fixed + per_item * size`: an attempt that fit gives
-its peak bytes above what was in use when it began; one that ran out of memory gives a lower bound (its
-peak plus the allocation that failed). After an out-of-memory error the policy jumps to the largest size
-whose predicted need fits in `budget * (1 - margin)`; after a success with room left the call site's size
-grows for the next call (never above what a call asks for). Without a meter, or with nothing measured,
-it halves, as toma always did; when an error contradicts the model it shrinks at least as fast as
-halving and trusts the model again only after a new measurement.
+its peak bytes above what was in use when it began (where the meter can tell, `toma.meters`); one that ran
+out of memory gives a lower bound (its peak, or what it still held, plus the allocation that failed).
+Attempts are measured on the device the work runs on (the step's `device`). After an out-of-memory error
+the policy jumps to the largest size whose predicted need fits in `budget * (1 - margin)`; after a
+success with room left the call site's size grows for the next call (never above what a call asks for).
+Without a meter, or with nothing measured, it halves, as toma always did; when an error contradicts the
+model it shrinks at least as fast as halving and trusts the model again only after a new measurement.
 """
 
 import json
@@ -14,6 +15,8 @@ import math
 import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Tuple
+
+import torch
 
 from toma.batchsize_cache import Batchsize
 from toma.free_memory import GAUGE, FreeMemoryGauge
@@ -118,7 +121,7 @@ def _check_margin(margin: Any) -> float:
 class FitToMemory(SizePolicy):
     """Size from measurements: jump to the largest size predicted to fit in `budget * (1 - margin)`.
 
-    `meter` measures attempts (None: the current CUDA device in a process that uses CUDA, else the CPU);
+    `meter` measures attempts (None: the meter of the device the work runs on, `toma.meters.default_meter`);
     once a call site's size has settled, only every `measure_every`-th call is measured.
     """
 
@@ -133,14 +136,16 @@ class FitToMemory(SizePolicy):
         minimum: int = 1,
     ) -> None:
         self.margin = _check_margin(margin)
-        if meter is not None and not callable(getattr(meter, "begin", None)):
+        if meter is not None and not isinstance(meter, MemoryMeter):
             raise TypeError(f"meter must be a toma.meters.MemoryMeter, got {meter!r}")
         if isinstance(measure_every, bool) or not isinstance(measure_every, int) or measure_every < 1:
             raise ValueError(f"measure_every must be a positive int, got {measure_every!r}")
         if isinstance(minimum, bool) or not isinstance(minimum, int) or minimum < 1:
             raise ValueError(f"minimum must be a positive int, got {minimum!r}")
         self.meter, self.measure_every, self.minimum = meter, measure_every, minimum
-        self._meter_for: Callable[[], MemoryMeter] = (lambda: meter) if meter is not None else default_meter
+        self._meter_for: Callable[[Optional[torch.device]], MemoryMeter] = (
+            default_meter if meter is None else lambda device: meter
+        )
 
     def __repr__(self) -> str:
         return f"FitToMemory(margin={self.margin!r}, meter={self.meter!r})"
@@ -179,10 +184,13 @@ class FitToMemory(SizePolicy):
 
     # --- the engine's hooks ----------------------------------------------------------------------------
 
-    def start(self, entry: Batchsize, size: int, asked: int, scale: float) -> int:
+    def start(
+        self, entry: Batchsize, size: int, asked: int, scale: float, device: Optional[torch.device] = None
+    ) -> int:
         """The size a call begins with when its rows hold `scale` items (elements) each: `size` (the entry's)
-        when the scale is the one it was found for, else the largest the model predicts to fit now (never
-        above `asked`, the size the call asked for). Padded batches of other widths need no new search."""
+        when the scale is the one it was found for, else the largest the model predicts to fit now on
+        `device` (never above `asked`, the size the call asked for). Padded batches of other widths need no
+        new search."""
         state = self.learned(entry)
         recalled, state.recalled = state.recalled, None
         fresh, state.fresh = state.fresh, False
@@ -190,7 +198,7 @@ class FitToMemory(SizePolicy):
             return size
         model = state.model()
         state.scale, state.quiet = scale, 0
-        mark = None if model is None else self._meter_for().begin()
+        mark = None if model is None else self._meter_for(device).begin()
         if model is None or mark is None:
             return size
         if recalled is not None and recalled * (1 - self.margin / 2) <= mark.budget <= recalled * (1 + self.margin):
@@ -200,17 +208,20 @@ class FitToMemory(SizePolicy):
         state.note = f"predicted for {_bytes(mark.budget)} free and {scale:g} items per row: {model}"
         return fits
 
-    def begin(self, entry: Batchsize, size: int, scale: float = 1.0) -> Optional[Tuple[MemoryMeter, Mark, float]]:
+    def begin(
+        self, entry: Batchsize, size: int, scale: float = 1.0, device: Optional[torch.device] = None
+    ) -> Optional[Tuple[MemoryMeter, Mark, float]]:
+        """A measurement of the attempt on `device` (None: not measured this time)."""
         state = self.learned(entry)
         settled = state.quiet >= 2 and not state.distrust and scale == state.scale
         if settled and state.quiet % self.measure_every:
-            reading = self.gauge.read()  # throttled: a clock read most of the time
+            reading = self.gauge.read(device)  # throttled: a clock read most of the time
             if reading == state.reading or not _moved(reading, state.reading):
                 state.quiet += 1
                 return None
-        state.reading = self.gauge.read()
+        state.reading = self.gauge.read(device)
         state.scale = scale
-        meter = self._meter_for()
+        meter = self._meter_for(device)
         mark = meter.begin()
         return None if mark is None else (meter, mark, scale)
 
@@ -222,9 +233,13 @@ class FitToMemory(SizePolicy):
             return None
         meter, mark, scale = token
         state.budget = mark.budget
-        used = float(meter.used(mark))
-        state.fits = (state.fits + [(ran * scale, used)])[-_KEPT:]
-        state.distrust = False
+        used = meter.used(mark)
+        if used is not None:
+            state.fits = (state.fits + [(ran * scale, float(used))])[-_KEPT:]
+            state.distrust = False
+        elif state.distrust or not state.fits:  # not measured: nothing to trust a model of errors alone with
+            state.quiet += 1
+            return None
         model = state.model()
         current = entry.value or ran
         if model is None or ran < current:  # a short batch: a point for the model, not a verdict on the size
@@ -239,8 +254,9 @@ class FitToMemory(SizePolicy):
             state.quiet += 1
             return None
         state.quiet, state.announced = 0, best
+        measured = f"needed {_bytes(used)} of" if used is not None else "fit (not measured: below an earlier peak) in"
         return (
-            f"{ran} needed {_bytes(used)} of {_bytes(mark.budget)}; "
+            f"{ran} {measured} {_bytes(mark.budget)}; "
             f"{'growing' if best > current else 'shrinking into the margin'} to {best} ({model})"
         )
 
@@ -268,7 +284,7 @@ class FitToMemory(SizePolicy):
         if before is not None and before.need(items) <= mark.budget * (1 - self.margin):
             state.distrust = True  # it was predicted to fit: memory the meter cannot see, fragmentation...
         known = meter.failed_bytes(error)
-        bound = float(meter.used(mark) + (known or 0))
+        bound = float(meter.at_least(mark) + (known or 0))
         if bound > 0:
             state.bounds = (state.bounds + [(items, bound)])[-_KEPT:]
         model = state.model()

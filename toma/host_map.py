@@ -98,7 +98,7 @@ class MapStep(RangeStep):
         output_device: torch.device,
         name: Optional[str] = None,
     ) -> None:
-        super().__init__(func, 0, split.size, (), {}, name)
+        super().__init__(func, 0, split.size, (), {}, name, device=transfers.device)
         self.split, self.transfers = split, transfers
         label = str(name or getattr(func, "__qualname__", repr(func)))
         self.joined = _Joined(split.size, output_device, label)

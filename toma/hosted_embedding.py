@@ -329,7 +329,7 @@ class _RowUpdate(engine.RangeStep):
     __slots__ = ("table", "ids", "rows", "grad", "shared_after", "first", "dirty_until")
 
     def __init__(self, table: HostedEmbedding, ids: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor) -> None:
-        super().__init__(table.optimizer.step, 0, len(ids), (), {}, name="HostedEmbedding.step")
+        super().__init__(table.optimizer.step, 0, len(ids), (), {}, name="HostedEmbedding.step", device=table.device)
         self.table, self.ids, self.rows, self.grad = table, ids, rows, grad
         self.shared_after: Optional[Dict[str, Any]] = None
         self.first = table._rows is None

@@ -25,14 +25,16 @@ class SizePolicy:
     """Base class: `shrink(size)` returns the next smaller size to try, or None when none is left.
 
     A policy that learns from measurements sets `learns = True`; the engine then calls, per call,
-    `start(entry, size, asked, scale)` (the size to begin with, at most `asked`; `scale`: the items each row holds, the step's
-    `row_items`, 1 unless a step says otherwise), and per attempt `begin(entry, size, scale)` (a token,
-    or None when it measures nothing this time), and after it either
-    `succeeded(entry, token, ran)` (`ran`: the rows the attempt's first chunk had; returns a description
-    of a size change to log, or None) or `after_oom(entry, token, size, failed, error)`, which returns the
-    next size (below `failed`) or None, and `explain(entry)` says why for the log line. `entry` is the
-    call site's cache entry: a policy keeps what it learned there, and may grow its size. Ranks that agree
-    on sizes use `shrink` alone.
+    `start(entry, size, asked, scale, device)` (the size to begin with, at most `asked`; `scale`: the items
+    each row holds, the step's `row_items`, 1 unless a step says otherwise; `device`: where the step's work
+    runs, a `torch.device`, or None when not known), and per attempt `begin(entry, size, scale, device)` (a
+    token, or None when it measures nothing this time), and after it either `succeeded(entry, token, ran)`
+    (`ran`: the rows the attempt's first chunk had; returns a description of a size change to log, or None)
+    or `after_oom(entry, token, size, failed, error)`, which returns the next size (below `failed`) or None,
+    and `explain(entry)` says why for the log line. `entry` is the call site's cache entry: a policy keeps
+    what it learned there, and may grow its size. A policy measures `device`, not the current CUDA device
+    (a model on `cuda:1` runs where the current device is 0), and never initialises CUDA for a device that
+    is not CUDA. Ranks that agree on sizes use `shrink` alone.
     """
 
     learns = False
@@ -53,8 +55,8 @@ class ShrinkByFactor(SizePolicy):
         factor = float(factor)
         if not 0 < factor < 1:
             raise ValueError(f"factor must be between 0 and 1 (exclusive), got {factor!r}")
-        self.factor = factor
-        self.minimum = check_size(minimum, "minimum")
+        self.factor: float = factor
+        self.minimum: int = check_size(minimum, "minimum")
 
     def shrink(self, size: int) -> Optional[int]:
         if size <= self.minimum:

@@ -124,19 +124,25 @@ def active_store() -> Optional[SizeStore]:
     return _store
 
 
-def device_key() -> str:
-    """The device a size was learned on: the CUDA device's name and memory in a process that uses CUDA,
-    else the CPU (with the address-space limit, which decides what fits), and the world size."""
+def device_key(device: Any = None) -> str:
+    """The device a size was learned on: for work on a CUDA device, that device's name and memory; for
+    CPU work the CPU (with the address-space limit, which decides what fits); and the world size.
+    `device` None (not known): the current CUDA device in a process that uses CUDA, else the CPU."""
     import torch  # a module-level import would be one more import floor for nothing
 
     world = 1
     distributed = getattr(torch, "distributed", None)
     if distributed is not None and distributed.is_available() and distributed.is_initialized():
         world = distributed.get_world_size()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        index = torch.cuda.current_device()
+    if device is None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        device = torch.device("cuda", torch.cuda.current_device())
+    kind = "cpu" if device is None else device.type
+    if kind == "cuda":
+        index = torch.cuda.current_device() if device.index is None else device.index
         properties = torch.cuda.get_device_properties(index)
         return f"cuda:{properties.name}:{properties.total_memory}:world={world}"
+    if kind != "cpu":
+        return f"{kind}:world={world}"
     from toma.cpu_memory import _address_space_limit
 
     limit = _address_space_limit()  # in 64 MiB steps: a cap set from the settled address space moves a little

@@ -104,15 +104,33 @@ def get_cuda_available_memory() -> int:
     return get_cuda_assumed_available_memory() - get_cuda_blocked_memory()
 
 
-def get_cuda_free_memory_if_initialized() -> Optional[int]:
-    """Free device memory plus PyTorch's cached but unused blocks; None while CUDA is not initialised.
+def _has_context(index: int) -> bool:
+    """Whether CUDA device `index` has its context already (reading its free memory would create one)."""
+    has_context = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+    if has_context is not None:
+        return bool(has_context(index))
+    return torch.cuda.memory_reserved(index) > 0  # an older build: memory PyTorch holds means a context
 
-    Never initialises CUDA itself (that would cost a context and break later forks).
+
+def get_cuda_free_memory_if_initialized(device: Optional[torch.device] = None) -> Optional[int]:
+    """Free memory of the CUDA `device` plus PyTorch's cached but unused blocks there; None while CUDA is
+    not initialised, or for a device that is not CUDA. `device` None: the current device, if it has a
+    context (a thread's current device may be one the process never used).
+
+    Never initialises CUDA, nor a device's context (that would cost memory there and break later forks).
     """
     if not torch.cuda.is_initialized():
         return None
-    free, _total = torch.cuda.mem_get_info()
-    return int(free + torch.cuda.memory_reserved() - torch.cuda.memory_allocated())
+    if device is None:
+        index = torch.cuda.current_device()
+        if not _has_context(index):
+            return None
+    elif device.type != "cuda":
+        return None
+    else:
+        index = torch.cuda.current_device() if device.index is None else device.index
+    free, _total = torch.cuda.mem_get_info(index)
+    return int(free + torch.cuda.memory_reserved(index) - torch.cuda.memory_allocated(index))
 
 
 def _message(exception: BaseException) -> str:
