@@ -636,3 +636,18 @@ def test_the_epoch_cuda_peak_is_the_epochs_and_the_steps_measurements_leave_it_a
     assert trainer.global_step == 3
     assert trainer.history.epochs[0]["peak_cuda_allocated"] == 300 * MiB
     assert fake.resets == [0], "only the trainer resets the peak, once, as its epoch begins"
+
+
+def test_evaluation_chunks_are_measured_on_the_trainers_device():
+    """The evaluation step says where its work runs (the trainer's device), so a measuring policy reads that
+    device's meter: host batches say nothing about it, and the current CUDA device may be another one."""
+    seen = []
+
+    class Recording(toma.FitToMemory):
+        def begin(self, entry, size, scale=1.0, device=None):
+            seen.append(device)
+            return super().begin(entry, size, scale, device)
+
+    trainer, _ = make_trainer(policy=Recording())
+    trainer.evaluate(loader(40, shuffle=False))
+    assert seen and all(device == torch.device("cpu") for device in seen)

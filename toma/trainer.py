@@ -475,7 +475,7 @@ class Trainer:
 
     def _chunks(self, func: Callable[..., None], rows_: int, *args: Any) -> None:
         """`func(start, stop, *args)` over `[0, rows_)` in chunks that fit (the trainer's evaluation size)."""
-        step = _EvaluationChunks(func, 0, rows_, args, {}, name="Trainer.evaluate")
+        step = _EvaluationChunks(func, 0, rows_, args, {}, name="Trainer.evaluate", device=self.device)
         engine.drive(step, self._evaluation_cache, _WHOLE_BATCHES, self.policy)
 
     def _predict_rows(self, start: int, stop: int, inputs: Any, outputs: List[torch.Tensor]) -> None:
