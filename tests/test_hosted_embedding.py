@@ -600,9 +600,18 @@ def test_tables_and_state_tables_are_page_locked_at_their_size_also_after_loadin
     module.load_state_dict(torch.load(buffer))
     gc.collect()
     new = [table.data_ptr() for table in module._rows.values()]
-    assert sorted(call[:2] for call in registrar.calls) == sorted(
-        [("register", address) for address in new] + [("unregister", address) for address in old]
-    )
+    assert new == old and registrar.calls == [], "loaded into the locked tables in use: nothing locked twice"
+    assert host.registered_bytes == 3 * table_bytes
+
+    fresh = hosted(factory)  # no state tables yet: loading makes them, locked at their size
+    registrar.calls.clear()
+    buffer.seek(0)
+    fresh.load_state_dict(torch.load(buffer))
+    made = sorted(table.data_ptr() for table in fresh._rows.values())
+    assert sorted(call[:2] for call in registrar.calls) == [("register", address) for address in made]
+    assert host.registered_bytes == 3 * table_bytes + 3 * table_bytes
+    del fresh
+    gc.collect()
     assert host.registered_bytes == 3 * table_bytes
     saved = torch.load(io.BytesIO(buffer.getvalue()))["_extra_state"]["rows"]
     assert all(torch.equal(module._rows[key], table) for key, table in saved.items())
@@ -692,3 +701,44 @@ def test_a_scaler_that_is_not_a_grad_scaler_is_named():
     with pytest.raises(TypeError, match="scaler"):
         module.step(scaler=2.0**10)
     assert len(module._pending) == 1  # the rows wait for a proper step
+
+
+def test_a_float16_table_under_a_grad_scaler_is_refused_with_a_reason():
+    module = HostedEmbedding(N, D, optimizer=lambda params: torch.optim.SGD(params, lr=0.1), device="cpu",
+                             dtype=torch.float16)
+    before = module.weight.clone()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    module(torch.tensor([1, 2])).float().sum().backward()
+    with pytest.raises(TypeError, match="float16"):
+        module.step(scaler=scaler)
+    assert torch.equal(module.weight, before)
+
+
+def test_an_interrupt_in_a_later_part_leaves_a_table_that_trains_on(monkeypatch):
+    """Parts written before a KeyboardInterrupt stepped with this step's shared state (Adam's count): it is
+    kept, so the table stays consistent and the next step works."""
+    from toma.hosted_embedding import _RowUpdate
+
+    module = hosted(lambda params: torch.optim.Adam(params, lr=1e-2))
+    calls = []
+    original = _RowUpdate.call
+
+    def call(self, start, stop):
+        calls.append((start, stop))
+        if len(calls) == 1:
+            raise_fake_oom()  # all rows at once do not fit: smaller parts
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # after the first part was written
+        return original(self, start, stop)
+
+    monkeypatch.setattr(_RowUpdate, "call", call)
+    module(torch.arange(10)).sum().backward()
+    with pytest.raises(KeyboardInterrupt):
+        module.step()
+    (first, _), (start, middle), later = calls
+    assert (first, start) == (0, 0) and later == (middle, 10) and 0 < middle < 10
+    monkeypatch.setattr(_RowUpdate, "call", original)
+    assert module._shared is not None and int(module._shared["step"]) == 1
+    module(torch.arange(10)).sum().backward()
+    module.step()  # a KeyError ('step') when the shared state was lost
+    assert int(module._shared["step"]) == 2

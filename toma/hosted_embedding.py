@@ -226,12 +226,14 @@ class HostedEmbedding(nn.Module):
         if scaler is not None and not self._unscale(scaler, rows, grad):  # type: ignore[arg-type]
             return
         update = _RowUpdate(self, unique, rows, grad)  # type: ignore[arg-type]
-        if len(unique):
-            # Sized against the whole table, so a small step never caps the parts of a later, larger one.
-            engine.drive(update, self._sizes, self.num_embeddings, self.policy or get_default_policy())
-        else:  # a lookup of no rows: the shared state (a step count) counts the step, as SparseAdam's does
-            update.call(0, 0)
-        self._shared = update.shared_after if update.shared_after is not None else self._shared
+        try:
+            if len(unique):
+                # Sized against the whole table, so a small step never caps the parts of a later, larger one.
+                engine.drive(update, self._sizes, self.num_embeddings, self.policy or get_default_policy())
+            else:  # a lookup of no rows: the shared state (a step count) counts the step, as SparseAdam's does
+                update.call(0, 0)
+        finally:  # also when a later part failed for good: the rows written so far stepped with this state
+            self._shared = update.shared_after if update.shared_after is not None else self._shared
         self._refresh_prefetched(unique)
 
     def _unscale(self, scaler: GradScaler, rows: torch.Tensor, grad: torch.Tensor) -> bool:
@@ -239,6 +241,12 @@ class HostedEmbedding(nn.Module):
         inf/NaN for `scaler.update()`; False when there is one (the step is skipped)."""
         if not scaler.is_enabled():
             return True
+        if grad.dtype == torch.float16:
+            raise TypeError(
+                "step(scaler=...) needs a float32 (or bfloat16) table: a GradScaler cannot unscale float16 "
+                "gradients, and float16 rows would lose the small updates it protects; make the table with "
+                "dtype=torch.float32 and run the model under torch.autocast"
+            )
         group = self.optimizer.param_groups[0]
         rows.grad = grad
         group["params"] = [rows]
@@ -299,19 +307,28 @@ class HostedEmbedding(nn.Module):
 
     # --- saving ------------------------------------------------------------------------------------------
 
+    def _table_for(self, kept: Optional[torch.Tensor], saved: torch.Tensor) -> torch.Tensor:
+        """A host table holding `saved`: the one in use when it has the same shape and dtype (loading a state
+        dict then locks no second copy of the table's memory), else a new one."""
+        target = kept if kept is not None and _same_layout(kept, saved) else self._host_empty(saved.shape, saved.dtype)
+        return target.copy_(saved.detach())
+
     def get_extra_state(self) -> Dict[str, Any]:
         groups = [{key: value for key, value in group.items() if key != "params"} for group in self.optimizer.param_groups]
         return {"rows": self._rows, "shared": self._shared, "param_groups": groups}
 
     def set_extra_state(self, state: Dict[str, Any]) -> None:
         rows = state.get("rows")
-        self._rows = None if rows is None else {
-            key: self._host_empty(table.shape, table.dtype).copy_(table.detach()) for key, table in rows.items()
-        }
+        kept = self._rows or {}
+        self._rows = None if rows is None else {key: self._table_for(kept.get(key), table) for key, table in rows.items()}
         self._shared = None if state.get("shared") is None else {key: clone(v) for key, v in state["shared"].items()}
         for group, saved in zip(self.optimizer.param_groups, state.get("param_groups", [])):
             group.update(saved)
         self._pending, self._prefetched = [], None
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype
 
 
 def _to(value: Any, device: torch.device) -> Any:

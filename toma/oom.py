@@ -54,7 +54,7 @@ def should_reduce_batch_size(exception: BaseException) -> bool:
     a local retry cannot mend it, only issue collectives that match nothing. The ranks stop instead.
     """
     chain = _causes(exception)
-    if any(_is_collective_error(error) for error in chain):
+    if any(map(_is_collective_error, chain)):
         return False
     for cause in chain:
         if isinstance(cause, ControlException):
