@@ -33,12 +33,17 @@ def train_hosted(module, steps=50, seed=1):
     return module.weight.detach()
 
 
-def test_adam_equals_sparse_adam_on_a_sparse_embedding():
+def adam_and_its_sparse_reference():
+    """A hosted table with Adam, and `nn.Embedding(sparse=True)` + `SparseAdam` from the same values."""
     module = hosted(lambda params: torch.optim.Adam(params, lr=1e-2))
     reference = torch.nn.Embedding(N, D, sparse=True)
     with torch.no_grad():
         reference.weight.copy_(module.weight)
-    optimizer = torch.optim.SparseAdam(reference.parameters(), lr=1e-2)
+    return module, reference, torch.optim.SparseAdam(reference.parameters(), lr=1e-2)
+
+
+def test_adam_equals_sparse_adam_on_a_sparse_embedding():
+    module, reference, optimizer = adam_and_its_sparse_reference()
     for indices, target in batches():
         optimizer.zero_grad()
         ((reference(indices) - target) ** 2).sum().backward()
@@ -497,11 +502,7 @@ def test_the_probe_sees_rows_depend_on_each_other_also_at_a_learning_rate_of_zer
 
 
 def test_a_backward_through_a_lookup_of_no_rows_is_a_step_as_sparse_adam_counts_it():
-    module = hosted(lambda params: torch.optim.Adam(params, lr=1e-2))
-    reference = torch.nn.Embedding(N, D, sparse=True)
-    with torch.no_grad():
-        reference.weight.copy_(module.weight)
-    optimizer = torch.optim.SparseAdam(reference.parameters(), lr=1e-2)
+    module, reference, optimizer = adam_and_its_sparse_reference()
     nothing = (torch.zeros(0, dtype=torch.long), torch.zeros(0, D))
     data = list(batches(6))
     plan = [nothing, data[0], nothing, nothing, data[1], "no backward", data[2], nothing, data[3], data[4]]

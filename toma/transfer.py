@@ -320,16 +320,7 @@ class Transfers:
         host = [t for t in moving if t.device.type == "cpu" and stageable(t)]
         direct = [t for t in host if t.is_pinned()]
         packed = [t for t in host if not t.is_pinned()] if self.pinning else []
-        slot: Optional[_Slot] = None
-        buffer: Optional[torch.Tensor] = None
-        offsets: List[int] = []
-        total = 0
-        if packed:
-            offsets, total = self._layout(packed)
-            slot = self._slot(False)
-            buffer = self._reserve(slot, total)
-            if buffer is None:
-                packed = []
+        packed, offsets, total, slot, buffer = self._stage(packed, outbound=False)
         chosen = {id(t) for t in packed + direct}
         later = {id(t) for t in moving if id(t) not in chosen}  # moved with .to() on the stream that takes them
         if not chosen:
@@ -368,16 +359,7 @@ class Transfers:
             return Pending(map_tensors(obj, lambda tensor: tensor.cpu()))
         tensors = _distinct(_tensors(obj))
         here = [t for t in tensors if t.device == self.device and _dense(t)] if self.pinning else []
-        slot: Optional[_Slot] = None
-        buffer: Optional[torch.Tensor] = None
-        offsets: List[int] = []
-        total = 0
-        if here:
-            offsets, total = self._layout(here)
-            slot = self._slot(True)
-            buffer = self._reserve(slot, total)
-            if buffer is None:
-                here = []
+        here, offsets, total, slot, buffer = self._stage(here, outbound=True)
         staging = {id(t) for t in here}
         elsewhere = [t for t in tensors if t.device.type != "cpu" and id(t) not in staging]
         if not here and not elsewhere:
@@ -399,6 +381,21 @@ class Transfers:
         # Synchronous: ordered after the work queued on the tensor's own device's current stream.
         copied = {id(t): t.to("cpu") for t in elsewhere}
         return _Returning(obj, placed, copied, event, slot)
+
+    def _stage(
+        self, tensors: List[torch.Tensor], outbound: bool
+    ) -> Tuple[List[torch.Tensor], List[int], int, Optional[_Slot], Optional[torch.Tensor]]:
+        """A staging buffer for `tensors` in the next slot of one direction: (the tensors it takes, their
+        offsets, the bytes, the slot, the buffer); no tensors and no buffer when there are none or pinning
+        was refused."""
+        if not tensors:
+            return [], [], 0, None, None
+        offsets, total = self._layout(tensors)
+        slot = self._slot(outbound)
+        buffer = self._reserve(slot, total)
+        if buffer is None:
+            return [], [], 0, slot, None
+        return tensors, offsets, total, slot, buffer
 
     @staticmethod
     def _layout(tensors: List[torch.Tensor]) -> Tuple[List[int], int]:
