@@ -8,7 +8,8 @@ import torch
 from helpers import run_python
 
 from toma import FitToMemory, GlobalBatchsizeCache, Halving, NoBatchsizeCache, explicit
-from toma.fit_to_memory import LinearNeed, _Learned
+from toma.fit_to_memory import LinearNeed
+from toma.need import Need, fit_need
 from toma.meters import Mark, MemoryMeter, failed_bytes
 
 MiB = 2**20
@@ -133,12 +134,18 @@ def test_it_grows_after_memory_frees_but_never_above_the_size_asked_for(monkeypa
     assert [size for size, _ in capped] == [1000] * 3
 
 
-def test_the_margin_is_kept_free():
+@pytest.mark.parametrize("fixed_mib", [0, 64, 600])
+@pytest.mark.parametrize("margin", [0.2, 0.05, 0.02])
+def test_the_margin_is_a_share_of_the_rows_whatever_the_fixed_part(margin, fixed_mib):
+    """(1 - margin) of M, the largest size that fits: a large fixed part does not eat into the rows. Above it
+    only where halving from the same start would end higher (never below halving)."""
     memory = SimulatedMemory(1024 * MiB)
-    size, _ = run_calls(FitToMemory(margin=0.2, meter=memory), memory, 4)[-1]
-    need = 64 * MiB + 10 * 2**10 * size
-    assert need <= 0.8 * 1024 * MiB
-    assert need >= 0.7 * 1024 * MiB, "and not much more than the margin"
+    results = run_calls(FitToMemory(margin=margin, meter=memory), memory, 5, fixed=fixed_mib * MiB)
+    halving = run_calls(Halving(), SimulatedMemory(1024 * MiB), 1, fixed=fixed_mib * MiB)[-1][0]
+    best = largest_fitting(1024 * MiB, fixed=fixed_mib * MiB)
+    final = results[-1][0]
+    assert (1 - margin - 0.02) * best <= final <= max((1 - margin) * best + 1, halving), (results, best, halving)
+    assert final >= halving
 
 
 def test_an_error_the_model_did_not_predict_halves_at_least_and_never_creeps():
@@ -183,12 +190,12 @@ def test_a_bad_margin_is_refused_by_name(margin):
 
 
 def test_the_model_is_a_ceiling_of_what_was_measured():
-    learned = _Learned(fits=[(100, 1000.0 + 10 * 100), (200, 1000.0 + 10 * 200 + 50), (400, 1000.0 + 10 * 400)])
-    model = learned.model()
-    assert all(model.need(size) >= need for size, need in learned.fits)
+    fits = [(100, 1000.0 + 10 * 100), (200, 1000.0 + 10 * 200 + 50), (400, 1000.0 + 10 * 400)]
+    model = fit_need(fits)
+    assert model.per_square == 0, "a line while the measurements lie on one"
+    assert all(model.need(size) >= need for size, need in fits)
     assert model.largest_within(1000 + 10 * 1000 + 60) >= 990
-    learned.bounds.append((50, 10_000.0))
-    assert learned.model().need(50) >= 10_000, "an OOM's lower bound lifts the line"
+    assert fit_need(fits, [(1000, 100_000.0)]).need(1000) >= 100_000, "an OOM's lower bound lifts the model"
     assert LinearNeed(0, 10).largest_within(5) == 0
 
 

@@ -2,25 +2,12 @@
 
 import argparse
 import datetime
-import json
 import os
 import sys
 from typing import List, Optional
 
-from toma.fit_to_memory import LinearNeed, _bytes
+from toma.fit_to_memory import describe_remembered
 from toma.size_store import ENVIRONMENT_VARIABLE, SizeStore
-
-
-def _model(text: Optional[str]) -> str:
-    """A stored model as `64.0 MiB + 1.0 MiB per item (budget 4.0 GiB)`; the text itself if it is not one."""
-    if not text:
-        return ""
-    try:
-        data = json.loads(text)
-        line = str(LinearNeed(float(data["fixed"]), float(data["per_item"])))
-        return line + (f" (budget {_bytes(float(data['budget']))})" if data.get("budget") else "")
-    except (ValueError, TypeError, KeyError, AttributeError):
-        return text
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -48,7 +35,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"{options.file}: no sizes remembered")
     for site, device, size, model, updated in rows:
         when = datetime.datetime.fromtimestamp(updated).isoformat(timespec="seconds")
-        print(f"{size:>8}  {site}  [{device}]  {_model(model)}  {when}")
+        print(f"{size:>8}  {site}  [{device}]  {describe_remembered(model)}  {when}")
     return 0
 
 

@@ -229,6 +229,10 @@ def run(
             reason = retry.reason + (f": {_first_line(retry.__cause__)}" if retry.__cause__ is not None else "")
             if proposal is not None and proposal.asked:  # this rank's own proposal: say why it chose it
                 detail = proposal.detail
+            elif learns and token is not None and ran:  # this rank's attempt fit: evidence all the same
+                observed = getattr(policy, "observed", None)
+                if callable(observed):
+                    observed(entry, token, ran)
         except Exception as exception:
             if not should_reduce_batch_size(exception):
                 raise

@@ -1,13 +1,20 @@
-"""`FitToMemory`: a sizing policy that measures attempts and jumps to the largest size predicted to fit.
+"""`FitToMemory`: a sizing policy that measures attempts, models the need, and searches inside the bracket.
 
-Each measured attempt gives a point of `need(size) = fixed + per_item * size`: an attempt that fit gives
-its peak bytes above what was in use when it began (where the meter can tell, `toma.meters`); one that ran
-out of memory gives a lower bound (its peak, or what it still held, plus the allocation that failed).
-Attempts are measured on the device the work runs on (the step's `device`). After an out-of-memory error
-the policy jumps to the largest size whose predicted need fits in `budget * (1 - margin)`; after a
-success with room left the call site's size grows for the next call (never above what a call asks for).
-Without a meter, or with nothing measured, it halves, as toma always did; when an error contradicts the
-model it shrinks at least as fast as halving and trusts the model again only after a new measurement.
+Each measured attempt is evidence: one that fit gives its need (peak bytes above what was in use when it
+began, where the meter can tell, `toma.meters`) and a size that fits under its budget; one that ran out
+of memory gives a lower bound of the need *at its size* (its peak, or what it still held, plus the
+allocation that failed) and a size that fails under its budget. From the needs it fits a model
+(`toma.need.Need`: a line, or a curve once the measurements bend away from one); from the sizes, per
+budget, the bracket (`toma.bracket`): the largest size that fit and the smallest that failed.
+
+The model proposes: the size it predicts for the budget, less the margin (`(1 - margin)` of the largest
+size predicted to fit, whatever the fixed part). The bracket disposes: a proposal never reaches a size
+that failed under the same budget, nor above halving's next size from the call site's start, so no
+workload whose need grows with the size pays more out-of-memory errors than `Halving`; where halving
+would end higher and the model predicts it fits, that size is taken. When the model cannot explain an
+error (memory the meter cannot see, an injected OOM), the next size comes from the bracket alone:
+bisection above a size that fit, else halving. After a measured success the call site's size moves to
+what the same rule chooses (growth back after memory frees, never above what a call asks for).
 """
 
 import json
@@ -19,90 +26,101 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch
 
 from toma.batchsize_cache import Batchsize
+from toma.bracket import KEPT, SAME_BUDGET, Bracket, Evidence
 from toma.free_memory import GAUGE, FreeMemoryGauge
 from toma.meters import Mark, MemoryMeter, default_meter
+from toma.need import Need, fit_need, format_bytes
 from toma.policy import SizePolicy, shrink_below
 
-__all__ = ["FitToMemory", "LinearNeed"]
+__all__ = ["FitToMemory", "LinearNeed", "Need", "describe_remembered"]
 
-_KEPT = 16  # measurements kept per call site: the newest, so that the model follows a drifting workload
+LinearNeed = Need  # the name of toma's first model, a line: `Need` with no square term is one
+_bytes = format_bytes  # the name `python -m toma sizes` imported before `toma.need` existed
+_ERRORS_SHARE = 0.25  # with errors alone, which miss the work an attempt never reached: a quarter of the budget
+_LEARN = 0.8  # with one size measured, the next call runs this much smaller to learn how the need grows
 
-
-def _bytes(n: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n:.0f} B"
-
-
-@dataclass
-class LinearNeed:
-    """`fixed + per_item * size` bytes: the model of a call site's memory need."""
-
-    fixed: float
-    per_item: float
-
-    def need(self, size: float) -> float:
-        return self.fixed + self.per_item * size
-
-    def largest_within(self, budget: float) -> int:
-        """The largest size whose need fits in `budget` (0 when none does)."""
-        room = budget - self.fixed
-        return 0 if room <= 0 else int(math.floor(room / self.per_item))
-
-    def __str__(self) -> str:
-        return f"{_bytes(self.fixed)} + {_bytes(self.per_item)} per item"
+Token = Tuple[MemoryMeter, Mark, float]
 
 
 @dataclass
 class _Learned:
     """What a call site's attempts showed (kept on its cache entry)."""
 
-    # sizes in items: rows times items per row (1 for the forms; elements per row in accumulation)
-    fits: List[Tuple[float, float]] = field(default_factory=list)  # (items, bytes they needed)
-    bounds: List[Tuple[float, float]] = field(default_factory=list)  # (items, at least this many bytes)
-    # (size, the budget it failed with, the largest size to try again with no more budget than that)
-    failures: List[Tuple[float, int, float]] = field(default_factory=list)
-    distrust: bool = False  # an error contradicted the model: halve until measured again
+    evidence: Evidence = field(default_factory=Evidence)
+    # (items, bytes) of the attempts that fit and were measured; items: rows times items per row (1 for the
+    # forms, elements per row in accumulation)
+    measured: List[Tuple[float, float]] = field(default_factory=list)
     quiet: int = 0  # calls since the size last changed
     reading: Any = None  # the free-memory gauge's reading at the last measurement
     note: str = ""  # why the last size after an error was chosen, for the log line
     announced: int = 0  # the last size this call site grew to (ranks that agree may hold it smaller)
-    scale: float = 1.0  # items per row (elements per row in accumulation) that the entry's size is for
+    scale: float = 1.0  # items per row that the entry's size is for
     budget: float = 0.0  # the budget of the last measured attempt
     recalled: Optional[float] = None  # the budget a size restored from the size file was found with
     fresh: bool = False  # a new free-memory level's copy: its first call predicts its size
+    overestimated: bool = False  # the last success needed less than half what the model said: grow by bisection
+    probed: bool = False  # a smaller size was tried beside the one size measured, to learn the slope
 
     def fork(self) -> "_Learned":
         """A copy for a new free-memory level of the call site (what the default cache asks for)."""
         return _Learned(
-            fits=list(self.fits), bounds=list(self.bounds), failures=list(self.failures), scale=self.scale,
-            budget=self.budget, fresh=True,
+            evidence=self.evidence.copy(), measured=list(self.measured), scale=self.scale, budget=self.budget,
+            fresh=True,
         )
 
-    def model(self) -> Optional[LinearNeed]:
-        sizes = {size for size, _ in self.fits}
-        if len(sizes) >= 2:
-            n = len(self.fits)
-            mean_x = sum(s for s, _ in self.fits) / n
-            mean_y = sum(b for _, b in self.fits) / n
-            var = sum((s - mean_x) ** 2 for s, _ in self.fits)
-            per = sum((s - mean_x) * (b - mean_y) for s, b in self.fits) / var
-            fixed = mean_y - per * mean_x
-            if per <= 0 or fixed < 0:  # noise: fall back to the steepest line through the origin
-                fixed, per = 0.0, max(b / s for s, b in self.fits)
-            else:  # no point may need more than the line says: the line is a ceiling
-                fixed += max(b - (fixed + per * s) for s, b in self.fits)
-        elif self.fits:
-            fixed, per = 0.0, max(b / s for s, b in self.fits)  # the fixed part counted per item: safe
-        elif self.bounds:
-            fixed, per = 0.0, max(b / s for s, b in self.bounds)  # a floor on the need: an optimistic model
-        else:
+    def model(self) -> Optional[Need]:
+        bounds = [(f.items, f.bound) for f in self.evidence.failures if f.bound > 0]
+        return fit_need(self.measured, bounds)
+
+    def describe(self) -> Optional[str]:
+        """The model and the evidence as JSON text for the size file (None when nothing was learned)."""
+        model = self.model()
+        if model is None and not self.evidence.fits and not self.evidence.failures:
             return None
-        for size, bound in self.bounds:  # never below what an error showed
-            if fixed + per * size < bound:
-                per = (bound - fixed) / size
-        return LinearNeed(fixed, per) if per > 0 else None
+        line = {} if model is None else dict(fixed=model.fixed, per_item=model.per_item, per_square=model.per_square)
+        return json.dumps(
+            dict(line, budget=self.budget, scale=self.scale, measured=self.measured, **self.evidence.to_dict())
+        )
+
+
+def describe_remembered(text: Optional[str]) -> str:
+    """A size file's model as one line (`python -m toma sizes`); the text itself if it is not one."""
+    if not text:
+        return ""
+    try:
+        data = json.loads(text)
+        parts = []
+        if "per_item" in data:
+            parts.append(str(Need(float(data["fixed"]), float(data["per_item"]), float(data.get("per_square") or 0))))
+        if data.get("budget"):
+            parts.append(f"budget {format_bytes(float(data['budget']))}")
+        if "fits" in data:
+            evidence = Evidence.from_dict(data)
+            budget = float(data.get("budget") or 0)
+            bracket = evidence.bracket(budget, float(data.get("scale") or 1))
+            parts.append(_bracket_text(bracket, float(data.get("scale") or 1)))
+        return "; ".join(parts)
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return text
+
+
+def _bracket_text(bracket: Bracket, scale: float) -> str:
+    low = f"{bracket.low / scale:.0f}" if bracket.low else "-"
+    high = f"{bracket.high / scale:.0f}" if math.isfinite(bracket.high) else "-"
+    return f"fit {low}, failed {high}"
+
+
+def _bisect(low: float, high: float) -> float:
+    """The middle of [low, high]: geometric while they are far apart (fewer steps over wide brackets)."""
+    if high <= low:
+        return low
+    return math.sqrt(low * high) if high > 4 * low else (low + high) / 2
+
+
+def _check_margin(margin: Any) -> float:
+    if isinstance(margin, bool) or not isinstance(margin, numbers.Real) or not 0 <= float(margin) < 0.5:
+        raise ValueError(f"margin must be a number in [0, 0.5), got {margin!r}")
+    return float(margin)
 
 
 def _moved(reading: Any, before: Any, step: int = 2**26) -> bool:
@@ -112,14 +130,9 @@ def _moved(reading: Any, before: Any, step: int = 2**26) -> bool:
     return any((a is None) != (b is None) or (a is not None and abs(a - b) > step) for a, b in zip(reading, before))
 
 
-def _check_margin(margin: Any) -> float:
-    if isinstance(margin, bool) or not isinstance(margin, numbers.Real) or not 0 <= float(margin) < 0.5:
-        raise ValueError(f"margin must be a number in [0, 0.5), got {margin!r}")
-    return float(margin)
-
-
 class FitToMemory(SizePolicy):
-    """Size from measurements: jump to the largest size predicted to fit in `budget * (1 - margin)`.
+    """Size from measurements: `(1 - margin)` of the largest size predicted to fit, safeguarded by the
+    bracket of sizes that fit and failed, never more out-of-memory errors than halving.
 
     `meter` measures attempts (None: the meter of the device the work runs on, `toma.meters.default_meter`);
     once a call site's size has settled, only every `measure_every`-th call is measured.
@@ -161,25 +174,40 @@ class FitToMemory(SizePolicy):
             state = entry.learned = _Learned()
         return state  # type: ignore[no-any-return]
 
-    def model(self, entry: Batchsize) -> Optional[LinearNeed]:
+    def model(self, entry: Batchsize) -> Optional[Need]:
         """The need model of a call site's entry (None before anything was measured)."""
         state = entry.learned
         return None if state is None else state.model()
 
+    def bracket(self, entry: Batchsize, budget: Optional[float] = None) -> Optional[Bracket]:
+        """The bracket (items) of a call site's entry under `budget` (None: its last measured budget)."""
+        state = entry.learned
+        if state is None:
+            return None
+        return state.evidence.bracket(state.budget if budget is None else budget, state.scale)
+
     def restore(self, entry: Batchsize, text: str) -> None:
-        """Take up a model remembered in the size file (`toma.size_store.describe_model`'s JSON): the next
-        call keeps the remembered size if its budget is the one it was found with, else predicts one."""
+        """Take up what the size file remembers (`_Learned.describe`'s JSON): the next call keeps the
+        remembered size if its budget is the one it was found with, else chooses one for its budget."""
         try:
             data = json.loads(text)
-            fixed, per_item = float(data["fixed"]), float(data["per_item"])
             budget, scale = float(data.get("budget") or 0), float(data.get("scale") or 1)
+            if "fits" in data:
+                evidence = Evidence.from_dict(data)
+                measured = [(float(items), float(used)) for items, used in data.get("measured", [])][-KEPT:]
+            else:  # a line from before the bracket was kept: two points of it at the remembered size
+                fixed, per_item = float(data["fixed"]), float(data["per_item"])
+                if not (per_item > 0 and fixed >= 0 and entry.value):
+                    return
+                items = entry.value * scale
+                evidence = Evidence([], [], None)
+                measured = [(items, fixed + per_item * items), (items / 2, fixed + per_item * items / 2)]
         except (ValueError, TypeError, KeyError, AttributeError):
             return  # a model this version cannot read: the remembered size alone
-        if not (per_item > 0 and fixed >= 0 and scale > 0 and budget > 0 and entry.value):
+        if not (scale > 0 and budget > 0 and entry.value):
             return
         state = self.learned(entry)
-        items = entry.value * scale
-        state.fits = [(items, fixed + per_item * items), (items / 2, fixed + per_item * items / 2)]
+        state.evidence, state.measured = evidence, measured
         state.scale, state.budget, state.recalled = scale, budget, budget
 
     # --- the engine's hooks ----------------------------------------------------------------------------
@@ -188,32 +216,35 @@ class FitToMemory(SizePolicy):
         self, entry: Batchsize, size: int, asked: int, scale: float, device: Optional[torch.device] = None
     ) -> int:
         """The size a call begins with when its rows hold `scale` items (elements) each: `size` (the entry's)
-        when the scale is the one it was found for, else the largest the model predicts to fit now on
-        `device` (never above `asked`, the size the call asked for). Padded batches of other widths need no
-        new search."""
+        when the scale is the one it was found for, else the size chosen for the budget now on `device`
+        (never above `asked`, the size the call asked for). Padded batches of other widths need no new search."""
         state = self.learned(entry)
+        if state.evidence.start is None:
+            state.evidence.start = size
         recalled, state.recalled = state.recalled, None
         fresh, state.fresh = state.fresh, False
         if scale == state.scale and recalled is None and not fresh:
             return size
-        model = state.model()
         state.scale, state.quiet = scale, 0
-        mark = None if model is None else self._meter_for(device).begin()
-        if model is None or mark is None:
+        if not state.measured:
+            return size
+        mark = self._meter_for(device).begin()
+        if mark is None:
             return size
         if recalled is not None and recalled * (1 - self.margin / 2) <= mark.budget <= recalled * (1 + self.margin):
             return size  # about the budget the remembered size was found with: keep it
-        fits = min(asked, self._rows(self._best(state, model, mark.budget, 1 - self.margin), scale))
-        entry.set(fits)
-        state.note = f"predicted for {_bytes(mark.budget)} free and {scale:g} items per row: {model}"
-        return fits
+        items, rule = self._choose(state, mark.budget, scale)
+        chosen = min(asked, self._rows(items, scale))
+        entry.set(chosen)
+        state.note = f"{rule}, for {_bytes(mark.budget)} free and {scale:g} items per row"
+        return chosen
 
     def begin(
         self, entry: Batchsize, size: int, scale: float = 1.0, device: Optional[torch.device] = None
-    ) -> Optional[Tuple[MemoryMeter, Mark, float]]:
+    ) -> Optional[Token]:
         """A measurement of the attempt on `device` (None: not measured this time)."""
         state = self.learned(entry)
-        settled = state.quiet >= 2 and not state.distrust and scale == state.scale
+        settled = state.quiet >= 2 and scale == state.scale
         if settled and state.quiet % self.measure_every:
             reading = self.gauge.read(device)  # throttled: a clock read most of the time
             if reading == state.reading or not _moved(reading, state.reading):
@@ -225,27 +256,42 @@ class FitToMemory(SizePolicy):
         mark = meter.begin()
         return None if mark is None else (meter, mark, scale)
 
-    def succeeded(
-        self, entry: Batchsize, token: Optional[Tuple[MemoryMeter, Mark, float]], ran: int
-    ) -> Optional[str]:
-        state = self.learned(entry)
-        if token is None or ran < 1:
-            return None
+    def _record_fit(self, state: _Learned, token: Token, ran: int) -> Optional[float]:
+        """Note an attempt of `ran` rows that fit; returns the bytes it needed (None: not measured)."""
         meter, mark, scale = token
         state.budget = mark.budget
         used = meter.used(mark)
+        items = ran * scale
+        state.evidence.fitted(items, mark.budget)
         if used is not None:
-            state.fits = (state.fits + [(ran * scale, float(used))])[-_KEPT:]
-            state.distrust = False
-        elif state.distrust or not state.fits:  # not measured: nothing to trust a model of errors alone with
+            before = state.model() if state.measured else None  # errors alone give a floor, not a prediction
+            state.overestimated = before is not None and used < 0.5 * before.need(items)
+            # one measurement per size, the newest: sizes measured once stay, so the model keeps its slope
+            others = [(size, need) for size, need in state.measured if abs(size - items) > 0.01 * items]
+            state.measured = (others + [(items, float(used))])[-KEPT:]
+        return None if used is None else float(used)
+
+    def observed(self, entry: Batchsize, token: Optional[Token], ran: int) -> None:
+        """An attempt of `ran` rows that finished on this rank while the ranks agreed to redo it smaller
+        (another rank ran out of memory): evidence for this rank, no change of the agreed size."""
+        if token is not None and ran >= 1:
+            self._record_fit(self.learned(entry), token, ran)
+
+    def succeeded(self, entry: Batchsize, token: Optional[Token], ran: int) -> Optional[str]:
+        state = self.learned(entry)
+        if token is None or ran < 1:
+            return None
+        used = self._record_fit(state, token, ran)
+        if used is None and not state.measured:  # not measured: nothing to size from
             state.quiet += 1
             return None
-        model = state.model()
         current = entry.value or ran
-        if model is None or ran < current:  # a short batch: a point for the model, not a verdict on the size
+        if ran < current:  # a short batch: evidence, not a verdict on the size
             state.quiet += 1
             return None
-        best = self._rows(self._best(state, model, mark.budget, 1 - self.margin), scale)
+        _, mark, scale = token
+        items, rule = self._choose(state, mark.budget, scale)
+        best = self._rows(items, scale)
         if abs(best - current) <= 0.02 * current:  # not for noise: a size that creeps is worse than none
             state.quiet += 1
             return None
@@ -255,10 +301,7 @@ class FitToMemory(SizePolicy):
             return None
         state.quiet, state.announced = 0, best
         measured = f"needed {_bytes(used)} of" if used is not None else "fit (not measured: below an earlier peak) in"
-        return (
-            f"{ran} {measured} {_bytes(mark.budget)}; "
-            f"{'growing' if best > current else 'shrinking into the margin'} to {best} ({model})"
-        )
+        return f"{ran} {measured} {_bytes(mark.budget)}; {'growing' if best > current else 'shrinking'} to {best} ({rule})"
 
     def explain(self, entry: Batchsize) -> str:
         state = entry.learned
@@ -267,7 +310,7 @@ class FitToMemory(SizePolicy):
     def after_oom(
         self,
         entry: Batchsize,
-        token: Optional[Tuple[MemoryMeter, Mark, float]],
+        token: Optional[Token],
         size: int,
         failed: int,
         error: BaseException,
@@ -275,44 +318,62 @@ class FitToMemory(SizePolicy):
         state = self.learned(entry)
         halved = shrink_below(self, size, failed)
         state.quiet, state.note, state.announced = 0, "", 0
-        if token is None:
+        if token is None or halved is None:  # not measured (a throttled call: the retry is), or at the minimum
             return halved
         meter, mark, scale = token
-        state.budget = mark.budget
-        items = failed * scale
-        before = state.model() if state.fits else None
-        if before is not None and before.need(items) <= mark.budget * (1 - self.margin):
-            state.distrust = True  # it was predicted to fit: memory the meter cannot see, fragmentation...
+        state.budget, state.overestimated = mark.budget, False
         known = meter.failed_bytes(error)
         bound = float(meter.at_least(mark) + (known or 0))
-        if bound > 0:
-            state.bounds = (state.bounds + [(items, bound)])[-_KEPT:]
-        model = state.model()
-        if model is None or halved is None:
-            state.failures = (state.failures + [(items, mark.budget, (halved or 1) * scale)])[-_KEPT:]
-            return halved
-        # Measured fits make the model a ceiling; errors alone make it a floor (the layers an attempt never
-        # reached are missing from it), so it is aimed at half the budget and the size grows once measured.
-        share = 1 - self.margin if state.fits else 0.5
-        best = self._rows(self._best(state, model, mark.budget, share), scale)
-        if model.largest_within(mark.budget * share) >= items:
-            state.distrust = True  # what the meter saw would have fit: the error came from memory it cannot see
-        chosen = min(failed - 1, max(self.minimum, min(best, halved) if state.distrust else best))
-        # An error the model explains bars only the failed size; one it cannot explain bars growing above
-        # the size chosen now, until the budget grows. Kept in items: they hold for any width.
-        ceiling = chosen if state.distrust else failed - 1
-        state.failures = (state.failures + [(items, mark.budget, ceiling * scale)])[-_KEPT:]
-        state.note = f"needed >= {_bytes(bound)} of {_bytes(mark.budget)}: {model}"
-        return chosen
+        state.evidence.failed(failed * scale, bound, mark.budget, short=failed < size)
+        items, rule = self._choose(state, mark.budget, scale)
+        chosen = max(self.minimum, min(failed - 1, self._rows(items, scale)))
+        state.note = f"needed >= {_bytes(bound)} of {_bytes(mark.budget)}; {rule}"
+        return chosen if chosen < failed else None
 
-    def _best(self, state: _Learned, model: LinearNeed, budget: int, share: float) -> float:
-        """The most items predicted to fit in `share` of the budget, below every size that failed with
-        no more memory than there is now."""
-        best: float = model.largest_within(budget * share)
-        for _, failed_budget, ceiling in state.failures:
-            if failed_budget >= budget * (1 - self.margin / 2):
-                best = min(best, ceiling)
-        return best
+    # --- the choice ----------------------------------------------------------------------------------------
+
+    def _choose(self, state: _Learned, budget: float, scale: float) -> Tuple[float, str]:
+        """The size (items) to run at under `budget`, and the rule that chose it, for the log."""
+        evidence = state.evidence
+        bracket = evidence.bracket(budget, scale)
+        upper = min(bracket.high - scale, bracket.ceiling)  # nothing that failed, nothing halving would not try
+        model = state.model()
+        failures = evidence.failures_under(budget)
+        explained = model is not None and all(model.need(f.items) > f.budget * (1 - SAME_BUDGET) for f in failures)
+        where = _bracket_text(bracket, scale)
+        # Near halving's next size (not one that failed), bisection tries that size itself: it costs no error
+        # halving would not pay, and halving would end there.
+        top = upper if bracket.low < upper < bracket.high - scale and upper <= 2 * bracket.low else None
+        if model is not None and explained and state.measured:
+            largest = float(model.largest_within(budget))
+            if largest < bracket.low or state.overestimated:  # the model is far too cautious here
+                items = _bisect(bracket.low, upper) if top is None else top
+                rule = f"bisection: model {model} needed far more than measured"
+            else:
+                items = (1 - self.margin) * min(largest, bracket.high - scale)
+                rule = f"model {model}"
+                sizes = [size for size, _ in state.measured]
+                alone = max(sizes) < 1.1 * min(sizes) and not state.probed
+                if alone and abs(items - sizes[-1]) < 0.1 * sizes[-1]:
+                    # one size says nothing of the fixed part: measure another, once
+                    items, state.probed = _LEARN * sizes[-1], True
+                    rule = f"a smaller size, to learn how the need grows beside model {model}"
+                for size in evidence.halving_below(bracket.high, scale):
+                    if size <= items:
+                        break
+                    if size <= upper and model.need(size) <= budget:
+                        items, rule = size, f"halving's size, which model {model} predicts to fit"
+                        break
+        elif model is not None and explained:
+            items = model.largest_within(budget * _ERRORS_SHARE)
+            rule = f"half the budget by the errors' floor {model}"
+        elif bracket.low > 0:
+            items = _bisect(bracket.low, upper) if top is None else top
+            rule = "bisection: the model cannot explain an error"
+        else:  # halving's next size below the smallest failure (a short batch fails below halving's sizes)
+            items = bracket.ceiling if math.isfinite(bracket.ceiling) else bracket.high / 2
+            rule = "halving: nothing measured explains the error"
+        return min(items, max(upper, scale)), f"{rule}; bracket {where}"
 
     def _rows(self, items: float, scale: float) -> int:
         """The rows of `scale` items each that `items` make, at least `minimum`."""

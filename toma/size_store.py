@@ -9,7 +9,6 @@ costs one WARNING on the `toma` logger; the job then runs without persistence. T
 entry is known and whose size does not change) never touches the file.
 """
 
-import json
 import logging
 import os
 import sqlite3
@@ -150,19 +149,8 @@ def device_key(device: Any = None) -> str:
 
 
 def describe_model(learned: Any) -> Optional[str]:
-    """A learning policy's model as JSON text for the file (None when there is none): the line, and the
-    budget and items per row it was last measured with, so that a later run can predict its size."""
-    model = getattr(learned, "model", None)
-    if not callable(model):
-        return None
-    line = model()
-    if line is None:
-        return None
-    return json.dumps(
-        dict(
-            fixed=line.fixed,
-            per_item=line.per_item,
-            budget=getattr(learned, "budget", None),
-            scale=getattr(learned, "scale", None),
-        )
-    )
+    """A learning policy's state as text for the file (None when there is none): its own `describe()`,
+    which a later run's policy reads back through `restore`."""
+    describe = getattr(learned, "describe", None)
+    text = describe() if callable(describe) else None
+    return text if isinstance(text, str) else None
