@@ -343,7 +343,7 @@ def targets(results: List[Dict[str, Any]], quick: bool) -> None:
         print(f"| {target} | {rule.label} | {measured} | {verdict} |")
 
     for rule in FIT:
-        needed = (1 - rule.margin) - 0.02
+        needed = (1 - (rule.margin or 0.0)) - 0.02
         ratios = {r["name"]: r["rules"][rule]["final"] / r["best"] for r in results}
         low = min(ratios, key=ratios.__getitem__)
         line(f"final >= {needed:.2f} M on every workload", rule, f"lowest {ratios[low]:.3f} ({low})",
