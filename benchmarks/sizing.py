@@ -343,11 +343,12 @@ def targets(results: List[Dict[str, Any]], quick: bool) -> None:
         print(f"| {target} | {rule.label} | {measured} | {verdict} |")
 
     for rule in FIT:
-        needed = (1 - (rule.margin or 0.0)) - 0.02
+        needed = round(1 - (rule.margin or 0.0) - 0.02, 6)
         ratios = {r["name"]: r["rules"][rule]["final"] / r["best"] for r in results}
         low = min(ratios, key=ratios.__getitem__)
-        line(f"final >= {needed:.2f} M on every workload", rule, f"lowest {ratios[low]:.3f} ({low})",
-             [f"{name} {ratio:.3f}" for name, ratio in ratios.items() if ratio < needed])
+        line(f"final >= {needed:.2f} M on every workload", rule, f"lowest {ratios[low]:.4f} ({low})",
+             [f"{r['name']} {r['rules'][rule]['final']} of {r['best']} ({ratios[r['name']]:.4f})"
+              for r in results if ratios[r["name"]] < needed])
         ooms = statistics.mean(r["rules"][rule]["ooms"] for r in results)
         line("<= 2 OOMs on average", rule, f"{ooms:.2f}", [] if ooms <= 2 else [f"{ooms:.2f}"])
         line("no more OOMs than Halving on any workload", rule,
