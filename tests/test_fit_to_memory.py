@@ -208,18 +208,65 @@ def test_failed_bytes_reads_cpu_and_cuda_messages():
     assert failed_bytes(MemoryError()) is None
 
 
-REAL_SEARCH = """
+# Subprocess code for the real-cap tests, run after `work(size)` is defined and the cap is set: Halving, then M
+# (the largest size that fits, searched right before FitToMemory runs, in the same process under the same cap),
+# FitToMemory from the same start, and M again after it (a drift of the address space during the run makes M the
+# smaller of the two). M is a bracket [low, high] narrower than 0.4%: low fit, high + 1 failed.
+REAL_CAP_RUNS = """
+from toma import FitToMemory, Halving, GlobalBatchsizeCache, explicit
+def fits(size):
+    try:
+        work(size)
+        return True
+    except RuntimeError:
+        return False
+def largest(low, high):
+    while low < high and high - low > low // 256:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low, high
+def sizes_of(policy, name, calls, start):
+    runs, out = [], None
+    for _ in range(calls):
+        sizes = []
+        def attempt(batchsize):
+            sizes.append(batchsize)
+            return work(batchsize)
+        out = explicit.batch(attempt, start, toma_policy=policy, toma_cache_type=GlobalBatchsizeCache,
+                             toma_context=name)
+        runs.append(sizes)
+    return runs, out
+def compare(calls, start):
+    halving, _ = sizes_of(Halving(), "halving", calls, start)
+    low, high = largest(0, start - 1)
+    fit, out = sizes_of(FitToMemory(), "fit", calls, start)
+    before = [low, high]
+    if not fits(low):
+        low, high = largest(0, low - 1)
+    return dict(M=[low, high], before=before, halving=halving, fit=fit), out
+"""
+
+
+def ooms(runs):
+    """The OOMs of a run of calls (each call: the sizes it tried, the last one fit)."""
+    return sum(len(sizes) - 1 for sizes in runs)
+
+
+# An MLP's forward pass, 8 KiB a row: M near 30000 under 0.23 GiB, well between halving's 16384 and 32768 (so
+# that which of them fits does not hang on a few hundred KiB of drift).
+REAL_SEARCH = (
+    """
 import json, torch, torch.nn as nn, torch.nn.functional as F
 torch.set_num_threads(1)
-from toma import FitToMemory, Halving, GlobalBatchsizeCache, explicit
+from toma import FitToMemory, GlobalBatchsizeCache, explicit
 from toma.cpu_memory import predictable_heap, set_cpu_memory_headroom
 predictable_heap()
 torch.manual_seed(0)
 W1, W2 = torch.randn(256, 1024) / 16, torch.randn(1024, 1024) / 32
 data = torch.randn(1 << 17, 256)
-def forward(batchsize):
+def work(batchsize):
     return torch.relu(torch.relu(data[:batchsize] @ W1) @ W2).sum(1)
-reference = forward(64)
+reference = work(64)
 # accumulation: an MLP's exact gradient over 4096 rows, computed before the cap
 model = nn.Sequential(nn.Linear(256, 4096), nn.ReLU(), nn.Linear(4096, 10))
 targets = torch.randint(0, 10, (4096,))
@@ -229,27 +276,11 @@ for start in range(0, 4096, 512):
     (F.cross_entropy(model(data[start:start + 512]), targets[start:start + 512], reduction="sum") / 4096).backward()
 grads = [p.grad.clone() for p in model.parameters()]
 model.zero_grad(set_to_none=True)
-set_cpu_memory_headroom(0.25)
-def fits(size):
-    try:
-        forward(size)
-        return True
-    except RuntimeError:
-        return False
-lo, hi = 1, 1 << 17
-while lo < hi:   # M: the largest batch that fits, by bisection
-    mid = (lo + hi + 1) // 2
-    lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-runs = {}
-for name, policy in (("halving", Halving()), ("fit", FitToMemory())):
-    runs[name] = []
-    for call in range(4):
-        sizes = []
-        def f(batchsize):
-            sizes.append(batchsize)
-            return forward(batchsize)
-        out = explicit.batch(f, 1 << 17, toma_policy=policy, toma_cache_type=GlobalBatchsizeCache, toma_context=name)
-        runs[name].append(sizes)
+set_cpu_memory_headroom(0.23)
+"""
+    + REAL_CAP_RUNS
+    + """
+result, out = compare(4, 1 << 17)
 exact = bool(torch.allclose(out[:64], reference, rtol=1e-5, atol=1e-5))
 micro = []
 for call in range(3):
@@ -257,19 +288,21 @@ for call in range(3):
     explicit.accumulate(loss_fn, model, 4096, data[:4096], targets, toma_policy=FitToMemory(),
                         toma_cache_type=GlobalBatchsizeCache, toma_context="accumulate")
     micro.append(max(float((p.grad - g).abs().max()) for p, g in zip(model.parameters(), grads)))
-print(json.dumps(dict(M=lo, runs=runs, exact=exact, grad_errors=micro)))
+print(json.dumps(dict(result, exact=exact, grad_errors=micro)))
 """
+)
 
 
 @pytest.mark.slow
 def test_under_a_real_cpu_cap_it_finds_nearly_the_largest_size_with_few_ooms():
     result = json.loads(run_python(REAL_SEARCH, timeout=240).stdout.strip().splitlines()[-1])
-    best = result["M"]
-    fit, halving = result["runs"]["fit"], result["runs"]["halving"]
-    assert sum(len(sizes) - 1 for sizes in fit) <= 2, fit
-    assert 0.9 * best <= fit[-1][-1] <= best, (fit, best)
-    assert all(len(sizes) == 1 for sizes in fit[1:]), "after the first call no more OOMs"
-    assert fit[-1][-1] > halving[-1][-1], (fit, halving)
+    _, best = result["M"]  # the upper end of M's bracket: the strictest lower bound for the size reached
+    fit, halving = result["fit"], result["halving"]
+    assert ooms(fit) <= 2, result
+    assert ooms(fit) <= ooms(halving), result
+    assert 0.9 * best <= fit[-1][-1] <= result["before"][1], result
+    assert all(len(sizes) == 1 for sizes in fit[1:]), ("after the first call no more OOMs", result)
+    assert fit[-1][-1] > halving[-1][-1], result
     assert result["exact"]
     assert max(result["grad_errors"]) < 1e-5, result["grad_errors"]
 
@@ -521,3 +554,42 @@ print(json.dumps(dict(current=torch.cuda.current_device(), control=control, afte
     assert result["need"] is not None and result["need"] >= 128 * MiB, result
     if result["control"] is False:
         assert result["after"] is False, "toma created a context on GPU 0, which the work never used"
+
+
+# --- real CPU OOM for memory that grows with the square of the size (issue 20) -----------------------------
+
+
+# The distances between every two rows of a batch (4 bytes a pair). Issue 20's case scaled down: M near 4450
+# under 0.08 GiB, from a start of 16384, so that Halving reaches 4096 (0.92 of M) with 2 OOMs.
+QUADRATIC_UNDER_A_CAP = (
+    """
+import json, torch
+torch.set_num_threads(1)
+from toma.cpu_memory import predictable_heap, set_cpu_memory_headroom
+predictable_heap()
+torch.manual_seed(0)
+points = torch.randn(1 << 14, 64)
+def work(size):
+    x = points[:size]
+    return torch.cdist(x, x).sum()
+work(1024)
+set_cpu_memory_headroom(0.08)
+"""
+    + REAL_CAP_RUNS
+    + """
+result, _ = compare(6, 1 << 14)
+print(json.dumps(result))
+"""
+)
+
+
+@pytest.mark.slow
+def test_under_a_real_cpu_cap_memory_that_grows_with_the_square_of_the_size_is_sized_as_well_as_halving():
+    """A line through the first failure (a cost per item at every size) caps such a workload far below M; the
+    size must reach 0.90 of M, at least what Halving reaches, with no more OOMs than Halving pays."""
+    result = json.loads(run_python(QUADRATIC_UNDER_A_CAP, timeout=120).stdout.strip().splitlines()[-1])
+    _, best = result["M"]
+    fit, halving = result["fit"], result["halving"]
+    assert 0.9 * best <= fit[-1][-1] <= result["before"][1], result
+    assert fit[-1][-1] >= halving[-1][-1], result
+    assert ooms(fit) <= ooms(halving), result
