@@ -101,7 +101,7 @@ class Evidence:
         failures = [Failure(float(i), float(u), float(b), bool(short)) for i, u, b, short in data["failures"]]
         if start is not None and (not isinstance(start, int) or start < 1):
             raise ValueError(f"start must be a positive int, got {start!r}")
-        if any(f.items <= 0 or f.budget < 0 for f in [*fits, *failures]):
+        if any(f.items <= 0 or f.budget < 0 for f in fits) or any(f.items <= 0 or f.budget < 0 for f in failures):
             raise ValueError("sizes must be positive and budgets not negative")
         return cls(fits[-KEPT:], failures[-KEPT:], start)
 
