@@ -217,6 +217,45 @@ finish(dict(sizes=sizes, result=result, second=second, chunks=chunks, out=out.to
         assert result["out"] == list(map(float, range(20)))
 
 
+def test_a_rank_whose_attempt_fit_during_an_agreed_retry_learns_from_its_own_measurement():
+    """Rank 0 runs out of memory above 16 rows; rank 1's attempt at 64 finished before the ranks agreed to
+    redo it smaller. Rank 1 keeps that attempt as evidence: a fit at 64 and the bytes it needed."""
+    code = (
+        SETUP.replace("TIMEOUT", "60")
+        + """
+from toma import FitToMemory, GlobalBatchsizeCache, explicit
+from toma.batchsize_cache import get_cache_for_context
+from toma.meters import Mark, MemoryMeter
+class Meter(MemoryMeter):
+    now = 0
+    def begin(self):
+        Meter.now = 0
+        return Mark(0, 2**30)
+    def used(self, mark):
+        return Meter.now
+policy = FitToMemory(meter=Meter())
+sizes = []
+def work(batchsize):
+    sizes.append(batchsize)
+    Meter.now = 2**20 * batchsize
+    part = torch.ones(1)
+    dist.all_reduce(part)
+    if rank == 0 and batchsize > 16:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+    return batchsize
+explicit.batch(work, 64, toma_policy=policy, toma_cache_type=GlobalBatchsizeCache, toma_context="agreed",
+               toma_distributed=True)
+entry = get_cache_for_context(GlobalBatchsizeCache, "agreed").batchsize
+state = entry.learned
+finish(dict(sizes=sizes, low=policy.bracket(entry, 2**30).low, measured=state.measured))
+"""
+    )
+    results = [json.loads(out.strip().splitlines()[-1]) for out in run_ranks(code, 2, timeout=120)]
+    assert results[0]["sizes"] == results[1]["sizes"] and results[1]["sizes"][0] == 64
+    assert results[1]["low"] == 64 and [64, 64 * 2**20] in results[1]["measured"], results[1]
+    assert results[0]["low"] < 64, "rank 0's own attempt at 64 failed"
+
+
 def test_without_a_process_group_there_is_nothing_to_agree_on():
     assert distributed.agreement_for(True) is None and distributed.agreement_for(False) is None
     assert not distributed.is_distributed()

@@ -2,14 +2,17 @@
 against real memory under a CPU cap in a subprocess."""
 
 import json
+import logging
+import math
 
 import pytest
 import torch
 from helpers import run_python
 
-from toma import FitToMemory, GlobalBatchsizeCache, Halving, NoBatchsizeCache, explicit
+from toma import FitToMemory, batchsize_cache, GlobalBatchsizeCache, Halving, NoBatchsizeCache, explicit
 from toma.fit_to_memory import LinearNeed
-from toma.need import Need, fit_need
+from toma.bracket import Evidence
+from toma.need import fit_need
 from toma.meters import Mark, MemoryMeter, failed_bytes
 
 MiB = 2**20
@@ -148,6 +151,186 @@ def test_the_margin_is_a_share_of_the_rows_whatever_the_fixed_part(margin, fixed
     assert final >= halving
 
 
+# --- the safeguarded search: shapes of need, the bracket, halving as the floor -------------------------------
+
+SHAPES = {
+    # bytes each allocation of an attempt at `size` takes, in order
+    "linear": lambda s: [64 * MiB, 3 * 2**10 * s, 5 * 2**10 * s, 2 * 2**10 * s],
+    "large fixed part": lambda s: [600 * MiB, 2**10 * s],
+    "quadratic": lambda s: [256 * s, 4 * s * s],
+    "square and line": lambda s: [8 * MiB, 2048 * s, 2 * s * s],
+    "step": lambda s: [16 * MiB, 4096 * s] + ([300 * MiB] if s > 20000 else []),
+}
+
+
+def shaped(memory, shape, log=None):
+    """A workload whose attempt at `size` allocates `SHAPES[shape](size)` in turn, all freed at the end."""
+
+    def work(batchsize):
+        if log is not None:
+            log.append(batchsize)
+        start = memory.in_use
+        try:
+            for n in SHAPES[shape](batchsize):
+                memory.allocate(n)
+        finally:
+            memory.in_use = start
+        return batchsize
+
+    return work
+
+
+def shaped_calls(policy, memory, shape, count, asked):
+    """(size each call ran at, OOMs of each call) for `count` calls of one call site."""
+    log, results = [], []
+    work = shaped(memory, shape, log)
+    context = _context(policy)
+    for _ in range(count):
+        before = len(log)
+        explicit.batch(work, asked, toma_policy=policy, toma_cache_type=GlobalBatchsizeCache, toma_context=context)
+        results.append((log[-1], len(log) - before - 1))
+    return results
+
+
+def largest_for(shape, capacity):
+    low, high = 0, 1 << 30
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if sum(SHAPES[shape](mid)) <= capacity else (low, mid - 1)
+    return low
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("capacity_mib", [700, 3000])
+@pytest.mark.parametrize("times_m", [1.3, 3, 50])
+def test_never_more_ooms_than_halving_and_never_a_smaller_size(shape, capacity_mib, times_m):
+    """From the same start, over 8 calls: no more OOMs than halving, a final size at least halving's, and
+    (1 - margin) of M within 0.02 wherever halving does not bind it (a start of at least twice M)."""
+    capacity = capacity_mib * MiB
+    best = largest_for(shape, capacity)
+    asked = int(best * times_m)
+    memory = SimulatedMemory(capacity)
+    fit = shaped_calls(FitToMemory(meter=memory), memory, shape, 8, asked)
+    halving = shaped_calls(Halving(), SimulatedMemory(capacity), shape, 8, asked)
+    assert sum(o for _, o in fit) <= sum(o for _, o in halving), (fit, halving, best)
+    assert halving[-1][0] <= fit[-1][0] <= best, (fit, halving, best)
+    if times_m >= 2:
+        assert fit[-1][0] >= 0.93 * best, (fit, best)
+    assert [o for _, o in fit[3:]] == [0] * 5, "no OOM once settled"
+
+
+@pytest.mark.parametrize("shape", ["linear", "large fixed part", "quadratic"])
+def test_where_the_model_is_exact_it_proposes_exactly_the_share_of_m(shape):
+    capacity = 1024 * MiB
+    memory = SimulatedMemory(capacity)
+    best = largest_for(shape, capacity)
+    sizes = [size for size, _ in shaped_calls(FitToMemory(margin=0.05, meter=memory), memory, shape, 6, best * 40)]
+    assert abs(sizes[-1] - math.floor(0.95 * best)) <= 1, (sizes, best)
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_a_steady_run_of_any_shape_settles_without_oscillating(shape):
+    memory = SimulatedMemory(1024 * MiB)
+    results = shaped_calls(FitToMemory(meter=memory), memory, shape, 200, largest_for(shape, 1024 * MiB) * 7)
+    assert sum(o for _, o in results[4:]) == 0
+    assert len({size for size, _ in results[4:]}) == 1, results[:8]
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_it_grows_back_to_nine_tenths_of_m_within_three_calls_after_memory_frees(shape, monkeypatch):
+    """A ballast holds 40% of the memory for 4 calls, then goes: within 3 calls the size is >= 0.90 of M."""
+    capacity = 1024 * MiB
+    gauge = type("Gauge", (), {"value": (0, 0), "read": lambda self, device=None: self.value})()
+    monkeypatch.setattr(FitToMemory, "gauge", gauge)
+    memory = SimulatedMemory(capacity)
+    policy = FitToMemory(meter=memory)
+    asked = largest_for(shape, capacity) * 9
+    memory.in_use = int(0.4 * capacity)  # the ballast
+    held = shaped_calls(policy, memory, shape, 4, asked)
+    memory.in_use, gauge.value = 0, (0, 2**30)
+    freed = shaped_calls(policy, memory, shape, 3, asked)
+    best = largest_for(shape, capacity)
+    assert freed[-1][0] >= 0.9 * best, (held, freed, best)
+    assert sum(o for _, o in freed) == 0
+
+
+def test_growth_never_reaches_a_size_that_failed_under_the_same_budget_and_a_restart_pays_nothing(tmp_path, caplog):
+    """Memory the meter cannot see (above 700 rows): 4096, 2048 and 1024 fail, 512 fits. The size never grows
+    back above what failed, the size file keeps the bracket, and a new run starts at 512 with no OOM."""
+    from toma import remember_sizes
+
+    memory = SimulatedMemory(32 * 2**30)
+    log = []
+
+    def work(batchsize):
+        log.append(batchsize)
+        if batchsize > 700:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (a workspace)")
+        memory.allocate(1024 * batchsize)
+        memory.in_use = 0
+        return batchsize
+
+    path = tmp_path / "sizes.db"
+    remember_sizes(path)
+    try:
+        for run in range(2):
+            policy = FitToMemory(meter=memory)
+            batchsize_cache._caches_by_context.entries.clear()  # a new process: nothing cached
+            log.clear()
+            with caplog.at_level(logging.INFO, logger="toma"):
+                for _ in range(6):
+                    explicit.batch(work, 4096, toma_policy=policy, toma_cache_type=GlobalBatchsizeCache,
+                                   toma_context="hidden")
+            if run == 0:
+                assert log[:4] == [4096, 2048, 1024, 512] and set(log[4:]) == {512}, log
+                first_run = caplog.text
+            else:
+                assert log == [512] * 6, "the restart pays no OOM"
+    finally:
+        remember_sizes(None)
+    assert "retrying with 512 (" in first_run and "bracket fit -, failed 1024" in first_run, "the bracket is logged"
+    assert "halving: nothing measured explains the error" in first_run, "and the rule that chose the size"
+
+
+def test_the_size_file_lists_the_bracket(tmp_path, capsys):
+    from toma import remember_sizes
+    from toma.__main__ import main as toma_cli
+
+    memory = SimulatedMemory(1024 * MiB)
+    remember_sizes(tmp_path / "sizes.db")
+    try:
+        shaped_calls(FitToMemory(meter=memory), memory, "quadratic", 3, 40000)
+    finally:
+        remember_sizes(None)
+    assert toma_cli(["sizes", "--file", str(tmp_path / "sizes.db")]) == 0
+    out = capsys.readouterr().out
+    assert "per item squared" in out and "failed 40000" in out, out
+
+
+def test_an_error_is_a_lower_bound_at_its_size_not_a_cost_per_item_everywhere():
+    """One measured fit at 1000 rows and an error needing >= 4 GiB at 32768: a line through the origin would
+    cap the size near 2300 rows; bent through both, the model predicts the quadratic need's M."""
+    fits = [(1000.0, 256 * 1000 + 4 * 1000**2)]
+    model = fit_need(fits, [(32768.0, 4.0 * 32768**2)])
+    budget = 4 * 8864**2
+    assert 0.97 * 8864 <= model.largest_within(budget) <= 8864
+    assert model.per_square > 0 and "per item squared" in str(model)
+
+
+def test_the_evidence_survives_the_size_file_codec():
+    evidence = Evidence(start=4096)
+    evidence.failed(4096.0, 0.0, 2**30)
+    evidence.failed(2048.0, 2.0 * MiB, 2**30, short=True)
+    evidence.fitted(512.0, 2**30)
+    again = Evidence.from_dict(json.loads(json.dumps(evidence.to_dict())))
+    assert again == evidence
+    assert again.bracket(2**30, 1.0).low == 512 and again.bracket(2**30, 1.0).high == 2048
+    assert again.bracket(4 * 2**30, 1.0).high == math.inf, "a failure under a smaller budget says nothing"
+    assert again.bracket(2**29, 1.0).low == 0, "a fit under a larger budget says nothing"
+    with pytest.raises((ValueError, TypeError, KeyError)):
+        Evidence.from_dict({"fits": [[0, 1]], "failures": []})
+
+
 def test_an_error_the_model_did_not_predict_halves_at_least_and_never_creeps():
     """An OOM raised where the meter sees room (memory it cannot see): each retry at most half the last."""
     memory = SimulatedMemory(1024 * MiB)
@@ -213,7 +396,7 @@ def test_failed_bytes_reads_cpu_and_cuda_messages():
 # FitToMemory from the same start, and M again after it (a drift of the address space during the run makes M the
 # smaller of the two). M is a bracket [low, high] narrower than 0.4%: low fit, high + 1 failed.
 REAL_CAP_RUNS = """
-from toma import FitToMemory, Halving, GlobalBatchsizeCache, explicit
+from toma import FitToMemory, batchsize_cache, Halving, GlobalBatchsizeCache, explicit
 def fits(size):
     try:
         work(size)
@@ -258,7 +441,7 @@ REAL_SEARCH = (
     """
 import json, torch, torch.nn as nn, torch.nn.functional as F
 torch.set_num_threads(1)
-from toma import FitToMemory, GlobalBatchsizeCache, explicit
+from toma import FitToMemory, batchsize_cache, GlobalBatchsizeCache, explicit
 from toma.cpu_memory import predictable_heap, set_cpu_memory_headroom
 predictable_heap()
 torch.manual_seed(0)
