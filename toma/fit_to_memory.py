@@ -366,7 +366,7 @@ class FitToMemory(SizePolicy):
                         break
         elif model is not None and explained:
             items = model.largest_within(budget * _ERRORS_SHARE)
-            rule = f"half the budget by the errors' floor {model}"
+            rule = f"a quarter of the budget by the errors' floor {model}"
         elif bracket.low > 0:
             items = _bisect(bracket.low, upper) if top is None else top
             rule = "bisection: the model cannot explain an error"

@@ -34,7 +34,8 @@ class SizePolicy:
     and `explain(entry)` says why for the log line. `entry` is the call site's cache entry: a policy keeps
     what it learned there, and may grow its size. A policy measures `device`, not the current CUDA device
     (a model on `cuda:1` runs where the current device is 0), and never initialises CUDA for a device that
-    is not CUDA. Ranks that agree on sizes use `shrink` alone.
+    is not CUDA. Ranks that agree on sizes use `shrink` alone, and a learning policy may define
+    `observed(entry, token, ran)`: this rank's attempt fit, but the ranks agreed to redo it smaller.
     """
 
     learns = False
