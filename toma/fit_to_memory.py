@@ -236,7 +236,7 @@ class FitToMemory(SizePolicy):
         items, rule = self._choose(state, mark.budget, scale)
         chosen = min(asked, self._rows(items, scale))
         entry.set(chosen)
-        state.note = f"{rule}, for {_bytes(mark.budget)} free and {scale:g} items per row"
+        state.note = f"predicted for {_bytes(mark.budget)} free and {scale:g} items per row: {rule}"
         return chosen
 
     def begin(

@@ -155,7 +155,7 @@ def fit_need(fits: Sequence[Point], bounds: Sequence[Point] = ()) -> Optional[Ne
     model = _ceiling(model, points)
     top = points[-1][0]
     for size, bound in sorted(bounds):
-        if size > 0 and bound > model.need(size):
+        if size > 0 and bound > model.need(size) * (1 + 1e-6):  # not for rounding
             if size > top:
                 model = _ceiling(_bend(model, size, bound, top), points)
             else:  # an error below a size that fit (memory moved): the fixed part is larger
