@@ -72,8 +72,9 @@ class Evidence:
             ceiling = math.inf
         else:
             ceiling = next(iter(self.halving_below(high, scale)), 0.0)
-            if not any(f.short for f in under):
-                ceiling = max(ceiling, (self.start >> min(len(under), 62)) * scale)
+            if not any(f.short for f in under):  # failures above the start (an earlier run's) are not halving's
+                counted = sum(1 for f in under if f.items <= self.start * scale)
+                ceiling = max(ceiling, (self.start >> min(counted, 62)) * scale)
         return Bracket(low, high, len(under), ceiling)
 
     def failures_under(self, budget: float) -> List[Failure]:

@@ -60,6 +60,7 @@ class _Learned:
     fresh: bool = False  # a new free-memory level's copy: its first call predicts its size
     overestimated: bool = False  # the last success needed less than half what the model said: grow by bisection
     probed: bool = False  # a smaller size was tried beside the one size measured, to learn the slope
+    mispredicted: bool = False  # a size the model predicted to fit failed: the next size comes from the bracket
 
     def fork(self) -> "_Learned":
         """A copy for a new free-memory level of the call site (what the default cache asks for)."""
@@ -207,6 +208,7 @@ class FitToMemory(SizePolicy):
         if not (scale > 0 and budget > 0 and entry.value):
             return
         state = self.learned(entry)
+        evidence.start = None  # halving in this run starts from this run's first size
         state.evidence, state.measured = evidence, measured
         state.scale, state.budget, state.recalled = scale, budget, budget
 
@@ -266,6 +268,7 @@ class FitToMemory(SizePolicy):
         if used is not None:
             before = state.model() if state.measured else None  # errors alone give a floor, not a prediction
             state.overestimated = before is not None and used < 0.5 * before.need(items)
+            state.mispredicted = False
             # one measurement per size, the newest: sizes measured once stay, so the model keeps its slope
             others = [(size, need) for size, need in state.measured if abs(size - items) > 0.01 * items]
             state.measured = (others + [(items, float(used))])[-KEPT:]
@@ -324,6 +327,8 @@ class FitToMemory(SizePolicy):
         state.budget, state.overestimated = mark.budget, False
         known = meter.failed_bytes(error)
         bound = float(meter.at_least(mark) + (known or 0))
+        before = state.model() if state.measured else None
+        state.mispredicted = before is not None and before.need(failed * scale) <= mark.budget
         state.evidence.failed(failed * scale, bound, mark.budget, short=failed < size)
         items, rule = self._choose(state, mark.budget, scale)
         chosen = max(self.minimum, min(failed - 1, self._rows(items, scale)))
@@ -349,6 +354,9 @@ class FitToMemory(SizePolicy):
             if largest < bracket.low or state.overestimated:  # the model is far too cautious here
                 items = _bisect(bracket.low, upper) if top is None else top
                 rule = f"bisection: model {model} needed far more than measured"
+            elif state.mispredicted and bracket.low > 0:  # a size it predicted to fit failed: the bracket decides
+                items = min(_bisect(bracket.low, upper), (1 - self.margin) * bracket.high)
+                rule = f"bisection: model {model} predicted the size that failed to fit"
             else:
                 items = (1 - self.margin) * min(largest, bracket.high - scale)
                 rule = f"model {model}"
