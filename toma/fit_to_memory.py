@@ -208,7 +208,7 @@ class FitToMemory(SizePolicy):
         if not (scale > 0 and budget > 0 and entry.value):
             return
         state = self.learned(entry)
-        evidence.start = None  # halving in this run starts from this run's first size
+        evidence.start = None  # halving in this run starts from the size this run's first call asks for
         state.evidence, state.measured = evidence, measured
         state.scale, state.budget, state.recalled = scale, budget, budget
 
@@ -222,7 +222,7 @@ class FitToMemory(SizePolicy):
         (never above `asked`, the size the call asked for). Padded batches of other widths need no new search."""
         state = self.learned(entry)
         if state.evidence.start is None:
-            state.evidence.start = size
+            state.evidence.start = asked
         recalled, state.recalled = state.recalled, None
         fresh, state.fresh = state.fresh, False
         if scale == state.scale and recalled is None and not fresh:
