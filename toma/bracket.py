@@ -33,12 +33,11 @@ class Failure(NamedTuple):
 
 
 class Bracket(NamedTuple):
-    """Under one budget: M lies in [low, high) (items; low 0 and high inf when not known); `failures` is
-    how many failed under it, and `ceiling` halving's size from the start below `high`."""
+    """Under one budget: M lies in [low, high) (items; low 0 and high inf when not known); `ceiling` is the
+    largest size that costs no error halving would not pay."""
 
     low: float
     high: float
-    failures: int
     ceiling: float
 
 
@@ -75,7 +74,7 @@ class Evidence:
             if not any(f.short for f in under):  # failures above the start (an earlier run's) are not halving's
                 counted = sum(1 for f in under if f.items <= self.start * scale)
                 ceiling = max(ceiling, (self.start >> min(counted, 62)) * scale)
-        return Bracket(low, high, len(under), ceiling)
+        return Bracket(low, high, ceiling)
 
     def failures_under(self, budget: float) -> List[Failure]:
         return [f for f in self.failures if _same_or_more(f.budget, budget)]
