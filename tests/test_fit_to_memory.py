@@ -22,10 +22,11 @@ class SimulatedMemory(MemoryMeter):
     """A device with `capacity` bytes; a workload allocates through it and the meter reads it."""
 
     def __init__(self, capacity):
-        self.capacity, self.in_use, self.peak = capacity, 0, 0
+        self.capacity, self.in_use, self.peak, self.at_failure = capacity, 0, 0, 0
 
     def allocate(self, n):
         if self.in_use + n > self.capacity:
+            self.at_failure = self.in_use  # what the failed attempt's traceback holds
             raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {n / MiB:.2f} MiB (simulated)")
         self.in_use += n
         self.peak = max(self.peak, self.in_use)
@@ -36,6 +37,9 @@ class SimulatedMemory(MemoryMeter):
 
     def used(self, mark):
         return self.peak - mark.start
+
+    def held(self, mark):
+        return self.at_failure - mark.start
 
 
 class NoMeter(MemoryMeter):
@@ -314,7 +318,7 @@ def test_an_error_is_a_lower_bound_at_its_size_not_a_cost_per_item_everywhere():
     model = fit_need(fits, [(32768.0, 4.0 * 32768**2)])
     budget = 4 * 8864**2
     assert 0.97 * 8864 <= model.largest_within(budget) <= 8864
-    assert model.per_square > 0 and "per item squared" in str(model)
+    assert model.per_square + model.bend > 0 and "per item squared" in str(model)
 
 
 def test_the_evidence_survives_the_size_file_codec():

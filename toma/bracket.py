@@ -76,6 +76,12 @@ class Evidence:
                 ceiling = max(ceiling, (self.start >> min(counted, 62)) * scale)
         return Bracket(low, high, ceiling)
 
+    def ceiling_if_failed(self, items: float, budget: float, scale: float) -> float:
+        """The ceiling under `budget` after one more failure, at `items`."""
+        after = self.copy()
+        after.failed(items, 0.0, budget)
+        return after.bracket(budget, scale).ceiling
+
     def failures_under(self, budget: float) -> List[Failure]:
         return [f for f in self.failures if _same_or_more(f.budget, budget)]
 

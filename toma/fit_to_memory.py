@@ -17,6 +17,7 @@ bisection above a size that fit, else halving. After a measured success the call
 what the same rule chooses (growth back after memory frees, never above what a call asks for).
 """
 
+import dataclasses
 import json
 import math
 import numbers
@@ -38,6 +39,9 @@ LinearNeed = Need  # the name of toma's first model, a line: `Need` with no squa
 _bytes = format_bytes  # the name `python -m toma sizes` imported before `toma.need` existed
 _ERRORS_SHARE = 0.25  # with errors alone, which miss the work an attempt never reached: a quarter of the budget
 _LEARN = 0.8  # with one size measured, the next call runs this much smaller to learn how the need grows
+_ERRORS_DROP = 1024  # errors alone never send the size further below the smallest failure than this
+_LEAST_STEP = 0.02  # the smallest step of growth when one more error would end the search
+_CONFIRMS = 0.1  # a measurement this close to the model's prediction confirms a doubted model
 
 Token = Tuple[MemoryMeter, Mark, float]
 
@@ -61,12 +65,15 @@ class _Learned:
     overestimated: bool = False  # the last success needed less than half what the model said: grow by bisection
     probed: bool = False  # a smaller size was tried beside the one size measured, to learn the slope
     mispredicted: bool = False  # a size the model predicted to fit failed: the next size comes from the bracket
+    # the size (items) at which the model was last wrong (a predicted fit failed, or a success needed far
+    # less): until a measurement at least as large confirms it, it is doubted (0: not doubted)
+    doubted: float = 0.0
 
     def fork(self) -> "_Learned":
         """A copy for a new free-memory level of the call site (what the default cache asks for)."""
         return _Learned(
             evidence=self.evidence.copy(), measured=list(self.measured), scale=self.scale, budget=self.budget,
-            fresh=True,
+            fresh=True, doubted=self.doubted,
         )
 
     def model(self) -> Optional[Need]:
@@ -78,7 +85,7 @@ class _Learned:
         model = self.model()
         if model is None and not self.evidence.fits and not self.evidence.failures:
             return None
-        line = {} if model is None else dict(fixed=model.fixed, per_item=model.per_item, per_square=model.per_square)
+        line = {} if model is None else dataclasses.asdict(model)
         return json.dumps(
             dict(line, budget=self.budget, scale=self.scale, measured=self.measured, **self.evidence.to_dict())
         )
@@ -92,7 +99,8 @@ def describe_remembered(text: Optional[str]) -> str:
         data = json.loads(text)
         parts = []
         if "per_item" in data:
-            parts.append(str(Need(float(data["fixed"]), float(data["per_item"]), float(data.get("per_square") or 0))))
+            terms = ("fixed", "per_item", "per_square", "bend", "knee")
+            parts.append(str(Need(*(float(data.get(term) or 0) for term in terms))))
         if data.get("budget"):
             parts.append(f"budget {format_bytes(float(data['budget']))}")
         if "fits" in data:
@@ -268,6 +276,10 @@ class FitToMemory(SizePolicy):
         if used is not None:
             before = state.model() if state.measured else None  # errors alone give a floor, not a prediction
             state.overestimated = before is not None and used < 0.5 * before.need(items)
+            if state.overestimated:
+                state.doubted = max(state.doubted, items)
+            elif before is not None and items >= state.doubted and abs(used - before.need(items)) <= _CONFIRMS * used:
+                state.doubted = 0.0
             state.mispredicted = False
             # one measurement per size, the newest: sizes measured once stay, so the model keeps its slope
             others = [(size, need) for size, need in state.measured if abs(size - items) > 0.01 * items]
@@ -325,10 +337,11 @@ class FitToMemory(SizePolicy):
             return halved
         meter, mark, scale = token
         state.budget, state.overestimated = mark.budget, False
-        known = meter.failed_bytes(error)
-        bound = float(meter.at_least(mark) + (known or 0))
+        bound = float(meter.bound(mark, error))
         before = state.model() if state.measured else None
         state.mispredicted = before is not None and before.need(failed * scale) <= mark.budget
+        if state.mispredicted:
+            state.doubted = max(state.doubted, failed * scale)
         state.evidence.failed(failed * scale, bound, mark.budget, short=failed < size)
         items, rule = self._choose(state, mark.budget, scale)
         chosen = max(self.minimum, min(failed - 1, self._rows(items, scale)))
@@ -341,7 +354,8 @@ class FitToMemory(SizePolicy):
         """The size (items) to run at under `budget`, and the rule that chose it, for the log."""
         evidence = state.evidence
         bracket = evidence.bracket(budget, scale)
-        upper = min(bracket.high - scale, bracket.ceiling)  # nothing that failed, nothing halving would not try
+        # nothing that failed, nothing halving would not try, unless it fit
+        upper = min(bracket.high - scale, max(bracket.ceiling, bracket.low))
         model = state.model()
         failures = evidence.failures_under(budget)
         explained = model is not None and all(model.need(f.items) > f.budget * (1 - SAME_BUDGET) for f in failures)
@@ -349,14 +363,19 @@ class FitToMemory(SizePolicy):
         # Near halving's next size (not one that failed), bisection tries that size itself: it costs no error
         # halving would not pay, and halving would end there.
         top = upper if bracket.low < upper < bracket.high - scale and upper <= 2 * bracket.low else None
+        searched = _bisect(bracket.low, upper) if top is None else top
+        halving = next(iter(evidence.halving_below(bracket.high, scale)), 0.0)
+        if bracket.low < halving < searched:  # halving's size first: it fails only where the middle would too
+            searched = halving
+        # a model found wrong at a size the bracket still holds (not after memory freed: no failure bounds it)
+        doubting = state.doubted > 0 and math.isfinite(bracket.high)
         if model is not None and explained and state.measured:
             largest = float(model.largest_within(budget))
             if largest < bracket.low or state.overestimated:  # the model is far too cautious here
-                items = _bisect(bracket.low, upper) if top is None else top
-                rule = f"bisection: model {model} needed far more than measured"
-            elif state.mispredicted and bracket.low > 0:  # a size it predicted to fit failed: the bracket decides
-                items = min(_bisect(bracket.low, upper), (1 - self.margin) * bracket.high)
-                rule = f"bisection: model {model} predicted the size that failed to fit"
+                items, rule = searched, f"bisection: model {model} needed far more than measured"
+            elif (state.mispredicted or doubting) and bracket.low > 0:  # it was wrong here: the bracket decides
+                items = min(searched, (1 - self.margin) * bracket.high)
+                rule = f"bisection: model {model} was wrong at {state.doubted / scale:.0f}"
             else:
                 items = (1 - self.margin) * min(largest, bracket.high - scale)
                 rule = f"model {model}"
@@ -366,22 +385,31 @@ class FitToMemory(SizePolicy):
                     # one size says nothing of the fixed part: measure another, once
                     items, state.probed = _LEARN * sizes[-1], True
                     rule = f"a smaller size, to learn how the need grows beside model {model}"
+                    return min(items, max(upper, scale)), f"{rule}; bracket {where}"
                 for size in evidence.halving_below(bracket.high, scale):
                     if size <= items:
                         break
-                    if size <= upper and model.need(size) <= budget:
+                    if size <= upper and model.need(size) <= budget:  # halving would end there
                         items, rule = size, f"halving's size, which model {model} predicts to fit"
                         break
         elif model is not None and explained:
-            items = model.largest_within(budget * _ERRORS_SHARE)
+            # errors alone miss the work an attempt never reached; not so far below them that a call crawls
+            items = max(model.largest_within(budget * _ERRORS_SHARE), bracket.high / _ERRORS_DROP)
             rule = f"a quarter of the budget by the errors' floor {model}"
         elif bracket.low > 0:
-            items = _bisect(bracket.low, upper) if top is None else top
-            rule = "bisection: the model cannot explain an error"
-        else:  # halving's next size below the smallest failure (a short batch fails below halving's sizes)
-            items = bracket.ceiling if math.isfinite(bracket.ceiling) else bracket.high / 2
+            items, rule = searched, "bisection: the model cannot explain an error"
+        else:  # halving's next size below the smallest failure
+            items = next(iter(evidence.halving_below(bracket.high, scale)), bracket.high / 2)
             rule = "halving: nothing measured explains the error"
-        return min(items, max(upper, scale)), f"{rule}; bracket {where}"
+        items = min(items, max(upper, scale))
+        if (doubting or not explained) and bracket.low > 0 and items > bracket.low:
+            if evidence.ceiling_if_failed(items, budget, scale) <= bracket.low:
+                # one more error would leave halving no size above the largest fit: from a model that has been
+                # wrong, grow by the margin's share so that the search ends within it
+                step = max(bracket.low / (1 - max(self.margin, _LEAST_STEP)), bracket.low + scale)
+                if step < items:
+                    items, rule = step, f"{rule}, a step: one more error ends the search"
+        return items, f"{rule}; bracket {where}"
 
     def _rows(self, items: float, scale: float) -> int:
         """The rows of `scale` items each that `items` make, at least `minimum`."""

@@ -3,8 +3,9 @@
 A meter is a small object per device: `begin()` before an attempt returns a mark (with the budget, the
 bytes the attempt could still allocate); after an attempt that finished, `used(mark)` returns the peak
 bytes it allocated above what was in use when it began, or None when the meter cannot tell this time;
-after one that ran out of memory, `at_least(mark)` is a lower bound of what it held; `failed_bytes(error)`
-reads the allocation that failed from an out-of-memory message. A meter never destroys a statistic that
+after one that ran out of memory, `at_least(mark)` is a lower bound of what it held at its peak, `held(mark)`
+what it holds now (its traceback alive), `failed_bytes(error)` reads the allocation that failed from an
+out-of-memory message, and `bound(mark, error)` puts them together: what the attempt needed at least. A meter never destroys a statistic that
 the user or an enclosing measurement reads. A new backend is a new class; tests inject a simulated one.
 """
 
@@ -62,8 +63,21 @@ class MemoryMeter:
         used = self.used(mark)
         return 0 if used is None else used
 
+    def held(self, mark: Mark) -> Optional[int]:
+        """After an attempt that ran out of memory: bytes it holds now above `mark.start` (None: unknown)."""
+        return None
+
     def failed_bytes(self, error: BaseException) -> Optional[int]:
         return failed_bytes(error)
+
+    def bound(self, mark: Mark, error: BaseException) -> int:
+        """What an attempt that ran out of memory needed at least: its peak; and where the error names the
+        allocation that failed, what it held plus that allocation. Not its peak plus the allocation: the peak may have passed (temporaries freed)
+        before the allocation that failed."""
+        peak, failed = self.at_least(mark), self.failed_bytes(error)
+        if failed is None:
+            return peak
+        return max(peak, failed + (self.held(mark) or 0))
 
 
 class _NoMeter(MemoryMeter):
@@ -84,11 +98,11 @@ def _status_kib(fields: str, names: Tuple[str, ...]) -> List[int]:
     return values
 
 
-def _read_status() -> Tuple[int, int]:
-    """(peak resident bytes since the last reset, resident bytes now)"""
+def _read_status() -> Tuple[int, int, int]:
+    """(peak resident bytes since the last reset, resident bytes now, address space now)"""
     with open("/proc/self/status", encoding="ascii") as status:
-        peak, now = _status_kib(status.read(), ("VmHWM", "VmRSS"))
-    return peak, now
+        peak, now, mapped = _status_kib(status.read(), ("VmHWM", "VmRSS", "VmSize"))
+    return peak, now, mapped
 
 
 class _HighWater:
@@ -104,24 +118,30 @@ class _HighWater:
         self._resets = 0
         self._dropped: Deque[Tuple[int, int]] = deque(maxlen=self.KEPT)  # (reset number, the peak before it)
 
-    def reset(self) -> Tuple[int, int]:
-        """Start a measurement: (its reset number, resident bytes now). OSError/ValueError without procfs."""
+    def reset(self) -> Tuple[int, int, int]:
+        """Start a measurement: (its reset number, resident bytes now, address space now). OSError/ValueError
+        without procfs."""
         with self._lock:
-            peak, rss = _read_status()
+            peak, rss, mapped = _read_status()
             with open("/proc/self/clear_refs", "w", encoding="ascii") as clear:
                 clear.write("5")  # the peak resident size starts again from the current one
             self._resets += 1
             self._dropped.append((self._resets, peak))
-            return self._resets, rss
+            return self._resets, rss, mapped
 
     def peak_since(self, reset: int) -> Optional[int]:
         """The peak resident bytes since reset number `reset`; None when too many resets came since."""
         with self._lock:
-            peak, _ = _read_status()
+            peak, _, _ = _read_status()
             later = [dropped for number, dropped in self._dropped if number > reset]
             if len(later) < self._resets - reset:
                 return None
             return max([peak, *later])
+
+
+class _CpuSince(NamedTuple):
+    reset: int  # the high-water reset the attempt's measurement began with
+    mapped: int  # the address space when it began
 
 
 class CpuMeter(MemoryMeter):
@@ -138,16 +158,25 @@ class CpuMeter(MemoryMeter):
         if self.works is False:
             return None
         try:
-            reset, rss = self._high_water.reset()
+            reset, rss, mapped = self._high_water.reset()
         except (OSError, ValueError):
             self.works = False  # not Linux, or no procfs: no measurements
             return None
         self.works = True
-        return Mark(rss, get_available_cpu_memory(), reset)
+        return Mark(rss, get_available_cpu_memory(), _CpuSince(reset, mapped))
 
     def used(self, mark: Mark) -> Optional[int]:
-        peak = self._high_water.peak_since(mark.since)
+        peak = self._high_water.peak_since(mark.since.reset)
         return None if peak is None else max(0, peak - mark.start)
+
+    def held(self, mark: Mark) -> Optional[int]:
+        """The address space mapped since the attempt began: what an allocation refused under an address-space
+        limit (the CPU's out-of-memory error) came on top of."""
+        try:
+            _, _, mapped = _read_status()
+        except (OSError, ValueError):
+            return None
+        return max(0, mapped - mark.since.mapped)
 
 
 def _cuda_device(device: Any) -> torch.device:
@@ -224,7 +253,10 @@ class CudaMeter(MemoryMeter):
         peak = int(stats.get("allocated_bytes.all.peak", 0))
         if peak > mark.since.peak:
             return peak - mark.start
-        return max(0, int(stats.get("allocated_bytes.all.current", 0)) - mark.start)
+        return self.held(mark)
+
+    def held(self, mark: Mark) -> int:
+        return max(0, int(torch.cuda.memory_stats(self.device).get("allocated_bytes.all.current", 0)) - mark.start)
 
 
 _CPU = CpuMeter()

@@ -8,14 +8,15 @@ needed, and the lower bound an attempt that ran out of memory gave *at its own s
 
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["Need", "fit_need", "format_bytes"]
 
 Point = Tuple[float, float]  # (size in items, bytes)
 
-_BENDS = 0.03  # a line that under-predicts a measurement by more than this share is replaced by a curve
+_POWERS = (2, 1.5, 3, 4)  # the powers of the size a curve may grow with (the square first: it wins ties)
+_BENDS = 0.03  # a line that misses a measurement by more than this share is replaced by a curve that fits better
 
 
 def format_bytes(n: float) -> str:
@@ -27,34 +28,67 @@ def format_bytes(n: float) -> str:
 
 @dataclass(frozen=True)
 class Need:
-    """`fixed + per_item * size + per_square * size**2` bytes."""
+    """`fixed + per_item * size + per_square * size**2 + per_power * size**power` bytes, plus
+    `bend * size * (size - knee)` above `knee`: what an error above the largest measured size (`knee`) says
+    the need grows to, without changing it at the sizes measured."""
 
     fixed: float
     per_item: float
     per_square: float = 0.0
+    bend: float = 0.0
+    knee: float = 0.0
+    per_power: float = 0.0
+    power: float = 0.0
 
     def need(self, size: float) -> float:
-        return self.fixed + size * (self.per_item + self.per_square * size)
+        extra = self.bend * size * (size - self.knee) if size > self.knee else 0.0
+        if self.per_power > 0:
+            extra += self.per_power * size**self.power
+        return self.fixed + size * (self.per_item + self.per_square * size) + extra
 
     def largest_within(self, budget: float) -> int:
         """The largest size whose need fits in `budget` (0 when none does)."""
         room = budget - self.fixed
         if room <= 0:
             return 0
-        a, q = self.per_item, self.per_square
-        if q > 0:
-            largest = 2 * room / (a + math.sqrt(a * a + 4 * q * room))  # the positive root, without cancellation
-        elif a > 0:
-            largest = room / a
-        else:
-            return sys.maxsize  # nothing grows with the size
-        return int(min(math.floor(largest * (1 + 1e-12)), sys.maxsize))
+        if self.per_power > 0:
+            return self._search(budget)
+        largest = _root(room, self.per_item, self.per_square)
+        if self.bend > 0 and largest > self.knee:  # above the knee: the bent quadratic's root
+            largest = max(self.knee, _root(room, self.per_item - self.bend * self.knee, self.per_square + self.bend))
+        if largest >= sys.maxsize:  # nothing grows with the size
+            return sys.maxsize
+        return int(math.floor(largest * (1 + 1e-12)))
 
     def __str__(self) -> str:
         text = f"{format_bytes(self.fixed)} + {format_bytes(self.per_item)} per item"
         if self.per_square > 0:
             text += f" + {self.per_square:.3g} B per item squared"
+        if self.per_power > 0:
+            text += f" + {self.per_power:.3g} B per item to the power {self.power:g}"
+        if self.bend > 0:
+            text += f", bending up by {self.bend:.3g} B per item squared above {self.knee:.0f}"
         return text
+
+
+    def _search(self, budget: float) -> int:
+        """`largest_within` by bisection (the need grows with the size)."""
+        low, high = 0, 1
+        while self.need(high) <= budget:
+            if high >= sys.maxsize // 2:
+                return sys.maxsize
+            low, high = high, high * 2
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (middle, high) if self.need(middle) <= budget else (low, middle)
+        return low
+
+
+def _root(room: float, a: float, q: float) -> float:
+    """The positive size at which `a * size + q * size**2` reaches `room` (> 0); inf when nothing grows."""
+    if q > 0:
+        return 2 * room / (a + math.sqrt(a * a + 4 * q * room))  # without cancellation, for either sign of a
+    return room / a if a > 0 else math.inf
 
 
 def _solve(rows: List[List[float]], values: List[float]) -> Optional[List[float]]:
@@ -76,62 +110,50 @@ def _solve(rows: List[List[float]], values: List[float]) -> Optional[List[float]
     return [vector[i] / matrix[i][i] for i in range(n)]
 
 
-def _least_squares(points: Sequence[Point], terms: Tuple[bool, bool, bool]) -> Optional[Need]:
-    """The curve with the chosen terms (fixed, per item, per square) closest to `points` in relative error;
-    None when it needs a negative term or cannot be solved."""
-    powers = [power for power, used in enumerate(terms) if used]
+def _least_squares(points: Sequence[Point], powers: Tuple[float, ...]) -> Optional[Need]:
+    """The sum of powers of the size (0: fixed, 1: per item, 2: per square, another: per power; at most one
+    other) closest to `points` in relative error; None when it needs a negative term or cannot be solved."""
     scales = [max(s for s, _ in points) ** power for power in powers]  # keeps the equations well conditioned
     rows = [[(s**power) / scale / b for power, scale in zip(powers, scales)] for s, b in points]
     solution = _solve(rows, [1.0] * len(points))
-    if solution is None:
+    if solution is None or any(value < 0 for value in solution):
         return None
-    coefficients = [0.0, 0.0, 0.0]
-    for power, scale, value in zip(powers, scales, solution):
-        if value < 0:
-            return None
-        coefficients[power] = value / scale
-    return Need(*coefficients)
+    terms = {power: value / scale for power, scale, value in zip(powers, scales, solution)}
+    other = next((power for power in powers if power not in (0, 1, 2)), None)
+    per_power = 0.0 if other is None else terms[other]
+    return Need(terms.get(0, 0.0), terms.get(1, 0.0), terms.get(2, 0.0), per_power=per_power, power=other or 0.0)
 
 
-def _worst_shortfall(model: Need, points: Sequence[Point]) -> float:
-    """The largest share of a measurement the model falls short of."""
-    return max((b - model.need(s)) / b for s, b in points)
+def _worst_miss(model: Need, points: Sequence[Point]) -> float:
+    """The largest share of a measurement the model misses it by, either way."""
+    return max(abs(b - model.need(s)) / b for s, b in points)
 
 
 def _ceiling(model: Need, points: Sequence[Point]) -> Need:
     """The model lifted so that no measurement needed more than it says."""
     lift = max(0.0, max(b - model.need(s) for s, b in points))
-    return Need(model.fixed + lift, model.per_item, model.per_square)
+    return replace(model, fixed=model.fixed + lift)
 
 
 def _line(points: Sequence[Point]) -> Need:
     if len(points) == 1:
         (s, b), = points
         return Need(0.0, b / s)  # the fixed part counted per item: safe above the measured size
-    line = _least_squares(points, (True, True, False))
+    line = _least_squares(points, (0, 1))
     if line is None or line.per_item <= 0:  # noise: the steepest line through the origin
         return Need(0.0, max(b / s for s, b in points))
     return line
 
 
 def _curve(points: Sequence[Point]) -> Optional[Need]:
-    """The best curve that bends upwards, of the non-negative forms with two or three terms."""
+    """The best curve that bends upwards: a fixed part, a line, and a power of the size above one."""
     candidates = [
-        _least_squares(points, terms) for terms in ((True, True, True), (True, False, True), (False, True, True))
+        _least_squares(points, terms)
+        for power in _POWERS
+        for terms in ((0, 1, power), (0, power), (1, power))
     ]
-    fitted = [c for c in candidates if c is not None and c.per_square > 0]
-    return min(fitted, key=lambda c: max(abs(b - c.need(s)) / b for s, b in points), default=None)
-
-
-def _bend(model: Need, size: float, bound: float, pivot: float) -> Need:
-    """The model bent upwards so that it needs `bound` at `size` (> `pivot`), keeping its need at `pivot`:
-    an error says what a size needs at least, not what every item costs."""
-    short = bound - model.need(size)
-    q = short / (size * (size - pivot))
-    per_item = model.per_item - q * pivot
-    if per_item < 0:  # the pivot cannot be kept without a negative slope: all growth in the square term
-        return Need(model.fixed, 0.0, (bound - model.fixed) / (size * size))
-    return Need(model.fixed, per_item, model.per_square + q)
+    fitted = [c for c in candidates if c is not None and c.per_square + c.per_power > 0]
+    return min(fitted, key=lambda c: _worst_miss(c, points), default=None)
 
 
 def fit_need(fits: Sequence[Point], bounds: Sequence[Point] = ()) -> Optional[Need]:
@@ -148,18 +170,23 @@ def fit_need(fits: Sequence[Point], bounds: Sequence[Point] = ()) -> Optional[Ne
         floors = [b / s for s, b in bounds if s > 0 and b > 0]
         return Need(0.0, max(floors)) if floors else None
     model = _line(points)
-    if len(points) >= 3 and _worst_shortfall(model, points) > _BENDS:
+    if len(points) >= 3 and _worst_miss(model, points) > _BENDS:
         curve = _curve(points)
-        if curve is not None and _worst_shortfall(curve, points) < _worst_shortfall(model, points) / 2:
+        if curve is not None and _worst_miss(curve, points) < _worst_miss(model, points) / 2:
             model = curve
     model = _ceiling(model, points)
     top = points[-1][0]
-    for size, bound in sorted(bounds):
-        if size > 0 and bound > model.need(size) * (1 + 1e-6):  # not for rounding
-            if size > top:
-                model = _ceiling(_bend(model, size, bound, top), points)
-            else:  # an error below a size that fit (memory moved): the fixed part is larger
-                model = Need(model.fixed + bound - model.need(size), model.per_item, model.per_square)
-    if model.per_item <= 0 and model.per_square <= 0:
+    for size, bound in bounds:  # an error at or below a size that fit (memory moved): the fixed part is larger
+        if 0 < size <= top and bound > model.need(size) * (1 + 1e-6):  # not for rounding
+            model = replace(model, fixed=model.fixed + bound - model.need(size))
+    # an error above: the need bends up from the largest measured size, as much as the steepest error says
+    bend = max(
+        [(bound - model.need(size)) / (size * (size - top)) for size, bound in bounds
+         if size > top and bound > model.need(size) * (1 + 1e-6)],
+        default=0.0,
+    )
+    if bend > 0:
+        model = replace(model, bend=bend, knee=top)
+    if model.per_item <= 0 and model.per_square <= 0 and model.per_power <= 0 and model.bend <= 0:
         return None
     return model
