@@ -126,6 +126,33 @@ def test_a_steady_run_settles_with_no_oom_and_no_oscillation():
     assert len(set(settled)) == 1, "the size neither creeps nor oscillates"
 
 
+class CountingMemory(SimulatedMemory):
+    def __init__(self, capacity):
+        super().__init__(capacity)
+        self.begun = 0
+
+    def begin(self):
+        self.begun += 1
+        return super().begin()
+
+
+def test_a_settled_size_is_measured_less_and_less_often_while_it_holds_and_again_when_the_need_moves(monkeypatch):
+    """Measured every 8th call once settled, then half as often each time the size holds (a periodic
+    measurement costs ~100 us on the CPU); one that shows less room moves the size."""
+    gauge = type("Gauge", (), {"read": lambda self, device=None: (0, 0)})()
+    monkeypatch.setattr(FitToMemory, "gauge", gauge)
+    memory = CountingMemory(768 * MiB)
+    policy = FitToMemory(meter=memory, measure_every=8)
+    settled = run_calls(policy, memory, 10)[-1][0]
+    memory.begun = 0
+    results = run_calls(policy, memory, 8 * 64 * 4)
+    assert {size for size, _ in results} == {settled}
+    assert 6 <= memory.begun <= 12, f"{memory.begun} measurements in {8 * 64 * 4} calls (every 8th: 256)"
+    memory.in_use = int(0.04 * memory.capacity)  # held where the gauge cannot see it: a measurement shows it
+    moved = run_calls(policy, memory, 8 * 64 + 2)
+    assert sum(ooms for _, ooms in moved) == 0 and moved[-1][0] < 0.98 * settled, (settled, moved[-1])
+
+
 def test_it_grows_after_memory_frees_but_never_above_the_size_asked_for(monkeypatch):
     memory = SimulatedMemory(512 * MiB)
     gauge = type("Gauge", (), {"value": (0, 512 * MiB), "read": lambda self, device=None: self.value})()
@@ -221,6 +248,51 @@ def test_never_more_ooms_than_halving_and_never_a_smaller_size(shape, capacity_m
     if times_m >= 2:
         assert fit[-1][0] >= 0.93 * best, (fit, best)
     assert [o for _, o in fit[3:]] == [0] * 5, "no OOM once settled"
+
+
+# needs the model cannot follow: a jump just above halving's size (16384), memory that grows with the cube
+HARD_SHAPES = {
+    "jump above halving's size": lambda s: [4096 * s, 4096 * s] + ([96 * MiB] if s > 16384 else []),
+    "cubic": lambda s: [1 * MiB, s**3 // 1000],
+}
+
+
+@pytest.mark.parametrize("shape, capacity_mib, asked, least", [
+    ("jump above halving's size", 256, 131072, 0.93),  # halving pays 3 errors: one to spare after finding 16384
+    ("jump above halving's size", 256, 32768, 0.0),  # halving pays 1: nothing to spare above its 16384
+    ("cubic", 700, 131072, 0.0),
+    ("cubic", 3000, 32768, 0.0),
+    ("cubic", 9000, 1 << 20, 0.0),
+])
+def test_where_the_model_is_wrong_the_bracket_still_never_loses_to_halving(shape, capacity_mib, asked, least,
+                                                                          monkeypatch):
+    """A model found wrong leaves the choice to the bracket: over 12 calls no more OOMs than halving, a final
+    size at least halving's, and where halving's errors leave one to spare, steps of the margin up to
+    (1 - margin) of M."""
+    monkeypatch.setitem(SHAPES, shape, HARD_SHAPES[shape])
+    capacity = capacity_mib * MiB
+    best = largest_for(shape, capacity)
+    memory = SimulatedMemory(capacity)
+    fit = shaped_calls(FitToMemory(meter=memory), memory, shape, 12, asked)
+    halving = shaped_calls(Halving(), SimulatedMemory(capacity), shape, 12, asked)
+    assert sum(o for _, o in fit) <= sum(o for _, o in halving), (fit, halving, best)
+    assert halving[-1][0] <= fit[-1][0] <= best, (fit, halving, best)
+    assert [o for _, o in fit[-4:]] == [0] * 4 and len({size for size, _ in fit[-4:]}) == 1, "settled"
+    assert fit[-1][0] >= least * best, (fit, best)
+
+
+def test_a_curve_of_another_power_is_fitted_where_neither_a_line_nor_a_square_follows():
+    fits = [(float(s), 2**20 + s**3 / 1000) for s in (2000, 6000, 9000, 12000)]
+    model = fit_need(fits)
+    budget = 2**20 + 14000**3 / 1000
+    assert model.power == 3 and 0.99 * 14000 <= model.largest_within(budget) <= 14000, model
+
+
+def test_an_error_above_the_measured_sizes_bends_the_model_only_above_them():
+    fits = [(4000.0, 4000 * 16384.0), (15000.0, 15000 * 16384.0)]
+    model = fit_need(fits, [(16000.0, 16000 * 16384.0 + 4 * MiB)])
+    assert [model.need(s) for s, _ in fits] == pytest.approx([b for _, b in fits]), "the measurements stay"
+    assert model.need(16000) >= 16000 * 16384.0 + 4 * MiB and model.knee == 15000
 
 
 @pytest.mark.parametrize("shape", ["linear", "large fixed part", "quadratic"])

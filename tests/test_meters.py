@@ -10,7 +10,7 @@ import torch
 from fake_cuda_memory import GiB, MiB, FakeCuda
 from helpers import requires_cuda, run_python
 
-from toma.meters import CpuMeter, CudaMeter, default_meter
+from toma.meters import CpuMeter, CudaMeter, Mark, MemoryMeter, default_meter
 
 
 @pytest.fixture
@@ -172,3 +172,48 @@ print("ok")
 """
     )
     assert "ok" in out.stdout
+
+
+class _Fixed(MemoryMeter):
+    """A meter whose readings after a failed attempt are given."""
+
+    def __init__(self, peak, held):
+        self.peak, self.now = peak, held
+
+    def at_least(self, mark):
+        return self.peak
+
+    def held(self, mark):
+        return self.now
+
+
+def test_an_errors_bound_is_what_the_attempt_held_plus_the_failed_allocation_not_its_peak_plus_it():
+    error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 MiB")
+    mark = Mark(0, 256 * MiB)
+    assert _Fixed(peak=150 * MiB, held=130 * MiB).bound(mark, error) == 194 * MiB, "the peak passed before it"
+    assert _Fixed(peak=200 * MiB, held=130 * MiB).bound(mark, error) == 200 * MiB, "the peak is a bound too"
+    assert _Fixed(peak=200 * MiB, held=None).bound(mark, error) == 200 * MiB, "unknown: the peak alone"
+    assert _Fixed(peak=10 * MiB, held=None).bound(mark, error) == 64 * MiB, "at least the allocation"
+    assert _Fixed(peak=200 * MiB, held=190 * MiB).bound(mark, RuntimeError("CUDA error: out of memory")) == 200 * MiB
+
+
+def test_the_cpu_meter_sees_what_a_failed_attempt_still_maps():
+    meter = CpuMeter()
+    mark = meter.begin()
+    if mark is None:
+        pytest.skip("no /proc/self/status (not Linux)")
+    held = torch.ones(32 * 2**20 // 4)  # 32 MiB, as a failed attempt's traceback would keep them
+    assert meter.held(mark) >= 31 * MiB
+    del held
+
+
+def test_the_cuda_meter_holds_what_is_allocated_now(fake):
+    meter = CudaMeter("cuda:1")
+    fake.allocate(1, 2 * GiB)
+    fake.free(1, 2 * GiB)
+    mark = meter.begin()
+    fake.allocate(1, 300 * MiB)
+    with pytest.raises(torch.OutOfMemoryError) as caught:
+        fake.allocate(1, 5 * GiB)
+    assert meter.held(mark) == 300 * MiB
+    assert meter.bound(mark, caught.value) == 300 * MiB + 5 * GiB

@@ -210,7 +210,7 @@ def run(
             proposal = agreement.propose = _Proposal(policy, entry, token) if learns else None
         fitted = entry.fitted
         # The first chunk of this attempt, worth reading only when it may be news to the entry.
-        ran = _effective(step, size) if learns or fitted is None or size > fitted else 0
+        ran = _effective(step, size) if token is not None or fitted is None or size > fitted else 0
         try:
             while not step(size):
                 pass

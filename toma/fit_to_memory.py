@@ -41,7 +41,8 @@ _ERRORS_SHARE = 0.25  # with errors alone, which miss the work an attempt never 
 _LEARN = 0.8  # with one size measured, the next call runs this much smaller to learn how the need grows
 _ERRORS_DROP = 1024  # errors alone never send the size further below the smallest failure than this
 _LEAST_STEP = 0.02  # the smallest step of growth when one more error would end the search
-_CONFIRMS = 0.1  # a measurement this close to the model's prediction confirms a doubted model
+_RARELY = 64  # a settled size kept at every measurement is measured at least every this many `measure_every`s
+_FAR_MORE = 0.2  # a success above every measured size that needed this share more than predicted: the model is wrong
 
 Token = Tuple[MemoryMeter, Mark, float]
 
@@ -55,6 +56,7 @@ class _Learned:
     # forms, elements per row in accumulation)
     measured: List[Tuple[float, float]] = field(default_factory=list)
     quiet: int = 0  # calls since the size last changed
+    every: int = 0  # a settled size is measured every this many calls (0: the policy's `measure_every`)
     reading: Any = None  # the free-memory gauge's reading at the last measurement
     note: str = ""  # why the last size after an error was chosen, for the log line
     announced: int = 0  # the last size this call site grew to (ranks that agree may hold it smaller)
@@ -65,8 +67,8 @@ class _Learned:
     overestimated: bool = False  # the last success needed less than half what the model said: grow by bisection
     probed: bool = False  # a smaller size was tried beside the one size measured, to learn the slope
     mispredicted: bool = False  # a size the model predicted to fit failed: the next size comes from the bracket
-    # the size (items) at which the model was last wrong (a predicted fit failed, or a success needed far
-    # less): until a measurement at least as large confirms it, it is doubted (0: not doubted)
+    # the largest size (items) at which the model was wrong (a predicted fit failed, a success needed far less
+    # or far more): while a failure bounds the bracket, the bracket decides (0: never wrong)
     doubted: float = 0.0
 
     def fork(self) -> "_Learned":
@@ -144,7 +146,8 @@ class FitToMemory(SizePolicy):
     bracket of sizes that fit and failed, never more out-of-memory errors than halving.
 
     `meter` measures attempts (None: the meter of the device the work runs on, `toma.meters.default_meter`);
-    once a call site's size has settled, only every `measure_every`-th call is measured.
+    once a call site's size has settled, a call is measured when free memory moves and otherwise every
+    `measure_every`-th call, half as often each time a measurement keeps the size (to one in 64 of those).
     """
 
     learns = True
@@ -253,12 +256,12 @@ class FitToMemory(SizePolicy):
         self, entry: Batchsize, size: int, scale: float = 1.0, device: Optional[torch.device] = None
     ) -> Optional[Token]:
         """A measurement of the attempt on `device` (None: not measured this time)."""
-        state = self.learned(entry)
-        settled = state.quiet >= 2 and scale == state.scale
-        if settled and state.quiet % self.measure_every:
+        state = entry.learned or self.learned(entry)
+        quiet = state.quiet
+        if quiet >= 2 and quiet % (state.every or self.measure_every) and scale == state.scale:  # settled
             reading = self.gauge.read(device)  # throttled: a clock read most of the time
-            if reading == state.reading or not _moved(reading, state.reading):
-                state.quiet += 1
+            if reading is state.reading or reading == state.reading or not _moved(reading, state.reading):
+                state.quiet = quiet + 1
                 return None
         state.reading = self.gauge.read(device)
         state.scale = scale
@@ -276,10 +279,10 @@ class FitToMemory(SizePolicy):
         if used is not None:
             before = state.model() if state.measured else None  # errors alone give a floor, not a prediction
             state.overestimated = before is not None and used < 0.5 * before.need(items)
-            if state.overestimated:
+            # far less than it said, or (above every size measured: no fixed part explains it) far more
+            above = before is not None and items > max(size for size, _ in state.measured)
+            if state.overestimated or above and used > (1 + _FAR_MORE) * before.need(items):
                 state.doubted = max(state.doubted, items)
-            elif before is not None and items >= state.doubted and abs(used - before.need(items)) <= _CONFIRMS * used:
-                state.doubted = 0.0
             state.mispredicted = False
             # one measurement per size, the newest: sizes measured once stay, so the model keeps its slope
             others = [(size, need) for size, need in state.measured if abs(size - items) > 0.01 * items]
@@ -308,8 +311,11 @@ class FitToMemory(SizePolicy):
         items, rule = self._choose(state, mark.budget, scale)
         best = self._rows(items, scale)
         if abs(best - current) <= 0.02 * current:  # not for noise: a size that creeps is worse than none
+            if state.quiet >= 2:  # a settled size measured again and kept: measure it half as often, to a floor
+                state.every = min(2 * (state.every or self.measure_every), _RARELY * self.measure_every)
             state.quiet += 1
             return None
+        state.every = 0
         entry.set(best)
         if best == state.announced:  # another rank holds the agreed size below this one's: said already
             state.quiet += 1
@@ -332,7 +338,7 @@ class FitToMemory(SizePolicy):
     ) -> Optional[int]:
         state = self.learned(entry)
         halved = shrink_below(self, size, failed)
-        state.quiet, state.note, state.announced = 0, "", 0
+        state.quiet, state.note, state.announced, state.every = 0, "", 0, 0
         if token is None or halved is None:  # not measured (a throttled call: the retry is), or at the minimum
             return halved
         meter, mark, scale = token
@@ -371,16 +377,18 @@ class FitToMemory(SizePolicy):
         doubting = state.doubted > 0 and math.isfinite(bracket.high)
         if model is not None and explained and state.measured:
             largest = float(model.largest_within(budget))
-            if largest < bracket.low or state.overestimated:  # the model is far too cautious here
+            if state.overestimated:  # the model is far too cautious here
                 items, rule = searched, f"bisection: model {model} needed far more than measured"
             elif (state.mispredicted or doubting) and bracket.low > 0:  # it was wrong here: the bracket decides
                 items = min(searched, (1 - self.margin) * bracket.high)
                 rule = f"bisection: model {model} was wrong at {state.doubted / scale:.0f}"
+            elif largest < bracket.low:  # it says a size that fit would not: near M, which is at least that size
+                items, rule = bracket.low, f"the largest size that fit, which model {model} says is too large"
             else:
                 items = (1 - self.margin) * min(largest, bracket.high - scale)
                 rule = f"model {model}"
                 sizes = [size for size, _ in state.measured]
-                alone = max(sizes) < 1.1 * min(sizes) and not state.probed
+                alone = max(sizes) < 1.1 * min(sizes) and not state.probed and not doubting
                 if alone and abs(items - sizes[-1]) < 0.1 * sizes[-1]:
                     # one size says nothing of the fixed part: measure another, once
                     items, state.probed = _LEARN * sizes[-1], True
@@ -389,7 +397,9 @@ class FitToMemory(SizePolicy):
                 for size in evidence.halving_below(bracket.high, scale):
                     if size <= items:
                         break
-                    if size <= upper and model.need(size) <= budget:  # halving would end there
+                    # halving would end there, and the model says it fits with half the margin to spare (a size
+                    # at the very edge of what it predicts fails as often as not)
+                    if size <= upper and size <= (1 - self.margin / 2) * largest:
                         items, rule = size, f"halving's size, which model {model} predicts to fit"
                         break
         elif model is not None and explained:
@@ -402,11 +412,13 @@ class FitToMemory(SizePolicy):
             items = next(iter(evidence.halving_below(bracket.high, scale)), bracket.high / 2)
             rule = "halving: nothing measured explains the error"
         items = min(items, max(upper, scale))
-        if (doubting or not explained) and bracket.low > 0 and items > bracket.low:
+        if bracket.low > 0 and items > bracket.low:
             if evidence.ceiling_if_failed(items, budget, scale) <= bracket.low:
-                # one more error would leave halving no size above the largest fit: from a model that has been
-                # wrong, grow by the margin's share so that the search ends within it
+                # one more error would leave halving no size above the largest fit: grow by the margin's share,
+                # so that the search ends within it whatever the model says
                 step = max(bracket.low / (1 - max(self.margin, _LEAST_STEP)), bracket.low + scale)
+                if step < halving <= items:  # halving's own size costs no error halving would not pay
+                    step = halving
                 if step < items:
                     items, rule = step, f"{rule}, a step: one more error ends the search"
         return items, f"{rule}; bracket {where}"

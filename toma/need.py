@@ -15,7 +15,7 @@ __all__ = ["Need", "fit_need", "format_bytes"]
 
 Point = Tuple[float, float]  # (size in items, bytes)
 
-_POWERS = (2, 1.5, 3, 4)  # the powers of the size a curve may grow with (the square first: it wins ties)
+_POWERS = (2, 3)  # the powers of the size a curve may grow with (the square first: it wins ties)
 _BENDS = 0.03  # a line that misses a measurement by more than this share is replaced by a curve that fits better
 
 
