@@ -412,10 +412,10 @@ class FitToMemory(SizePolicy):
             items = next(iter(evidence.halving_below(bracket.high, scale)), bracket.high / 2)
             rule = "halving: nothing measured explains the error"
         items = min(items, max(upper, scale))
-        if bracket.low > 0 and items > bracket.low:
+        if (doubting or not explained) and bracket.low > 0 and items > bracket.low:
             if evidence.ceiling_if_failed(items, budget, scale) <= bracket.low:
-                # one more error would leave halving no size above the largest fit: grow by the margin's share,
-                # so that the search ends within it whatever the model says
+                # one more error would leave halving no size above the largest fit: from a model found wrong,
+                # grow by the margin's share, so that the search ends within it
                 step = max(bracket.low / (1 - max(self.margin, _LEAST_STEP)), bracket.low + scale)
                 if step < halving <= items:  # halving's own size costs no error halving would not pay
                     step = halving
