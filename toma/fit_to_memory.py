@@ -231,6 +231,10 @@ class FitToMemory(SizePolicy):
         """The size a call begins with when its rows hold `scale` items (elements) each: `size` (the entry's)
         when the scale is the one it was found for, else the size chosen for the budget now on `device`
         (never above `asked`, the size the call asked for). Padded batches of other widths need no new search."""
+        state = entry.learned
+        if state is not None and scale == state.scale and not state.fresh and state.recalled is None:
+            if state.evidence.start is not None:  # the call site's size, as it is: the common case, kept fast
+                return size
         state = self.learned(entry)
         if state.evidence.start is None:
             state.evidence.start = asked
@@ -296,9 +300,9 @@ class FitToMemory(SizePolicy):
             self._record_fit(self.learned(entry), token, ran)
 
     def succeeded(self, entry: Batchsize, token: Optional[Token], ran: int) -> Optional[str]:
-        state = self.learned(entry)
         if token is None or ran < 1:
             return None
+        state = self.learned(entry)
         used = self._record_fit(state, token, ran)
         if used is None and not state.measured:  # not measured: nothing to size from
             state.quiet += 1
