@@ -282,11 +282,14 @@ class FitToMemory(SizePolicy):
         state.evidence.fitted(items, mark.budget)
         if used is not None:
             before = state.model() if state.measured else None  # errors alone give a floor, not a prediction
-            state.overestimated = before is not None and used < 0.5 * before.need(items)
-            # far less than it said, or (above every size measured: no fixed part explains it) far more
-            above = before is not None and items > max(size for size, _ in state.measured)
-            if state.overestimated or above and used > (1 + _FAR_MORE) * before.need(items):
-                state.doubted = max(state.doubted, items)
+            state.overestimated = False
+            if before is not None:
+                predicted = before.need(items)
+                state.overestimated = used < 0.5 * predicted
+                # far less than it said, or (above every size measured: no fixed part explains it) far more
+                above = items > max(size for size, _ in state.measured)
+                if state.overestimated or above and used > (1 + _FAR_MORE) * predicted:
+                    state.doubted = max(state.doubted, items)
             state.mispredicted = False
             # one measurement per size, the newest: sizes measured once stay, so the model keeps its slope
             others = [(size, need) for size, need in state.measured if abs(size - items) > 0.01 * items]
