@@ -416,7 +416,7 @@ class FitToMemory(SizePolicy):
         elif bracket.low > 0:
             items, rule = searched, "bisection: the model cannot explain an error"
         else:  # halving's next size below the smallest failure
-            items = next(iter(evidence.halving_below(bracket.high, scale)), bracket.high / 2)
+            items = halving or bracket.high / 2
             rule = "halving: nothing measured explains the error"
         items = min(items, max(upper, scale))
         if (doubting or not explained) and bracket.low > 0 and items > bracket.low:
