@@ -202,9 +202,11 @@ def test_the_cpu_meter_sees_what_a_failed_attempt_still_maps():
     mark = meter.begin()
     if mark is None:
         pytest.skip("no /proc/self/status (not Linux)")
-    held = torch.ones(32 * 2**20 // 4)  # 32 MiB, as a failed attempt's traceback would keep them
-    assert meter.held(mark) >= 31 * MiB
-    del held
+    # 32 MiB newly mapped, as a failed attempt's traceback keeps its tensors (an anonymous mapping: a tensor
+    # could reuse address space an earlier test freed but the C library kept)
+    held = mmap.mmap(-1, 32 * MiB)
+    assert meter.held(mark) >= 32 * MiB
+    held.close()
 
 
 def test_the_cuda_meter_holds_what_is_allocated_now(fake):
