@@ -852,3 +852,71 @@ def test_under_a_real_cpu_cap_memory_that_grows_with_the_square_of_the_size_is_s
     assert 0.9 * best <= fit[-1][-1] <= result["before"][1], result
     assert fit[-1][-1] >= halving[-1][-1], result
     assert ooms(fit) <= ooms(halving), result
+
+
+def test_a_step_up_in_the_measurements_is_fitted_as_a_line_above_the_step():
+    """A workspace needed above 16384 rows: the sizes above the step follow their own line, with the slope
+    below it when only one size lies above."""
+    need = HARD_SHAPES["jump above halving's size"]
+    below = [(float(s), float(sum(need(s)))) for s in (4000, 9000, 13000, 16000)]
+    for above in ([17000], [17000, 18000]):
+        model = fit_need(below + [(float(s), float(sum(need(s)))) for s in above])
+        budget = 256 * MiB
+        assert largest_for_need(need, budget) * 0.99 <= model.largest_within(budget) <= largest_for_need(need, budget)
+
+
+def largest_for_need(need, capacity):
+    low, high = 0, 1 << 30
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if sum(need(mid)) <= capacity else (low, mid - 1)
+    return low
+
+
+@pytest.mark.parametrize("margin", [0.05, 0.02])
+def test_a_need_with_a_step_grows_back_after_memory_frees_and_a_model_right_again_is_trusted(margin, monkeypatch):
+    """Under a ballast the size ends below the step; once memory frees, a model refitted above the step (a
+    line from the one size measured there) is trusted again where it predicts the next size: within 3 calls
+    >= 0.90 of M, and (1 - margin) - 0.02 of it in 8."""
+    monkeypatch.setitem(SHAPES, "jump", HARD_SHAPES["jump above halving's size"])
+    capacity = 256 * MiB
+    gauge = type("Gauge", (), {"value": (0, 0), "read": lambda self, device=None: self.value})()
+    monkeypatch.setattr(FitToMemory, "gauge", gauge)
+    memory = SimulatedMemory(capacity)
+    policy = FitToMemory(margin=margin, meter=memory)
+    memory.in_use = int(0.4 * capacity)
+    held = shaped_calls(policy, memory, "jump", 4, 131072)
+    memory.in_use, gauge.value = 0, (0, 2**30)
+    freed = shaped_calls(policy, memory, "jump", 8, 131072)
+    best = largest_for("jump", capacity)
+    assert freed[2][0] >= 0.9 * best and freed[-1][0] >= (1 - margin - 0.02) * best, (held, freed, best)
+    assert freed[-1][0] <= best
+
+
+@pytest.mark.parametrize("margin", [0.05, 0.02])
+def test_a_model_found_wrong_and_then_right_closes_in_without_creeping(margin, monkeypatch):
+    """The jump just above halving's size from far above M: the line fails above the step, then the refitted
+    model predicts a size above every measured one within 3%: trusted again, it ends at (1 - margin) - 0.02 of
+    M within 8 calls, with no more OOMs than halving."""
+    monkeypatch.setitem(SHAPES, "jump", HARD_SHAPES["jump above halving's size"])
+    capacity = 256 * MiB
+    memory = SimulatedMemory(capacity)
+    fit = shaped_calls(FitToMemory(margin=margin, meter=memory), memory, "jump", 8, 131072)
+    halving = shaped_calls(Halving(), SimulatedMemory(capacity), "jump", 8, 131072)
+    best = largest_for("jump", capacity)
+    assert sum(o for _, o in fit) <= sum(o for _, o in halving), (fit, halving)
+    assert (1 - margin - 0.02) * best <= fit[-1][0] <= best, (fit, best)
+
+
+@pytest.mark.parametrize("shape", ["linear", "large fixed part", "quadratic"])
+def test_a_narrow_margin_lands_with_five_percent_to_spare_far_above_the_measurements_then_closes_in(shape):
+    """Far above every measured size a small error of the slope is a large one of the size: margin 0.02 first
+    lands at 0.95 of the predicted M, measures there, and then takes exactly 0.98 of it, with one OOM."""
+    capacity = 1024 * MiB
+    memory = SimulatedMemory(capacity)
+    best = largest_for(shape, capacity)
+    results = shaped_calls(FitToMemory(margin=0.02, meter=memory), memory, shape, 6, best * 40)
+    sizes = [size for size, _ in results]
+    landing = next(i for i, size in enumerate(sizes) if size >= 0.9 * best)
+    assert abs(sizes[landing] - math.floor(0.95 * best)) <= 1, (sizes, best)
+    assert abs(sizes[-1] - math.floor(0.98 * best)) <= 1 and sum(o for _, o in results) == 1, (results, best)

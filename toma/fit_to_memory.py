@@ -42,6 +42,8 @@ _LEARN = 0.8  # with one size measured, the next call runs this much smaller to 
 _ERRORS_DROP = 1024  # errors alone never send the size further below the smallest failure than this
 _LEAST_STEP = 0.02  # the smallest step of growth when one more error would end the search
 _RARELY = 64  # a settled size kept at every measurement is measured at least every this many `measure_every`s
+_FAR, _FAR_MARGIN = 1.1, 0.05  # a proposal this far above every measured size keeps at least this margin
+_RIGHT_AGAIN = 0.03  # a doubted model that predicts a new largest size this closely is trusted again
 _FAR_MORE = 0.2  # a success above every measured size that needed this share more than predicted: the model is wrong
 
 Token = Tuple[MemoryMeter, Mark, float]
@@ -68,7 +70,7 @@ class _Learned:
     probed: bool = False  # a smaller size was tried beside the one size measured, to learn the slope
     mispredicted: bool = False  # a size the model predicted to fit failed: the next size comes from the bracket
     # the largest size (items) at which the model was wrong (a predicted fit failed, a success needed far less
-    # or far more): while a failure bounds the bracket, the bracket decides (0: never wrong)
+    # or far more): while a failure bounds the bracket, the bracket decides (0: never wrong, or right again above it)
     doubted: float = 0.0
 
     def fork(self) -> "_Learned":
@@ -290,6 +292,8 @@ class FitToMemory(SizePolicy):
                 above = items > max(size for size, _ in state.measured)
                 if state.overestimated or above and used > (1 + _FAR_MORE) * predicted:
                     state.doubted = max(state.doubted, items)
+                elif above and abs(used - predicted) <= _RIGHT_AGAIN * used:
+                    state.doubted = 0.0  # right where it had to extrapolate: trusted again
             state.mispredicted = False
             # one measurement per size, the newest: sizes measured once stay, so the model keeps its slope
             others = [(size, need) for size, need in state.measured if abs(size - items) > 0.01 * items]
@@ -387,14 +391,19 @@ class FitToMemory(SizePolicy):
             if state.overestimated:  # the model is far too cautious here
                 items, rule = searched, f"bisection: model {model} needed far more than measured"
             elif (state.mispredicted or doubting) and bracket.low > 0:  # it was wrong here: the bracket decides
-                items = min(searched, (1 - self.margin) * bracket.high)
+                # never above what the model, refitted to what proved it wrong, proposes now
+                items = min(searched, (1 - self.margin) * bracket.high, max((1 - self.margin) * largest, bracket.low))
                 rule = f"bisection: model {model} was wrong at {state.doubted / scale:.0f}"
             elif largest < bracket.low:  # it says a size that fit would not: near M, which is at least that size
                 items, rule = bracket.low, f"the largest size that fit, which model {model} says is too large"
             else:
-                items = (1 - self.margin) * min(largest, bracket.high - scale)
-                rule = f"model {model}"
                 sizes = [size for size, _ in state.measured]
+                spare, rule = self.margin, f"model {model}"
+                if (1 - spare) * min(largest, bracket.high - scale) > _FAR * max(sizes) and spare < _FAR_MARGIN:
+                    # far above every measurement a small error of the slope is a large one of the size: land
+                    # with the wider margin, and measure there before closing in
+                    spare, rule = _FAR_MARGIN, f"{rule} (far above the sizes measured: {_FAR_MARGIN:.0%} to spare first)"
+                items = (1 - spare) * min(largest, bracket.high - scale)
                 alone = max(sizes) < 1.1 * min(sizes) and not state.probed and not doubting
                 if alone and abs(items - sizes[-1]) < 0.1 * sizes[-1]:
                     # one size says nothing of the fixed part: measure another, once
@@ -406,7 +415,7 @@ class FitToMemory(SizePolicy):
                         break
                     # halving would end there, and the model says it fits with half the margin to spare (a size
                     # at the very edge of what it predicts fails as often as not)
-                    if size <= upper and size <= (1 - self.margin / 2) * largest:
+                    if size <= upper and size <= (1 - spare / 2) * largest:
                         items, rule = size, f"halving's size, which model {model} predicts to fit"
                         break
         elif model is not None and explained:

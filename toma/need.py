@@ -2,7 +2,7 @@
 
 `Need` is `fixed + per_item * size + per_square * size**2` bytes with non-negative terms: a straight line for
 activations that grow with the rows, bending upwards for work that grows faster (pairwise distances,
-attention over the batch). `fit_need` fits it to what attempts showed: the bytes an attempt that fit
+attention over the batch), or a line above a step (a workspace needed above some size). `fit_need` fits it to what attempts showed: the bytes an attempt that fit
 needed, and the lower bound an attempt that ran out of memory gave *at its own size*.
 """
 
@@ -156,6 +156,24 @@ def _curve(points: Sequence[Point]) -> Optional[Need]:
     return min(fitted, key=lambda c: _worst_miss(c, points), default=None)
 
 
+def _step(points: Sequence[Point]) -> Optional[Need]:
+    """A line through the sizes above the highest step up in `points` (a library switching to a way that
+    needs a workspace): the longest run of the largest sizes a line explains, where the line through the
+    sizes below runs under them. With one size above the step, the slope below it; None when no step explains
+    the points."""
+    for split in range(1, len(points)):
+        below, above = points[:split], points[split:]
+        under = _line(below)
+        if _worst_miss(under, below) > _BENDS:
+            continue
+        line = _line(above) if len(above) >= 2 else replace(under, fixed=above[0][1] - under.per_item * above[0][0])
+        if len(above) >= 2 and (_worst_miss(line, above) > _BENDS or line.fixed < 0):
+            continue
+        if line.fixed >= 0 and line.need(below[-1][0]) > below[-1][1] * (1 + _BENDS):  # a step up, not noise
+            return line
+    return None
+
+
 def fit_need(fits: Sequence[Point], bounds: Sequence[Point] = ()) -> Optional[Need]:
     """The need that explains `fits` (what attempts that fit needed) and `bounds` (what attempts that ran out
     of memory needed at least, at their size): a line, or a curve once measurements bend away from a line;
@@ -174,6 +192,9 @@ def fit_need(fits: Sequence[Point], bounds: Sequence[Point] = ()) -> Optional[Ne
         curve = _curve(points)
         if curve is not None and _worst_miss(curve, points) < _worst_miss(model, points) / 2:
             model = curve
+        step = _step(points) if _worst_miss(model, points) > _BENDS else None
+        if step is not None:
+            model = step
     model = _ceiling(model, points)
     top = points[-1][0]
     for size, bound in bounds:  # an error at or below a size that fit (memory moved): the fixed part is larger
