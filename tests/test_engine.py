@@ -216,6 +216,9 @@ class _RecordingPolicy(Halving):
         super().__init__()
         self.devices = []
 
+    def quick(self, entry, scale):
+        return False
+
     def start(self, entry, size, asked, scale, device=None):
         self.devices.append(("start", device))
         return size

@@ -180,12 +180,14 @@ def run(
     store = active_store()
     recalled = store is not None and entry.store_key is None
     learns = getattr(policy, "learns", False)
-    device = step_device(step) if learns or recalled or agreement is not None else None
+    scale = float(getattr(step, "row_items", 1.0)) if learns else 1.0
+    # a settled call site between measurements: nothing to start, measure or locate
+    quick = learns and not recalled and agreement is None and policy.quick(entry, scale)  # type: ignore[attr-defined]
+    device = step_device(step) if (learns and not quick) or recalled or agreement is not None else None
     if recalled:
         _recall(entry, step, store, policy, device)  # type: ignore[arg-type]
     size = entry.start(initial_size)
-    scale = float(getattr(step, "row_items", 1.0)) if learns else 1.0
-    if learns:
+    if learns and not quick:
         predicted = policy.start(entry, size, initial_size, scale, device)  # type: ignore[attr-defined]
         if predicted != size:  # a remembered model under another budget (INFO), rows of another width
             log.log(
@@ -204,7 +206,7 @@ def run(
         entry.shrink_to(size)
     detail = ""
     while True:
-        token = policy.begin(entry, size, scale, device) if learns else None  # type: ignore[attr-defined]
+        token = policy.begin(entry, size, scale, device) if learns and not quick else None  # type: ignore[attr-defined]
         proposal = None
         if agreement is not None:  # each rank proposes its policy's next size; the smallest is agreed
             proposal = agreement.propose = _Proposal(policy, entry, token) if learns else None
@@ -274,6 +276,8 @@ def run(
             reason,
         )
         detail = ""
+        if quick:  # the retry is measured, where its work runs
+            quick, device = False, step_device(step)
         release_memory()
         GAUGE.invalidate()
         size = next_size

@@ -72,6 +72,7 @@ class _Learned:
     # the largest size (items) at which the model was wrong (a predicted fit failed, a success needed far less
     # or far more): while a failure bounds the bracket, the bracket decides (0: never wrong, or right again above it)
     doubted: float = 0.0
+    device: Optional[torch.device] = None  # where the last measured attempt ran: the settled path reads it
 
     def fork(self) -> "_Learned":
         """A copy for a new free-memory level of the call site (what the default cache asks for)."""
@@ -258,18 +259,31 @@ class FitToMemory(SizePolicy):
         state.note = f"predicted for {_bytes(mark.budget)} free and {scale:g} items per row: {rule}"
         return chosen
 
-    def begin(
-        self, entry: Batchsize, size: int, scale: float = 1.0, device: Optional[torch.device] = None
-    ) -> Optional[Token]:
-        """A measurement of the attempt on `device` (None: not measured this time)."""
-        state = entry.learned or self.learned(entry)
+    def quick(self, entry: Batchsize, scale: float) -> bool:
+        """True when this call runs at the entry's size unmeasured (a settled call site between measurements,
+        free memory where it was): the engine then skips `start`, `begin` and finding the call's device."""
+        state = entry.learned
+        if state is None or state.fresh or state.recalled is not None or state.evidence.start is None:
+            return False
+        return self._between_measurements(state, scale, state.device)
+
+    def _between_measurements(self, state: _Learned, scale: float, device: Optional[torch.device]) -> bool:
         quiet = state.quiet
         if quiet >= 2 and quiet % (state.every or self.measure_every) and scale == state.scale:  # settled
             reading = self.gauge.read(device)  # throttled: a clock read most of the time
             if reading is state.reading or reading == state.reading or not _moved(reading, state.reading):
                 state.quiet = quiet + 1
-                return None
-        state.reading = self.gauge.read(device)
+                return True
+        return False
+
+    def begin(
+        self, entry: Batchsize, size: int, scale: float = 1.0, device: Optional[torch.device] = None
+    ) -> Optional[Token]:
+        """A measurement of the attempt on `device` (None: not measured this time)."""
+        state = entry.learned or self.learned(entry)
+        if self._between_measurements(state, scale, device):
+            return None
+        state.reading, state.device = self.gauge.read(device), device
         state.scale = scale
         meter = self._meter_for(device)
         mark = meter.begin()

@@ -24,8 +24,9 @@ __all__ = [
 class SizePolicy:
     """Base class: `shrink(size)` returns the next smaller size to try, or None when none is left.
 
-    A policy that learns from measurements sets `learns = True`; the engine then calls, per call,
-    `start(entry, size, asked, scale, device)` (the size to begin with, at most `asked`; `scale`: the items
+    A policy that learns from measurements sets `learns = True`; the engine then asks, per call,
+    `quick(entry, scale)` (True: a settled call site between measurements; the call runs at the entry's size
+    with no `start`, no `begin` and a token of None), else calls `start(entry, size, asked, scale, device)` (the size to begin with, at most `asked`; `scale`: the items
     each row holds, the step's `row_items`, 1 unless a step says otherwise; `device`: where the step's work
     runs, a `torch.device`, or None when not known), and per attempt `begin(entry, size, scale, device)` (a
     token, or None when it measures nothing this time), and after it either `succeeded(entry, token, ran)`
