@@ -44,7 +44,7 @@ SETUP = """
 import gc, json, sys, time, torch, torch.nn as nn, torch.nn.functional as F
 torch.set_num_threads(1)
 from toma import FitToMemory, GlobalBatchsizeCache, Halving, ShrinkByFactor, explicit
-from toma.cpu_memory import predictable_heap, set_cpu_memory_headroom
+from toma.memory.cpu import predictable_heap, set_cpu_memory_headroom
 predictable_heap()
 torch.manual_seed(0)
 """

@@ -15,7 +15,7 @@ import sys
 import torch
 
 from toma import toma
-from toma.cpu_memory import predictable_heap, set_cpu_memory_headroom
+from toma.memory.cpu import predictable_heap, set_cpu_memory_headroom
 
 HEADROOM_MIB = 192
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from toma import toma
-from toma.cpu_memory import predictable_heap, set_cpu_memory_headroom
+from toma.memory.cpu import predictable_heap, set_cpu_memory_headroom
 
 PER_RANK, WIDTH, STEPS, HEADROOM_MIB = 4096, 4096, 4, 96
 

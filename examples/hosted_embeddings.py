@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from toma import HostedEmbedding
-from toma.cpu_memory import predictable_heap, set_cpu_memory_headroom
+from toma.memory.cpu import predictable_heap, set_cpu_memory_headroom
 
 VOCABULARY, WIDTH = 1_000_000, 64  # 256 MB per table, 768 MB with Adam's two moments
 TOPICS, WORDS_PER_TOPIC = 20, 100  # the words in use: 2000 of the table's rows

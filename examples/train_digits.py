@@ -25,8 +25,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import toma
-from toma.cpu_memory import predictable_heap, set_cpu_memory_headroom
-from toma.trainer import accuracy
+from toma.memory.cpu import predictable_heap, set_cpu_memory_headroom
+from toma.training.trainer import accuracy
 
 HEADROOM_MIB = 48
 LOGICAL_BATCH = 256

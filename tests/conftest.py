@@ -2,7 +2,7 @@ import pytest
 from helpers import FixedGauge
 
 from toma import batchsize_cache, oom, policy
-from toma.batchsize_cache import StacktraceMemoryBatchsizeCache
+from toma.core.caches import StacktraceMemoryBatchsizeCache
 
 
 @pytest.fixture(autouse=True)

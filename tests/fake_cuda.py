@@ -1,4 +1,4 @@
-"""toma.transfer's CUDA paths on the CPU: streams, events, `record_stream` and pinning stand-ins that record
+"""toma.batching.transfer's CUDA paths on the CPU: streams, events, `record_stream` and pinning stand-ins that record
 what is done with them. The "device" is the CPU; host tensors still travel through the staging buffers and
 side-stream copies as on a GPU (as plain copies), so results can be compared and every move counted."""
 
@@ -39,7 +39,7 @@ class FakeEvent:
 
 
 class FakeCuda:
-    """What toma.transfer asks of torch.cuda, recorded: `recorded` holds (tensor, stream) for every
+    """What toma.batching.transfer asks of torch.cuda, recorded: `recorded` holds (tensor, stream) for every
     `record_stream`, `pinned` the sizes pinned, `current` the stream work is queued on now."""
 
     def __init__(self):

@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from toma.free_memory import GAUGE
+from toma.memory.free import GAUGE
 
 MiB = 2**20
 GiB = 2**30

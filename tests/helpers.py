@@ -55,7 +55,7 @@ WIDE_MLP_UNDER_A_CAP = (
     + """
 import json, torch, torch.nn as nn, torch.nn.functional as F
 torch.set_num_threads(1)
-from toma.cpu_memory import predictable_heap, set_cpu_memory_headroom
+from toma.memory.cpu import predictable_heap, set_cpu_memory_headroom
 predictable_heap()
 N, WIDTH = 16384, 8192
 def make_model():

@@ -10,7 +10,7 @@ from helpers import raise_fake_oom
 
 import toma as toma_package
 from toma import GlobalBatchsizeCache, NoBatchsizeCache, StacktraceMemoryBatchsizeCache, explicit, simple, toma
-from toma.policy import Halving, ShrinkByFactor
+from toma.sizing.policies import Halving, ShrinkByFactor
 
 ALL_CACHES = [NoBatchsizeCache, GlobalBatchsizeCache, StacktraceMemoryBatchsizeCache]
 

@@ -34,7 +34,7 @@ def test_without_cuda_it_checks_the_imports_says_so_and_exits_0(tmp_path):
     report = json.loads((tmp_path / "report" / "report.json").read_text())
     assert report["cuda_available"] is False and report["parts"] == [] and report["passed"] is True
     imports = report["imports"]
-    expected = ["toma", "toma.engine", "toma.oom", "examples/train_digits.py", "benchmarks/transfer_gpu.py"]
+    expected = ["toma", "toma.core.engine", "toma.core.oom", "examples/train_digits.py", "benchmarks/transfer_gpu.py"]
     assert all(imports.get(name) == "ok" for name in expected), imports
     assert report["imports_ok"] and "benchmarks/gpu_check.py" not in imports
     assert "CUDA is not available" in (tmp_path / "report" / "report.md").read_text()

@@ -27,16 +27,16 @@ TOMA_1_1_NAMES = {
         "get_cache_for_context",
         "CONTEXT_CACHE_SIZE",
     ],
-    "toma.batchsize_cache": [
+    "toma.core.caches": [
         "Batchsize",
         "BatchsizeCache",
         "NoBatchsizeCache",
         "GlobalBatchsizeCache",
         "StacktraceMemoryBatchsizeCache",
     ],
-    "toma.stacktrace": ["get_simple_traceback", "watermark", "set_watermark"],
-    "toma.cpu_memory": ["get_available_cpu_memory", "set_cpu_memory_limit", "is_out_of_cpu_memory"],
-    "toma.torch_cuda_memory": [
+    "toma.core.call_sites": ["get_simple_traceback", "watermark", "set_watermark"],
+    "toma.memory.cpu": ["get_available_cpu_memory", "set_cpu_memory_limit", "is_out_of_cpu_memory"],
+    "toma.memory.cuda": [
         "gc_cuda",
         "get_cuda_total_memory",
         "get_cuda_assumed_available_memory",
@@ -91,7 +91,7 @@ def test_default_cache_type_reads_and_writes_one_setting():
 
 def test_default_policy_is_halving_and_a_setting_the_forms_read_at_call_time():
     from toma import FitToMemory, Halving, explicit, toma
-    from toma.accumulate import ACCUMULATION_POLICY
+    from toma.accumulation.accumulate import ACCUMULATION_POLICY
 
     assert isinstance(toma_package.DEFAULT_POLICY, Halving), "toma 1.1.0's sequences stay the default"
     assert isinstance(ACCUMULATION_POLICY, FitToMemory), "accumulation sizes by measuring"

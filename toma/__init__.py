@@ -7,9 +7,9 @@ remembers the size that worked. A drop-in successor of toma 1.1.0.
 import sys
 from typing import Type
 
-from toma import memory
-from toma import stacktrace as tst
-from toma.batchsize_cache import (
+from toma import memory, old_paths
+from toma.core import call_sites as tst
+from toma.core.caches import (
     CONTEXT_CACHE_SIZE,
     BatchsizeCache,
     GlobalBatchsizeCache,
@@ -17,18 +17,18 @@ from toma.batchsize_cache import (
     StacktraceMemoryBatchsizeCache,
     get_cache_for_context,
 )
-from toma.cpu_memory import is_out_of_cpu_memory
-from toma.fit_to_memory import FitToMemory
+from toma.memory.cpu import is_out_of_cpu_memory
+from toma.sizing.fit_to_memory import FitToMemory
 from toma.forms import PackageModule, explicit, simple, toma
-from toma.history import TrainingHistory
-from toma.hosted_embedding import HostedEmbedding
-from toma.misuse import AccumulationMisuse
-from toma.oom import register_oom_predicate, release_memory, should_reduce_batch_size, unregister_oom_predicate
-from toma.policy import Halving, ShrinkByFactor, SizePolicy
-from toma.size_store import remember_sizes
-from toma.splitting import whole
-from toma.torch_cuda_memory import gc_cuda, is_cuda_out_of_memory, is_cudnn_snafu
-from toma.trainer import Callback, StopTraining, Trainer
+from toma.training.history import TrainingHistory
+from toma.offload.hosted_embedding import HostedEmbedding
+from toma.accumulation.misuse import AccumulationMisuse
+from toma.core.oom import register_oom_predicate, release_memory, should_reduce_batch_size, unregister_oom_predicate
+from toma.sizing.policies import Halving, ShrinkByFactor, SizePolicy
+from toma.core.size_file import remember_sizes
+from toma.batching.splitting import whole
+from toma.memory.cuda import gc_cuda, is_cuda_out_of_memory, is_cudnn_snafu
+from toma.training.trainer import Callback, StopTraining, Trainer
 from toma.version import __version__
 
 __all__ = [
@@ -74,4 +74,5 @@ DEFAULT_POLICY: SizePolicy  # the forms' sizing policy where none is given (Halv
 # `toma.map(func, *inputs, device=...)` also from the package (left out of __all__: a star import would shadow
 # the builtin).
 map = toma.map
+old_paths.register(sys.modules[__name__])  # toma 1.1.0's module paths, and this release's before it moved
 sys.modules[__name__].__class__ = PackageModule

@@ -12,8 +12,8 @@ from typing import Any, Callable, Concatenate, Dict, Hashable, Optional, ParamSp
 
 import torch
 
-from toma import engine
-from toma.accumulate import (
+from toma.core import engine
+from toma.accumulation.accumulate import (
     AccumulationStats,
     accumulate,
     check_model,
@@ -21,7 +21,7 @@ from toma.accumulate import (
     check_scaler,
     check_weight,
 )
-from toma.arguments import (
+from toma.core.arguments import (
     check_dimension,
     check_function,
     check_index,
@@ -29,7 +29,7 @@ from toma.arguments import (
     check_tensor_dimension,
     innermost_function,
 )
-from toma.batchsize_cache import (
+from toma.core.caches import (
     BatchsizeCache,
     BoundedDict,
     GlobalBatchsizeCache,
@@ -40,14 +40,14 @@ from toma.batchsize_cache import (
     get_default_cache_type,
     set_default_cache_type,
 )
-from toma.distributed import AgreedStep, agreement_for
-from toma.host_map import MapStep
-from toma.hosted_embedding import HostedEmbedding
-from toma.policy import SizePolicy, check_policy, get_default_policy, set_default_policy
-from toma.signatures import AccumulateFunction, BatchFunction, ChunkedFunction, RangeFunction
-from toma.splitting import BatchSplit, whole
-from toma.stacktrace import call_site_key
-from toma.transfer import Transfers, check_device
+from toma.core.agreement import AgreedStep, agreement_for
+from toma.offload.host_map import MapStep
+from toma.offload.hosted_embedding import HostedEmbedding
+from toma.sizing.policies import SizePolicy, check_policy, get_default_policy, set_default_policy
+from toma.core.signatures import AccumulateFunction, BatchFunction, ChunkedFunction, RangeFunction
+from toma.batching.splitting import BatchSplit, whole
+from toma.core.call_sites import call_site_key
+from toma.batching.transfer import Transfers, check_device
 
 __all__ = ["toma", "explicit", "simple", "PackageModule"]
 

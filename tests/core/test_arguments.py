@@ -1,0 +1,58 @@
+"""Argument checks: what they accept, and errors that name the argument."""
+
+import pytest
+import torch
+
+from toma.core.arguments import check_dimension, check_index, check_size, check_tensor_dimension
+from toma.sizing.policies import DEFAULT_POLICY, Halving, ShrinkByFactor, check_policy
+
+
+def test_check_size_accepts_int_likes():
+    assert check_size(8, "n") == 8
+    assert check_size(torch.tensor(8), "n") == 8
+
+
+@pytest.mark.parametrize(
+    "value, error, text",
+    [
+        (None, TypeError, "required"),
+        (0, ValueError, "positive"),
+        (-2, ValueError, "positive"),
+        (True, TypeError, "bool"),
+        (2.5, TypeError, "float"),
+        ("8", TypeError, "str"),
+    ],
+)
+def test_check_size_refuses(value, error, text):
+    with pytest.raises(error, match=f"my_size.*{text}"):
+        check_size(value, "my_size")
+
+
+def test_check_index():
+    assert check_index(-3, "start") == -3
+    with pytest.raises(TypeError, match="start"):
+        check_index(False, "start")
+    with pytest.raises(TypeError, match="end"):
+        check_index(1.0, "end")
+
+
+def test_check_dimension_defaults_to_zero():
+    assert check_dimension(None, "dimension") == 0
+    assert check_dimension(-1, "dimension") == -1
+
+
+def test_check_tensor_dimension_normalises_negative_dimensions():
+    assert check_tensor_dimension(torch.zeros(2, 3, 4), -1, "tensor", "dimension") == 2
+    with pytest.raises(ValueError, match="dim=3 is out of range.*3 dimensions"):
+        check_tensor_dimension(torch.zeros(2, 3, 4), 3, "tensor", "dim")
+    with pytest.raises(TypeError, match="my_tensor must be a torch.Tensor"):
+        check_tensor_dimension([[1]], 0, "my_tensor", "dimension")
+
+
+def test_check_policy():
+    assert check_policy(None, "policy") is None, "None: the default, read at call time"
+    assert isinstance(DEFAULT_POLICY, Halving)
+    gentle = ShrinkByFactor(0.8)
+    assert check_policy(gentle, "policy") is gentle
+    with pytest.raises(TypeError, match="toma_policy"):
+        check_policy(lambda size: size // 2, "toma_policy")

@@ -1,0 +1,278 @@
+"""The retry engine: what it frees, what it lets through, and what a call that fits costs it."""
+
+import gc
+import inspect
+import traceback
+import weakref
+
+import pytest
+import torch
+from helpers import raise_fake_oom
+
+from toma import GlobalBatchsizeCache, NoBatchsizeCache, engine, explicit, simple, toma
+from toma.core.caches import Batchsize
+from toma.sizing.policies import Halving
+from toma.core.oom import should_reduce_batch_size
+
+
+@pytest.fixture
+def no_automatic_gc():
+    """Only explicit collections run, so a test sees exactly what toma frees and when."""
+    gc.collect()
+    gc.disable()
+    yield
+    gc.enable()
+
+
+def test_failed_attempt_is_released_before_the_retry_starts(no_automatic_gc):
+    refs = []
+    alive_when_attempt_starts = []
+
+    def attempt(batchsize):
+        alive_when_attempt_starts.append([ref() is not None for ref in refs])
+        activations = torch.empty(batchsize, 1024)
+        # Reachable only through a reference cycle held by this frame: only a collection that runs after
+        # the traceback is gone can free it.
+        holder = [activations]
+        holder.append(holder)
+        refs.append(weakref.ref(activations))
+        if batchsize > 4:
+            raise_fake_oom()
+        return batchsize
+
+    assert simple.batch(attempt, 16) == 4
+    assert alive_when_attempt_starts == [[], [False], [False, False]]
+
+
+def test_failed_chunk_is_released_before_the_chunk_is_retried(no_automatic_gc):
+    refs = []
+    alive = []
+
+    def chunk_fn(chunk, start, end):
+        alive.append(sum(ref() is not None for ref in refs))
+        scratch = chunk.clone()
+        cycle = {"t": scratch}
+        cycle["self"] = cycle
+        refs.append(weakref.ref(scratch))
+        if end - start > 2:
+            raise_fake_oom()
+
+    toma.chunked(initial_step=8)(chunk_fn)(torch.zeros(8, 4))
+    # Attempts 2 and 3 start right after a failure; by then nothing of the failed chunk may be alive.
+    assert alive[1:3] == [0, 0]
+
+
+def test_engine_drops_its_reference_to_the_error():
+    """After the retry, the error (and through it the failed frames) is unreachable from toma's frames."""
+    errors = []
+
+    def attempt(batchsize):
+        if batchsize > 1:
+            error = torch.OutOfMemoryError("CUDA out of memory.")
+            errors.append(weakref.ref(error))
+            raise error
+        return [ref() for ref in errors]
+
+    assert simple.batch(attempt, 2) == [None]
+
+
+def test_foreign_errors_pass_through_untouched():
+    original = ValueError("not a memory problem")
+    calls = []
+
+    def attempt(batchsize):
+        calls.append(batchsize)
+        raise original
+
+    for run in (
+        lambda: simple.batch(attempt, 8),
+        lambda: toma.batch(initial_batchsize=8)(attempt)(),
+        lambda: explicit.range(lambda s, e: attempt(e - s), 0, 16, 8),
+    ):
+        calls.clear()
+        with pytest.raises(ValueError) as info:
+            run()
+        assert info.value is original
+        assert calls == [8], "no retry for an error that is not out-of-memory"
+        assert not hasattr(original, "__notes__")
+        assert original.__context__ is None and original.__cause__ is None
+        frames = traceback.extract_tb(original.__traceback__)
+        assert frames[-1].name == "attempt" and frames[-1].line == "raise original"
+        assert [f.name for f in frames].count("run") == 1, "re-raised once, not wrapped or chained"
+        original.__traceback__ = None
+
+
+def test_keyboard_interrupt_is_never_caught(monkeypatch):
+    classified = []
+    monkeypatch.setattr(engine, "should_reduce_batch_size", lambda e: classified.append(e) or True)
+    calls = []
+
+    def attempt(batchsize):
+        calls.append(batchsize)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        toma.batch(initial_batchsize=8)(attempt)()
+    assert calls == [8] and classified == []
+
+
+def test_system_exit_passes_through():
+    with pytest.raises(SystemExit):
+        simple.batch(lambda bs: exit(3), 4)
+
+
+def test_range_never_repeats_a_finished_chunk():
+    done = []
+
+    def f(start, end):
+        if end - start > 3 and start >= 8:
+            raise_fake_oom()
+        done.append((start, end))
+
+    simple.range(f, 0, 20, 8)
+    covered = [i for s, e in done for i in range(s, e)]
+    assert covered == list(range(20)), "every index exactly once, in order"
+
+
+def test_a_custom_step_drives_the_engine():
+    """A new form is a new step, not a new loop."""
+
+    class Doubling:
+        func = staticmethod(lambda size: None)
+        size_name = "width"
+
+        def __init__(self):
+            self.sizes = []
+
+        def __call__(self, size):
+            self.sizes.append(size)
+            if size > 3:
+                raise_fake_oom()
+            return len(self.sizes) >= 4
+
+    step = Doubling()
+    entry = Batchsize(None)
+    engine.run(step, entry, 12, Halving())
+    assert step.sizes == [12, 6, 3, 3] and entry.value == 3
+
+
+def test_engine_records_the_shrunken_size_in_the_entry():
+    entry = Batchsize(None)
+    step = engine.BatchStep(lambda bs: raise_fake_oom() if bs > 5 else bs, (), {})
+    engine.run(step, entry, 40, Halving())
+    assert (step.result, entry.value) == (5, 5)
+
+
+def test_a_call_that_fits_does_no_gc_no_cache_emptying_no_stack_inspection(monkeypatch):
+    def forbidden(*args, **kwargs):
+        raise AssertionError("called on the hot path")
+
+    monkeypatch.setattr(gc, "collect", forbidden)
+    monkeypatch.setattr(torch.cuda, "empty_cache", forbidden)
+    monkeypatch.setattr(inspect, "stack", forbidden)
+    t = torch.zeros(16, 2)
+    for cache_type in (None, NoBatchsizeCache, GlobalBatchsizeCache):
+        assert toma.batch(initial_batchsize=8, cache_type=cache_type)(lambda bs: bs)() == 8
+        toma.range(initial_step=4, cache_type=cache_type)(lambda s, e: None)(0, 16)
+        toma.chunked(initial_step=4, cache_type=cache_type)(lambda c, s, e: None)(t)
+    explicit.batch(lambda bs: bs, 8)
+    explicit.range(lambda s, e: None, 0, 8, 4)
+    explicit.chunked(lambda c, s, e: None, t, 4)
+    simple.batch(lambda bs: bs, 8)
+    simple.range(lambda s, e: None, 0, 8, 4)
+    simple.chunked(lambda c, s, e: None, t, 4)
+    toma.execute.batch(8)(lambda bs: bs)
+    toma.execute.range(0, 8, 4)(lambda s, e: None)
+    toma.execute.chunked(t, 4)(lambda c, s, e: None)
+    model = torch.nn.Linear(2, 1)
+    toma.accumulate(model=model, initial_micro_batch=4)(lambda x: model(x).sum())(t)
+    explicit.accumulate(lambda x: model(x).sum(), model, 4, t)
+
+
+def test_memory_is_released_after_each_oom(monkeypatch):
+    releases = []
+    monkeypatch.setattr(engine, "release_memory", lambda: releases.append(1))
+    simple.batch(lambda bs: raise_fake_oom() if bs > 2 else bs, 16)
+    assert len(releases) == 3
+
+
+def test_a_policy_that_does_not_shrink_is_refused_instead_of_looping_forever():
+    class Stubborn(Halving):
+        def shrink(self, size):
+            return size
+
+    with pytest.raises(ValueError, match="must return a smaller size") as info:
+        explicit.batch(lambda bs: raise_fake_oom(), 8, toma_policy=Stubborn())
+    assert isinstance(info.value.__context__, torch.OutOfMemoryError), "the OOM stays visible"
+    assert not should_reduce_batch_size(info.value), "an outer toma layer does not retry a broken policy"
+
+
+class _RecordingPolicy(Halving):
+    """A learning policy that only notes the device each hook is told about."""
+
+    learns = True
+
+    def __init__(self):
+        super().__init__()
+        self.devices = []
+
+    def quick(self, entry, scale):
+        return False
+
+    def start(self, entry, size, asked, scale, device=None):
+        self.devices.append(("start", device))
+        return size
+
+    def begin(self, entry, size, scale, device=None):
+        self.devices.append(("begin", device))
+        return None
+
+    def succeeded(self, entry, token, ran):
+        return None
+
+    def after_oom(self, entry, token, size, failed, error):
+        return self.shrink(size)
+
+    def explain(self, entry):
+        return ""
+
+
+def test_a_learning_policy_is_told_the_device_the_step_runs_on():
+    from fake_cuda_memory import on_cuda_1
+
+    policy = _RecordingPolicy()
+    arguments = (torch.zeros(2), [on_cuda_1(torch.zeros(3))])  # a host tensor, and one on cuda:1 in a list
+    step = engine.BatchStep(lambda bs, *_: raise_fake_oom() if bs > 2 else bs, arguments, {})
+    engine.run(step, Batchsize(None), 8, policy)
+    on_1 = ("begin", torch.device("cuda", 1))
+    assert policy.devices == [("start", torch.device("cuda", 1)), on_1, on_1, on_1]
+
+
+def test_every_step_says_where_its_work_runs():
+    from fake_cuda_memory import on_cuda_1
+
+    from toma.accumulation.accumulate import AccumulateStep
+    from toma.offload.host_map import MapStep
+    from toma.offload.hosted_embedding import HostedEmbedding, _RowUpdate
+    from toma.batching.splitting import BatchSplit
+    from toma.batching.transfer import Transfers
+
+    cuda1, cpu = torch.device("cuda", 1), torch.device("cpu")
+    x, host = on_cuda_1(torch.zeros(4, 2)), torch.zeros(4, 2)
+
+    def f(*args, **kwargs):
+        return None
+
+    assert engine.BatchStep(f, (host, {"rows": x}), {}).device == cuda1
+    assert engine.BatchStep(f, (host,), {"flag": True}).device is None, "host tensors say nothing: not known"
+    assert engine.RangeStep(f, 0, 4, (), {"x": x}).device == cuda1
+    assert engine.RangeStep(f, 0, 4, (x,), {}, device=cpu).device == cpu, "a device given wins"
+    assert engine.ChunkStep(f, x, 0, (), {}).device == cuda1
+    assert engine.ChunkStep(f, host, 0, (x,), {}).device == cuda1
+    assert MapStep(f, BatchSplit((host,), {}), Transfers("cpu"), cpu).device == cpu  # toma.map(..., device="cpu")
+    model = torch.nn.Linear(2, 1)
+    policy = Halving()
+    assert AccumulateStep(f, model, BatchSplit((host,), {}), "mean", None, None, policy).device == cpu
+    table = HostedEmbedding(10, 2, optimizer=lambda params: torch.optim.SGD(params, lr=0.1), device="cpu")
+    ids = torch.arange(3)
+    assert _RowUpdate(table, ids, torch.zeros(3, 2), torch.zeros(3, 2)).device == cpu

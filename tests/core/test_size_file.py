@@ -1,0 +1,175 @@
+"""Sizes that survive a restart: real subprocesses sharing an SQLite file, concurrent writers, bad files, the CLI."""
+
+import json
+import logging
+import os
+import sqlite3
+import subprocess
+import sys
+
+import pytest
+from helpers import REPO, raise_fake_oom
+
+from toma import GlobalBatchsizeCache, explicit, remember_sizes
+from toma.core.size_file import SizeStore
+
+RUN = """
+import json, logging, os, sys
+logging.basicConfig(level=logging.WARNING)
+from toma import toma
+attempts = []
+@toma.batch(initial_batchsize=64)
+def work(batchsize):
+    attempts.append(batchsize)
+    if batchsize > 12:
+        raise MemoryError("Tried to allocate 8.00 MiB (injected)")
+    return batchsize
+sizes = [work() for _ in range(3)]
+print(json.dumps(dict(attempts=attempts, sizes=sizes)))
+"""
+
+
+def run(code, path, extra_env=None, log_level=None):
+    env = dict(os.environ, PYTHONPATH=REPO, TOMA_SIZES=str(path), **(extra_env or {}))
+    if log_level is not None:
+        # on the code's first line, which is empty: the call sites' lines, part of their keys, stay
+        code = f"import logging; logging.basicConfig(level=logging.{log_level})" + code
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+
+
+@pytest.fixture(autouse=True)
+def no_store():
+    yield
+    remember_sizes(None)
+
+
+@pytest.mark.slow
+def test_a_second_run_starts_at_the_size_the_first_found(tmp_path):
+    path = tmp_path / "sizes.db"
+    first, _ = run(RUN, path)
+    second, _ = run(RUN, path)
+    assert first["attempts"][:4] == [64, 32, 16, 8], "the first run searches"
+    assert second["attempts"] == [8, 8, 8], "the second starts where the first ended: no OOM"
+    assert first["sizes"] == second["sizes"] == [8, 8, 8]
+
+
+@pytest.mark.slow
+def test_four_processes_writing_at_once_leave_a_valid_file(tmp_path):
+    path = tmp_path / "sizes.db"
+    env = dict(os.environ, PYTHONPATH=REPO, TOMA_SIZES=str(path))
+    processes = [
+        subprocess.Popen([sys.executable, "-c", RUN.replace("> 12", f"> {4 + i}")], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+        for i in range(4)
+    ]
+    outputs = [process.communicate(timeout=120) for process in processes]
+    assert all(process.returncode == 0 for process in processes), [err for _, err in outputs]
+    assert not any("cannot use the size file" in err for _, err in outputs)
+    rows = SizeStore(str(path)).rows()
+    assert len(rows) == 1 and rows[0][2] in (4, 8), rows  # one call site: the last writer's size
+
+
+def test_a_corrupt_file_or_a_directory_costs_one_warning_and_the_job_runs(tmp_path, caplog):
+    corrupt = tmp_path / "corrupt.db"
+    corrupt.write_bytes(b"this is not an SQLite database" * 100)
+    for path in (corrupt, tmp_path):
+        caplog.clear()
+        remember_sizes(path)
+        attempts = []
+
+        def work(batchsize):
+            attempts.append(batchsize)
+            if batchsize > 8:
+                raise_fake_oom()
+            return batchsize
+
+        with caplog.at_level(logging.WARNING, logger="toma"):
+            calls = [explicit.batch(work, 32, toma_cache_type=GlobalBatchsizeCache, toma_context=str(path)) for _ in range(3)]
+            assert calls == [8] * 3
+        warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 1 and str(path) in warnings[0].getMessage(), warnings
+
+
+def test_remember_sizes_in_process_and_the_cli_lists_and_clears(tmp_path):
+    path = tmp_path / "sizes.db"
+    remember_sizes(path)
+
+    def work(batchsize):
+        if batchsize > 5:
+            raise_fake_oom()
+        return batchsize
+
+    assert explicit.batch(work, 40, toma_cache_type=GlobalBatchsizeCache) == 5
+    env = dict(os.environ, PYTHONPATH=REPO)
+    listed = subprocess.run([sys.executable, "-m", "toma", "sizes", "--file", str(path)], capture_output=True,
+                            text=True, env=env, timeout=60)
+    assert listed.returncode == 0 and "<locals>.work called from" in listed.stdout and listed.stdout.split()[0] == "5"
+    cleared = subprocess.run([sys.executable, "-m", "toma", "sizes", "--file", str(path), "--clear"],
+                             capture_output=True, text=True, env=env, timeout=60)
+    assert cleared.returncode == 0 and "forgot 1" in cleared.stdout
+    assert SizeStore(str(path)).rows() == []
+    with pytest.raises(TypeError, match="path"):
+        remember_sizes(3)
+    sqlite3.connect(str(path)).close()
+
+
+FIT_RUN = """
+import json, os, torch
+from toma import FitToMemory, toma
+from toma.memory.meters import Mark, MemoryMeter
+MiB = 2**20
+class Device(MemoryMeter):   # a simulated device of CAPACITY bytes: 64 MiB fixed + 1 MiB per row
+    def __init__(self, capacity):
+        self.capacity, self.peak = capacity, 0
+    def begin(self):
+        self.peak = 0
+        return Mark(0, self.capacity)
+    def used(self, mark):
+        return self.peak
+device = Device(int(os.environ["CAPACITY"]) * MiB)
+attempts = []
+@toma.batch(initial_batchsize=100000, policy=FitToMemory(meter=device))
+def work(batchsize):
+    attempts.append(batchsize)
+    need = (64 + batchsize) * MiB
+    if need > device.capacity:
+        device.peak = 64 * MiB
+        raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {batchsize} MiB (simulated)")
+    device.peak = need
+    return batchsize
+sizes = [work() for _ in range(4)]
+print(json.dumps(dict(attempts=attempts, sizes=sizes)))
+"""
+
+
+@pytest.mark.slow
+def test_fit_to_memory_keeps_its_model_across_runs_and_predicts_a_size_for_another_budget(tmp_path):
+    """Second run, same budget: the remembered size, no OOM. A run with less memory: a size predicted from
+    the remembered model (no new search: at most one OOM), near the largest that fits; with more memory it
+    starts larger than the remembered size at once."""
+    path = tmp_path / "sizes.db"
+    first, _ = run(FIT_RUN, path, dict(CAPACITY="4160"))  # 4096 rows fit
+    again, _ = run(FIT_RUN, path, dict(CAPACITY="4160"))
+    assert len(first["attempts"]) > 4, "the first run searches"
+    assert again["attempts"] == again["sizes"] == [first["sizes"][-1]] * 4, (first, again)
+    smaller, log = run(FIT_RUN, path, dict(CAPACITY="2112"), log_level="INFO")  # 2048 rows fit
+    assert "instead of" in log and "predicted for 2.1 GiB free" in log, log
+    assert len(smaller["attempts"]) <= 5, smaller
+    assert 0.9 * 2048 <= smaller["sizes"][-1] <= 2048 and smaller["sizes"][0] >= 0.9 * 2048, smaller
+    larger, _ = run(FIT_RUN, path, dict(CAPACITY="8256"))  # 8192 rows fit
+    assert larger["attempts"][0] >= 0.9 * 8192 and len(larger["attempts"]) <= 5, larger
+
+
+def test_the_device_key_is_the_device_of_the_work_not_the_current_one(monkeypatch):
+    import torch
+    from fake_cuda_memory import GiB, FakeCuda
+
+    from toma.core.size_file import device_key
+
+    fake = FakeCuda(monkeypatch, capacities=(8 * GiB, 4 * GiB), current=0)
+    assert device_key(torch.device("cuda", 1)) == f"cuda:Fake GPU 1:{4 * GiB}:world=1"
+    assert fake.indices_asked() == {1}
+    assert device_key(torch.device("cpu")).startswith("cpu:limit="), "CPU work in a process that uses CUDA"
+    assert device_key() == f"cuda:Fake GPU 0:{8 * GiB}:world=1", "not known: the current device, as before"

@@ -1,0 +1,481 @@
+"""Gradient accumulation: a logical batch larger than memory, trained in micro-batches with exact gradients.
+
+The logical batch is one unit of work for the engine: an attempt runs forward and backward for every
+micro-batch at one size; an out-of-memory error anywhere in it (forward, backward, after some parameters
+already got gradients) drops that attempt's gradients exactly (`GradientStash`), puts back the training
+modules' buffers and the random state (`toma.accumulation.rollback`), and the engine redoes the whole logical batch at a
+smaller micro-batch size. The logical batch itself never changes.
+
+With `reduction="mean"` each micro-loss is weighted by its share of what the logical batch's loss averages
+over: rows (n_i / N), or with `weight=` the count that function gives (label tokens, say), so the gradients
+are those of one full-batch pass also when micro-batches hold different shares.
+"""
+
+import contextlib
+import logging
+import re
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Iterable, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.parallel import DistributedDataParallel
+
+from toma.core import engine
+from toma.core.caches import BatchsizeCache
+from toma.core.agreement import Agreement, all_reduce_gradients, broadcast_buffers, is_distributed
+from toma.accumulation.gradients import GradientStash
+from toma.accumulation.misuse import AccumulationMisuse, MisuseWatch
+from toma.core.oom import should_reduce_batch_size
+from toma.sizing.fit_to_memory import FitToMemory
+from toma.sizing.policies import SizePolicy
+from toma.accumulation.rollback import BufferStash, PendingStash, RandomState
+from toma.batching.splitting import BatchSplit, Parts, Window
+from toma.batching import transfer
+from toma.batching.transfer import MicroBatchTransfers, Pending, shared_transfers
+
+__all__ = [
+    "accumulate",
+    "AccumulationStats",
+    "AccumulationMisuse",
+    "check_model",
+    "check_reduction",
+    "check_scaler",
+    "check_weight",
+    "REDUCTIONS",
+]
+
+log = logging.getLogger("toma")
+
+REDUCTIONS = ("mean", "sum")
+
+_AUTOCAST_DEVICE_TYPES = ("cuda", "cpu", "xpu", "mps", "hpu")
+
+
+def check_model(model: Any, name: str) -> torch.nn.Module:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{name} must be the torch.nn.Module whose gradients are accumulated, got {model!r}")
+    return model
+
+
+def check_reduction(reduction: Any, name: str) -> str:
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"{name} must be 'mean' or 'sum' (how the loss function reduces a batch), got {reduction!r}")
+    return reduction
+
+
+def check_scaler(scaler: Any, name: str) -> Any:
+    if scaler is not None and not callable(getattr(scaler, "scale", None)):
+        raise TypeError(f"{name} must be a torch.amp.GradScaler (or None), got {scaler!r}")
+    return scaler
+
+
+def check_weight(weight: Any, name: str, reduction: str) -> Optional[Callable[..., Any]]:
+    """`weight=`: None, or a function called like the loss function that returns how many items that
+    micro-batch's mean loss averages over."""
+    if weight is None:
+        return None
+    if not callable(weight):
+        raise TypeError(
+            f"{name} must be a function called with a micro-batch's arguments (like the loss function) that "
+            f"returns how many items its loss averages over, e.g. label tokens; got {weight!r}"
+        )
+    if reduction != "mean":
+        raise ValueError(
+            f"{name} weights mean losses; with reduction={reduction!r} the micro-losses are added as they are, "
+            "so leave it out"
+        )
+    return weight  # type: ignore[no-any-return]
+
+
+class LocalSync:
+    """A module on one process: micro-batches need no synchronisation context."""
+
+    _nothing = contextlib.nullcontext()
+    copy_grads = False  # the gradients set aside are nobody else's to write
+    agreement = None
+
+    def micro_batch(self, last: bool) -> ContextManager[Any]:
+        return self._nothing
+
+    def abort(self) -> None:
+        pass
+
+
+class DDPNoSync:
+    """DistributedDataParallel: all micro-batches but the last under `no_sync()`, so the gradients are
+    all-reduced once per logical batch, overlapping the last micro-batch's backward pass."""
+
+    agreement = None  # one rank: DDP's reduction in the last backward pass cannot be left unmatched
+
+    def __init__(self, model: DistributedDataParallel) -> None:
+        self.model = model
+        # With gradient_as_bucket_view the reducer writes the reduced gradients into the memory the old
+        # `.grad` tensors view, so the gradients a call starts with must be kept as copies.
+        self.copy_grads = bool(getattr(model, "gradient_as_bucket_view", False))
+
+    def micro_batch(self, last: bool) -> ContextManager[Any]:
+        return contextlib.nullcontext() if last else self.model.no_sync()
+
+    def abort(self) -> None:
+        # A backward pass that failed after DDP's hooks fired leaves its reducer expecting the rest of the
+        # reduction; without a reset the retry's forward fails with "Expected to have finished reduction".
+        reducer = getattr(self.model, "reducer", None)
+        if reducer is not None and hasattr(reducer, "_reset_state"):
+            reducer._reset_state()
+
+
+class AgreeingDDP:
+    """DistributedDataParallel over several ranks: no collective inside the region that may be retried.
+
+    Every micro-batch runs under `no_sync()`; after the logical batch the ranks agree (one small all-reduce)
+    whether any ran out of memory, and only if none did are the gradients all-reduced, once, in buckets
+    (`toma.core.agreement.all_reduce_gradients`). Letting DDP reduce during the last backward pass would overlap
+    communication with it, but a rank that runs out of memory there leaves the others' all-reduces unmatched:
+    the hang this design exists to prevent. The lost overlap is the price (see the benchmark).
+    """
+
+    copy_grads = False  # DDP's reducer never runs, so nothing writes into the gradients set aside
+
+    def __init__(self, model: DistributedDataParallel) -> None:
+        self.model = model
+        self.agreement = Agreement(model.process_group, _ddp_device(model))
+        # Set on construction (and by a synchronised forward pass outside toma), it makes the next forward
+        # pass broadcast buffers; `synchronise` does that outside the retried region instead.
+        model.require_forward_param_sync = False
+
+    def micro_batch(self, last: bool) -> ContextManager[Any]:
+        return self.model.no_sync()
+
+    def synchronise(self, params: List[torch.Tensor], weight: Optional[float] = None) -> None:
+        """Average this call's gradients over the ranks; with `weight` (the items this rank's mean loss
+        averaged over, from weight=) weigh each rank by its items, so the result is the mean over all of
+        them rather than a mean of the ranks' means."""
+        scale = 1.0
+        if weight is not None:
+            total = self.agreement.sum(weight)
+            scale = weight * self.agreement.world_size / total if total > 0 else 0.0
+        all_reduce_gradients(params, self.model.process_group, scale=scale)
+        if getattr(self.model, "broadcast_buffers", False):
+            # DDP would broadcast rank 0's buffers (BatchNorm statistics) in the next forward pass, a
+            # collective inside the region that may be retried: a rank that skips its forward passes would
+            # leave the others waiting. Broadcast them here, after the agreement, and keep DDP's off.
+            broadcast_buffers(self.model)
+
+    def abort(self) -> None:
+        pass
+
+
+def _model_device(params: Iterable[torch.Tensor]) -> Optional[torch.device]:
+    """Where a model computes: its first parameter's device, or a later one's on an accelerator when the
+    first is on the CPU (None: no parameters)."""
+    first = None
+    for p in params:
+        if p.device.type != "cpu":
+            return p.device
+        first = first or p.device
+    return first
+
+
+def _ddp_device(model: DistributedDataParallel) -> Optional[torch.device]:
+    """DDP's device: its `device_ids[0]`, else its module's parameters' (the rank's GPU under NCCL)."""
+    if model.device_ids:
+        return torch.device(model.device_type, model.device_ids[0])
+    return _model_device(model.module.parameters())
+
+
+def sync_for(model: torch.nn.Module) -> Any:
+    if not isinstance(model, DistributedDataParallel):
+        return LocalSync()
+    return AgreeingDDP(model) if is_distributed(model.process_group) else DDPNoSync(model)
+
+
+def _enabled_autocast() -> Tuple[str, ...]:
+    """The device types autocast is on for here, where the backward passes run."""
+    return tuple(kind for kind in _AUTOCAST_DEVICE_TYPES if _autocast_enabled(kind))
+
+
+def _autocast_enabled(device_type: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except (TypeError, RuntimeError):  # torch < 2.4 has no device argument; unknown device types
+        return device_type == "cuda" and torch.is_autocast_enabled()
+
+
+def _autocast_off(device_types: Tuple[str, ...]) -> contextlib.ExitStack:
+    """Backward outside autocast (PyTorch's advice): the forward's choice of dtypes already holds."""
+    stack = contextlib.ExitStack()
+    for kind in device_types:
+        stack.enter_context(torch.autocast(kind, enabled=False))
+    return stack
+
+
+_checked_for_batchnorm: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
+def _warn_once_about_batchnorm(model: torch.nn.Module) -> None:
+    if model in _checked_for_batchnorm:
+        return
+    _checked_for_batchnorm.add(model)
+    names = [name for name, m in model.named_modules() if isinstance(m, _BatchNorm) and m.training]
+    if names:
+        log.warning(
+            "%s has BatchNorm layers (%s) in training mode: with the logical batch split into "
+            "micro-batches their statistics are those of each micro-batch, not of the full batch",
+            type(model).__name__,
+            ", ".join(names[:3]) + (", ..." if len(names) > 3 else ""),
+        )
+
+
+def _loss_error(func: Callable[..., Any], loss: Any) -> TypeError:
+    what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else repr(loss)
+    name = getattr(func, "__qualname__", repr(func))
+    return TypeError(f"{name} must return the micro-batch's loss as a scalar tensor, got {what}")
+
+
+def _counts(values: List[Any], weight: Callable[..., Any]) -> List[float]:
+    """The micro-batches' counts as floats, with one device synchronisation for tensors on one device."""
+    tensors = [value for value in values if isinstance(value, torch.Tensor)]
+    floats: List[float]
+    if len(tensors) == len(values) and len({t.device for t in tensors}) == 1:
+        floats = torch.stack([t.detach().reshape(()).to(torch.float64) for t in tensors]).tolist()
+    else:
+        floats = [float(value) for value in values]
+    name = getattr(weight, "__qualname__", repr(weight))
+    for value in floats:
+        if not value >= 0 or value == float("inf"):
+            raise ValueError(f"weight ({name}) must return a count of at least 0 for every micro-batch, got {value}")
+    return floats
+
+
+def _hint_whole(error: BaseException, split: BatchSplit, rows: int) -> None:
+    """An error that names the micro-batch's row count while the batch was split may come from a tensor
+    that is not part of the batch but happened to have as many rows: say what was split."""
+    if re.search(rf"(?<![\d.]){rows}(?![\d.])", str(error)) is None:
+        return
+    note = (
+        f"toma: the logical batch of {split.size} rows was split into micro-batches of {rows} along dim 0 of "
+        f"every tensor with {split.size} rows: {split.describe()}. A tensor that is not part of the batch "
+        "(class weights, say) goes to every micro-batch whole when wrapped in toma.whole(...)"
+    )
+    engine.add_note(error, note)
+
+
+# Accumulation sizes a micro-batch by measuring: its size matters for speed, and no 1.1.0 sequence binds it.
+ACCUMULATION_POLICY: SizePolicy = FitToMemory()
+
+
+@dataclass
+class AccumulationStats:
+    """What the calls of one accumulating function went through (best effort across threads)."""
+
+    micro_batch: Optional[int] = None  # the size the last finished logical batch ran at
+    oom_retries: int = 0  # logical batches redone after an out-of-memory error, over all calls
+    calls: int = 0
+    weight: Optional[float] = None  # what the last logical batch's loss averaged over (rows, or weight's total)
+    # FitToMemory's memory model of the call site once it measured: a LinearNeed per element of the batch
+    model: Any = None
+
+
+Batch = Union[BatchSplit, Parts]
+
+
+def _pipeline_for(params: List[torch.Tensor], batch: Batch) -> Optional[MicroBatchTransfers]:
+    """The moves of this call's micro-batches to the model's CUDA device when the logical batch lives on the
+    host: each micro-batch's split tensors move while the previous one computes, `toma.whole` values once per
+    call. None when there is nothing to move (a CPU model, a batch already on the device)."""
+    device = next((p.device for p in params if transfer.uses_cuda(p.device)), None)
+    if device is None:
+        return None
+    parts = batch.parts if isinstance(batch, Parts) else [batch]
+    if not any(t.device.type == "cpu" for part in parts for _, t in part.tensors):
+        return None
+    return MicroBatchTransfers(shared_transfers(device))
+
+
+class AccumulateStep:
+    """One attempt at the whole logical batch: forward and backward of every micro-batch at `size`."""
+
+    size_name = "micro-batch size"
+    finished = False  # the logical batch is one unit: redone whole after an out-of-memory error
+
+    def __init__(
+        self,
+        func: Callable[..., Any],
+        model: torch.nn.Module,
+        batch: Batch,
+        reduction: str,
+        weight: Optional[Callable[..., Any]],
+        scaler: Any,
+        policy: SizePolicy,
+        name: Optional[str] = None,
+    ) -> None:
+        self.func, self.model, self.batch, self.policy, self.name = func, model, batch, policy, name
+        self.mean = reduction == "mean"
+        self.weight, self.scaler = weight, scaler
+        self.sync = sync_for(model)
+        self.params: List[torch.Tensor] = [p for p in model.parameters() if p.requires_grad]
+        self.buffers = BufferStash(model)
+        self.pending = PendingStash(model)
+        # DDP's reducer on one rank swaps gradients for views of its buckets: only parameters can be watched.
+        self.watch = MisuseWatch(self.params, model, check_grads=not isinstance(self.sync, DDPNoSync))
+        self.random: Optional[RandomState] = None
+        self.transfers = _pipeline_for(self.params, batch)
+        self.result: Optional[torch.Tensor] = None
+        self.total_weight: Optional[float] = None
+        self.attempts = 0
+        self.size: Optional[int] = None
+
+    @property
+    def row_items(self) -> float:
+        """The elements a row of the batch's widest part holds, summed over its tensors: a learning policy
+        sizes by elements, so batches padded to other widths need no new search."""
+        parts = self.batch.parts if isinstance(self.batch, Parts) else [self.batch]
+        return float(max(sum(t.numel() for _, t in part.tensors) / part.size for part in parts))
+
+    @property
+    def device(self) -> Optional[torch.device]:
+        """Where the model computes (see `toma.core.engine.Step`)."""
+        return _model_device(self.params)
+
+    def effective(self, size: int) -> int:
+        """A micro-batch never holds more rows than the largest part of the logical batch."""
+        return min(size, self.batch.largest)
+
+    def _devices_in_use(self) -> List[torch.Tensor]:
+        parts = self.batch.parts if isinstance(self.batch, Parts) else [self.batch]
+        return self.params + [tensor for part in parts for _, tensor in part.tensors[:1]]
+
+    def __call__(self, size: int) -> bool:
+        self.attempts += 1
+        if self.random is None:
+            self.random = RandomState(self._devices_in_use())
+        else:  # a retry: the same random numbers as the failed attempt drew
+            self.random.restore()
+        self.buffers.save_once()
+        self.pending.save()
+        asked, size = size, self.effective(size)
+        self.size = size
+        windows = self.batch.windows(size)
+        if len(windows) > 1:
+            _warn_once_about_batchnorm(self.model)
+        agreement = self.sync.agreement
+        try:
+            with GradientStash(self.params, copy=self.sync.copy_grads):
+                try:
+                    result = self._micro_batches(windows)
+                except Exception as error:
+                    if agreement is not None:  # tell the other ranks, inside the stash: a retry restores all
+                        agreement.after_attempt(asked, error, self.policy, size)
+                    raise
+                if agreement is not None:
+                    agreement.after_attempt(asked, None, self.policy)
+                    # only this call's gradients: earlier ones are set aside
+                    self.sync.synchronise(self.params, self.total_weight if self.weight is not None else None)
+                self.result = result
+        except BaseException:
+            self.sync.abort()
+            self.buffers.restore()
+            self.pending.restore()
+            raise
+        return True
+
+    def _factors(self, windows: Sequence[Window], arguments: List[Any]) -> List[Optional[float]]:
+        """What each micro-loss is multiplied by (None: the micro-batch has nothing to average over)."""
+        total_rows = self.batch.size
+        if not self.mean:
+            self.total_weight = float(total_rows)
+            return [1.0] * len(windows)
+        if self.weight is None:
+            self.total_weight = float(total_rows)
+            return [(stop - start) / total_rows for _, start, stop in windows]
+        counts = _counts([self.weight(*args, **kwargs) for args, kwargs in arguments], self.weight)
+        total = sum(counts)
+        self.total_weight = total
+        return [count / total if count > 0 else None for count in counts]
+
+    def _micro_batches(self, windows: Sequence[Window]) -> torch.Tensor:
+        autocast = _enabled_autocast()
+        arguments = [split.micro_batch(start, stop) for split, start, stop in windows]
+        factors = self._factors(windows, arguments)
+        running = [index for index, factor in enumerate(factors) if factor is not None]
+        last = running[-1] if running else -1
+        total: Optional[torch.Tensor] = None
+        moving = self.transfers
+        ahead: Optional[Pending] = None
+        if moving is not None and running:
+            ahead = moving.prefetch(*windows[running[0]])
+        with self.watch:
+            for position, index in enumerate(running):
+                split, start, stop = windows[index]
+                if moving is None or ahead is None:
+                    args, kwargs = arguments[index]
+                else:  # this micro-batch is on the device; the next one's copy overlaps its compute
+                    args, kwargs = ahead.take()
+                    following = running[position + 1] if position + 1 < len(running) else None
+                    ahead = None if following is None else moving.prefetch(*windows[following])
+                factor = factors[index] or 0.0
+                with self.sync.micro_batch(last=index == last):
+                    try:
+                        loss = self.func(*args, **kwargs)
+                    except AccumulationMisuse:
+                        raise
+                    except Exception as error:
+                        if 1 < stop - start < split.size and not should_reduce_batch_size(error):
+                            _hint_whole(error, split, stop - start)
+                        raise
+                    self.watch.loss_done()
+                    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                        raise _loss_error(self.func, loss)
+                    if factor != 1.0:
+                        loss = loss * factor
+                    scaled = loss if self.scaler is None else self.scaler.scale(loss)
+                    if autocast:
+                        with _autocast_off(autocast):
+                            scaled.backward()
+                    else:
+                        scaled.backward()
+                self.watch.backward_done()
+                loss = loss.detach()
+                total = loss if total is None else total + loss
+        if total is None:  # every micro-batch counted 0 items: nothing to learn from, no NaN
+            return torch.zeros((), device=self.params[0].device if self.params else None)
+        return total if total.dim() == 0 else total.reshape(())
+
+
+def accumulate(
+    func: Callable[..., Any],
+    model: torch.nn.Module,
+    initial_micro_batch: int,
+    batch: Batch,
+    *,
+    reduction: str,
+    scaler: Any,
+    cache: BatchsizeCache,
+    policy: Optional[SizePolicy],
+    weight: Optional[Callable[..., Any]] = None,
+    stats: Optional[AccumulationStats] = None,
+    name: Optional[str] = None,
+) -> torch.Tensor:
+    """Forward and backward `func(*micro_args, **micro_kwargs)` over the logical batch (a `BatchSplit` of a
+    call's arguments, or `Parts` of several) in micro-batches; returns the logical batch's loss, detached.
+    Arguments are checked by the caller (`toma.forms`, `toma.training.trainer`). The cached size is the one asked
+    for, not capped by this batch's rows: a short batch never shrinks it, only an out-of-memory error does.
+    `policy` None: `ACCUMULATION_POLICY`, a `FitToMemory`."""
+    policy = policy or ACCUMULATION_POLICY
+    step = AccumulateStep(func, model, batch, reduction, weight, scaler, policy, name)
+    entry = cache.get_batchsize(initial_micro_batch)
+    try:
+        engine.run(step, entry, initial_micro_batch, policy, step.sync.agreement)
+    finally:
+        if stats is not None:
+            stats.calls += 1
+            stats.oom_retries += max(0, step.attempts - 1)
+    if stats is not None:
+        stats.micro_batch = step.size
+        stats.weight = step.total_weight
+        learned = getattr(entry.learned, "model", None)
+        stats.model = learned() if callable(learned) else None
+    assert step.result is not None
+    return step.result

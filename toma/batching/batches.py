@@ -1,0 +1,184 @@
+"""Batches as data: counting their rows, cutting and joining them, and moving them to a device.
+
+A batch is a tensor or a tuple, list or dict of them (nested), with the rows along dim 0. A list or tuple of
+plain values (strings, ids, 0-dim tensors) whose length is the row count holds one item per row, and is cut
+and joined with the rows; anything else in a batch (a number, a tag, a 0-dim tensor) travels along
+unchanged, and must be the same in batches that are joined.
+"""
+
+from collections.abc import Mapping
+from typing import Any, Iterable, Iterator, List, Optional, Tuple
+
+import torch
+
+from toma.batching.splitting import BatchSplit, is_row_sequence_candidate, map_tensors
+
+__all__ = ["rows", "take", "concatenate", "to_device", "logical_batches", "Segments"]
+
+
+class Segments(list):  # type: ignore[type-arg]
+    """A logical batch made of batches that cannot be joined (tensors of different widths, as dynamic padding
+    makes them): each is trained as it is, micro-batches never spanning two."""
+
+
+def rows(batch: Any) -> int:
+    """The number of rows in `batch` (ValueError if its tensors disagree or it has none)."""
+    if isinstance(batch, Segments):
+        return sum(rows(segment) for segment in batch)
+    return BatchSplit((batch,), {}).size
+
+
+def take(batch: Any, start: int, stop: int) -> Any:
+    """Rows `[start, stop)` of `batch`, as views (lists of one item per row are sliced)."""
+    (part,), _ = BatchSplit((batch,), {}).micro_batch(start, stop)
+    return part
+
+
+def _join(parts: List[Any], counts: List[int], path: str) -> Any:
+    first = parts[0]
+    if isinstance(first, torch.Tensor) and first.dim() > 0:
+        return torch.cat(parts)
+    if is_row_sequence_candidate(first) and all(
+        is_row_sequence_candidate(part) and len(part) == n for part, n in zip(parts, counts, strict=True)
+    ):
+        joined = [item for part in parts for item in part]
+        return joined if isinstance(first, list) else tuple(joined)
+    if isinstance(first, (tuple, list)) and not _plain_values(first):
+        if any(type(part) is not type(first) or len(part) != len(first) for part in parts):
+            raise _cannot_join(path, parts)
+        joined = [_join([part[i] for part in parts], counts, f"{path}[{i}]") for i in range(len(first))]
+        if isinstance(first, list):
+            return joined
+        return type(first)(*joined) if hasattr(first, "_fields") else tuple(joined)
+    if isinstance(first, Mapping):
+        if any(not isinstance(part, Mapping) or part.keys() != first.keys() for part in parts):
+            raise _cannot_join(path, parts)
+        return {key: _join([part[key] for part in parts], counts, f"{path}[{key!r}]") for key in first}
+    if all(_same(part, first) for part in parts[1:]):
+        return first  # the same tag in every batch
+    raise _cannot_join(path, parts)
+
+
+def _plain_values(sequence: Any) -> bool:
+    """A list or tuple of plain values that holds no sequence to look into (for per-row lists)."""
+    return is_row_sequence_candidate(sequence) and not all(isinstance(item, (list, tuple)) for item in sequence)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):  # 0-dim: a value, compared as one
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.shape == b.shape
+            and a.dtype == b.dtype
+            and bool(torch.equal(a.cpu(), b.cpu()))
+        )
+    try:
+        return bool(a == b)
+    except Exception:
+        return a is b
+
+
+def _cannot_join(path: str, parts: List[Any]) -> ValueError:
+    kinds = ", ".join(sorted({type(part).__name__ for part in parts}))
+    return ValueError(
+        f"cannot join batches into a logical batch: batch{path} ({kinds}) is neither a tensor nor a list or tuple "
+        "with one item per row, and it differs between the batches. Make it a tensor or such a list, or give "
+        "the loader the logical batch size"
+    )
+
+
+def _check_cuttable(batch: Any, count: int, path: str) -> None:
+    """Refuse to cut a batch holding a list of plain values that is not one item per row: cut, it would go
+    whole to both pieces and pair its items with the wrong rows."""
+    if is_row_sequence_candidate(batch):
+        if not batch or len(batch) == count:
+            return
+        if not _plain_values(batch):  # per-row lists inside, perhaps
+            for i, item in enumerate(batch):
+                _check_cuttable(item, count, f"{path}[{i}]")
+        else:
+            raise ValueError(
+                f"cannot cut a batch into logical batches: batch{path} is a {type(batch).__name__} of {len(batch)} "
+                f"items for {count} rows, so it cannot be split with the rows. Make it a tensor or a list with one "
+                "item per row, or give the loader the logical batch size"
+            )
+    elif isinstance(batch, (tuple, list)):
+        for i, item in enumerate(batch):
+            _check_cuttable(item, count, f"{path}[{i}]")
+    elif isinstance(batch, Mapping):
+        for key, value in batch.items():
+            _check_cuttable(value, count, f"{path}[{key!r}]")
+
+
+def concatenate(parts: List[Any]) -> Any:
+    """The batches in `parts` joined along dim 0: tensors concatenated, lists of one item per row joined,
+    anything else kept when every batch has the same value (ValueError otherwise)."""
+    return _join(parts, [rows(part) for part in parts], "")
+
+
+def to_device(batch: Any, device: Any, non_blocking: bool = False) -> Any:
+    """`batch` with every tensor on `device` (tensors already there are not copied)."""
+    return map_tensors(batch, lambda tensor: tensor.to(device, non_blocking=non_blocking))
+
+
+def _layout(batch: Any) -> Any:
+    """What must match for two batches to be concatenated: the structure, and every tensor's trailing shape,
+    dtype and device."""
+    if isinstance(batch, torch.Tensor):
+        return ("tensor", tuple(batch.shape[1:]), batch.dtype, batch.device, batch.dim() == 0)
+    if isinstance(batch, (tuple, list)) and not is_row_sequence_candidate(batch):
+        return (type(batch), tuple(_layout(item) for item in batch))
+    if isinstance(batch, Mapping):
+        return (type(batch), tuple((key, _layout(value)) for key, value in batch.items()))
+    return "value"
+
+
+def _logical(pieces: List[Tuple[Any, int]]) -> Any:
+    """One logical batch from consecutive pieces: runs of pieces that can be joined are joined, and where
+    shapes differ the result is `Segments`."""
+    runs: List[List[Any]] = []
+    layout: Optional[Any] = None
+    for piece, _ in pieces:
+        current = _layout(piece)
+        if runs and current == layout:
+            runs[-1].append(piece)
+        else:
+            runs.append([piece])
+            layout = current
+    joined = [concatenate(run) if len(run) > 1 else run[0] for run in runs]
+    return joined[0] if len(joined) == 1 else Segments(joined)
+
+
+def logical_batches(data: Iterable[Any], batch_size: int) -> Iterator[Any]:
+    """Re-cut the batches of `data` into batches of `batch_size` rows (the last one may be smaller).
+
+    Batches that already have `batch_size` rows pass through untouched; smaller ones (a DataLoader with a
+    small `batch_size` for cheap loading) are joined, larger ones cut. Batches whose tensors differ in shape
+    beyond dim 0 are not joined: their logical batch is `Segments` of them.
+    """
+    pending: List[Tuple[Any, int]] = []
+    pending_rows = 0
+    for batch in data:
+        n = rows(batch)
+        if not pending and n == batch_size:
+            yield batch
+            continue
+        pending.append((batch, n))
+        pending_rows += n
+        while pending_rows >= batch_size:
+            wanted, pieces = batch_size, []
+            while wanted:
+                piece, count = pending.pop(0)
+                if count <= wanted:
+                    pieces.append((piece, count))
+                    wanted -= count
+                else:  # cut: the rest stays for the next logical batch
+                    _check_cuttable(piece, count, "")
+                    pieces.append((take(piece, 0, wanted), wanted))
+                    pending.insert(0, (take(piece, wanted, count), count - wanted))
+                    wanted = 0
+            pending_rows -= batch_size
+            yield _logical(pieces)
+    if pending:
+        yield _logical(pending)

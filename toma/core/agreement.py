@@ -1,0 +1,247 @@
+"""Ranks of a torch.distributed job that agree on every size, so a retry never leaves collectives unmatched.
+
+When one rank runs out of memory and retries while the others have gone on into a collective, the
+collectives no longer match and the job hangs. toma's protocol keeps every retried region free of
+collectives of its own and puts one small all-reduce (MIN over int64s) at two points:
+
+- before the first attempt, the ranks agree on the size to start with (the smallest of their cached
+  sizes), so every rank's cache holds the same size afterwards;
+- after every attempt, each rank reports its outcome: finished, out of memory (with the size it would
+  retry at), failed with another error, or out of memory at the smallest size. If all finished, they go
+  on; if any ran out of memory, all redo the attempt at the smallest size any of them proposed; if any
+  failed, all stop: the failing rank raises its own error, the others a RankFailed naming it.
+
+A rank that dies, or is interrupted (KeyboardInterrupt is never held back for the agreement), leaves the
+others in the agreement's all-reduce until the process group's timeout (or gloo's lost connection)
+raises there.
+"""
+
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from toma.core.oom import ControlException, should_reduce_batch_size
+from toma.core.policy import SizePolicy, shrink_below
+
+__all__ = [
+    "Agreement",
+    "AgreedRetry",
+    "RankFailed",
+    "AgreedStep",
+    "agreement_for",
+    "all_reduce_gradients",
+    "broadcast_buffers",
+    "is_distributed",
+]
+
+FINISHED = 2**62  # larger than any size: the MIN over ranks is FINISHED only when every rank finished
+
+
+class RankFailed(ControlException):
+    """Raised on the ranks that did not fail when another rank stopped the logical batch. Deliberately not a
+    RuntimeError, and a control exception: its message and cause may be an out-of-memory error, and it must
+    never be mistaken for one."""
+
+
+class AgreedRetry(ControlException):
+    """Raised on every rank when the ranks agreed to redo the attempt at `size` (some rank ran out of memory)."""
+
+    def __init__(self, size: int, reason: str) -> None:
+        super().__init__(f"the ranks agreed to retry at {size}: {reason}")
+        self.size, self.reason = size, reason
+
+
+def is_distributed(group: Any = None) -> bool:
+    """True inside an initialised process group with more than one rank."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def _device_for(group: Any, device: Optional[torch.device] = None) -> torch.device:
+    """Where the agreement's tensor lives: gloo's on the CPU; NCCL's on this rank's GPU, the one the work
+    runs on (`device`: DDP's device, the model's, the tensors'), else the current CUDA device."""
+    backend = dist.get_backend(group)
+    if backend == "nccl" and torch.cuda.is_available():
+        if device is not None and device.type == "cuda" and device.index is not None:
+            return device
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class Agreement:
+    """The agreement collectives of one process group (None: the default group). `device`: where the
+    agreed work runs, when known; else the engine tells it (`work_on`) before the first collective."""
+
+    def __init__(self, group: Any = None, device: Optional[torch.device] = None) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.work_device = device
+        self._device: Optional[torch.device] = None
+        # The size this rank proposes after an out-of-memory error, (size, failed, error) -> next or None;
+        # the engine sets it per attempt for a policy that learns. None: the policy's shrink.
+        self.propose: Optional[Callable[[int, int, BaseException], Optional[int]]] = None
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the agreement's tensors, chosen at the first collective."""
+        if self._device is None:
+            self._device = _device_for(self.group, self.work_device)
+        return self._device
+
+    def work_on(self, device: Optional[torch.device]) -> None:
+        """Where the agreed work runs, unless the agreement was told already (DDP's device comes first)."""
+        if self.work_device is None and device is not None:
+            self.work_device, self._device = device, None
+
+    def _min(self, value: int) -> int:
+        tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
+        return int(tensor.item())
+
+    def sum(self, value: float) -> float:
+        """`value` summed over the ranks (in float64: token counts stay exact)."""
+        tensor = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor, group=self.group)
+        return float(tensor.item())
+
+    def start(self, size: int) -> int:
+        """The size every rank starts with: the smallest any of them would start with."""
+        return self._min(size)
+
+    def after_attempt(
+        self, size: int, error: Optional[BaseException], policy: SizePolicy, failed: Optional[int] = None
+    ) -> None:
+        """Called on every rank after every attempt at `size`, inside the `except` block that caught `error`
+        (None when the attempt finished; `failed`: the work that ran out of memory, when less than `size`).
+        Returns when all finished, or when this rank's own `error` is the one to re-raise; raises AgreedRetry
+        when all must redo the attempt, RankFailed when another rank failed."""
+        oom = error is not None and should_reduce_batch_size(error)
+        if error is None:
+            proposal = FINISHED
+        elif oom:
+            failed = size if failed is None else failed
+            try:
+                propose = self.propose
+                smaller = shrink_below(policy, size, failed) if propose is None else propose(size, failed, error)
+            except ValueError:
+                smaller = None
+            valid = smaller is not None
+            # Out of memory at the smallest size: every rank stops (the most negative codes win the MIN).
+            proposal = smaller if valid else -(1 + self.world_size + self.rank)  # type: ignore[assignment]
+        else:
+            proposal = -(1 + self.rank)
+        agreed = self._min(proposal)
+        if agreed == FINISHED:
+            return
+        if agreed > 0:
+            reason = f"rank {self.rank} ran out of memory" if oom else "another rank ran out of memory"
+            raise AgreedRetry(agreed, reason) from error
+        if agreed == proposal:
+            return  # this rank's own error decides: the caller re-raises it untouched
+        failed = -agreed - 1
+        if failed >= self.world_size:
+            raise RankFailed(
+                f"toma: rank {failed - self.world_size} ran out of memory at its smallest size ({size}); "
+                f"rank {self.rank} stops with it"
+            ) from error
+        raise RankFailed(
+            f"toma: rank {failed} failed with an error that is not out of memory; rank {self.rank} stops with it"
+        ) from error
+
+
+class AgreedStep:
+    """A decorator's step whose every attempt ends in the ranks' agreement: for functions that contain
+    collectives themselves, every rank runs every attempt at the same size. A rank whose attempt finished
+    while another's ran out of memory rewinds and redoes it with the others."""
+
+    def __init__(self, step: Any, agreement: Agreement, policy: SizePolicy) -> None:
+        self.step, self.agreement, self.policy = step, agreement, policy
+        self.func, self.size_name, self.name = step.func, step.size_name, step.name
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.step.finished)
+
+    @property
+    def device(self) -> Optional[torch.device]:
+        return getattr(self.step, "device", None)  # a step may leave it out (see toma.core.engine.Step)
+
+    def effective(self, size: int) -> int:
+        return int(self.step.effective(size))
+
+    def __call__(self, size: int) -> bool:
+        mark = self.step.mark()
+        try:
+            done = self.step(size)
+        except Exception as error:
+            self.agreement.after_attempt(size, error, self.policy, self.step.effective(size))
+            raise
+        try:
+            self.agreement.after_attempt(size, None, self.policy)
+        except AgreedRetry:
+            self.step.rewind(mark)
+            raise
+        return bool(done)
+
+
+def agreement_for(distributed: Any) -> Optional[Agreement]:
+    """The decorators' `distributed=` option: False/None for none, True for the default process group, or a
+    process group. Outside a process group of several ranks there is nothing to agree on."""
+    if distributed is None or distributed is False:
+        return None
+    group = None if distributed is True else distributed
+    return Agreement(group) if is_distributed(group) else None
+
+
+def all_reduce_gradients(
+    params: List[torch.Tensor], group: Any = None, bucket_bytes: int = 25 * 2**20, scale: float = 1.0
+) -> None:
+    """Average the gradients of `params` over the ranks, as DistributedDataParallel does: gradients are
+    flattened into buckets of about `bucket_bytes` per device and dtype, all buckets are all-reduced at
+    once (asynchronously), then divided by the world size. A parameter without a gradient counts as zeros
+    (and gets them), so that every rank reduces the same tensors. `scale` multiplies this rank's gradients
+    before the reduction (its share in a weighted mean)."""
+    world_size = dist.get_world_size(group)
+    grads = []
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        if p.grad.is_sparse:
+            raise NotImplementedError("toma: sparse gradients are not supported with several ranks")
+        grads.append(p.grad)
+    buckets: Dict[Tuple[torch.device, torch.dtype], List[List[torch.Tensor]]] = {}
+    filled: Dict[Tuple[torch.device, torch.dtype], int] = {}  # bytes in each key's last bucket
+    for grad in grads:
+        key = (grad.device, grad.dtype)
+        groups = buckets.setdefault(key, [[]])
+        if groups[-1] and filled[key] + grad.nbytes > bucket_bytes:
+            groups.append([])
+            filled[key] = 0
+        groups[-1].append(grad)
+        filled[key] = filled.get(key, 0) + grad.nbytes
+    pending = []
+    for groups in buckets.values():
+        for bucket in groups:
+            flat = torch.cat([g.reshape(-1) for g in bucket]) if len(bucket) > 1 else bucket[0].reshape(-1)
+            if scale != 1.0:
+                flat.mul_(scale)
+            pending.append((bucket, flat, dist.all_reduce(flat, group=group, async_op=True)))
+    for bucket, flat, work in pending:
+        work.wait()
+        flat.div_(world_size)
+        if len(bucket) == 1 and flat.data_ptr() == bucket[0].data_ptr():
+            continue  # reduced in place
+        offset = 0
+        for grad in bucket:
+            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+
+
+def broadcast_buffers(model: Any) -> None:
+    """Rank 0's module buffers (BatchNorm statistics) to every rank of a DistributedDataParallel `model`,
+    the broadcast DDP itself makes before a synchronised forward pass (its own method: ignored buffers,
+    join and buffer hooks as DDP handles them)."""
+    ignored = getattr(model, "parameters_to_ignore", ())
+    if any(name not in ignored for name, _ in model.module.named_buffers()):  # DDP asserts there is one
+        model._sync_buffers()

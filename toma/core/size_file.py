@@ -1,0 +1,156 @@
+"""Sizes that survive a restart: what a call site learned, kept in an SQLite file.
+
+`toma.remember_sizes(path)` (or the environment variable `TOMA_SIZES=<path>`) turns it on. A cache entry
+that a call site uses for the first time starts from the stored size; a size that changes (an OOM, a
+measured growth) is written at once. Keys are stable across runs and processes: the function's module and
+qualified name, the call site's file and line, the device (kind, name, total memory) and the world size.
+Many processes may share a file (WAL mode, short transactions). A file that cannot be read or written
+costs one WARNING on the `toma` logger; the job then runs without persistence. The hot path (a call whose
+entry is known and whose size does not change) never touches the file.
+"""
+
+import logging
+import os
+import sqlite3
+import threading
+import time
+from typing import Any, List, Optional, Tuple
+
+__all__ = ["SizeStore", "remember_sizes", "active_store", "device_key", "describe_model", "ENVIRONMENT_VARIABLE"]
+
+log = logging.getLogger("toma")
+
+ENVIRONMENT_VARIABLE = "TOMA_SIZES"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS toma_sizes (
+    key TEXT PRIMARY KEY,
+    site TEXT NOT NULL,
+    device TEXT NOT NULL,
+    size INTEGER NOT NULL,
+    model TEXT,
+    updated REAL NOT NULL
+)
+"""
+
+
+class SizeStore:
+    """One SQLite file of remembered sizes. Every method swallows storage errors after one WARNING."""
+
+    def __init__(self, path: str) -> None:
+        self.path = os.fspath(path)
+        self.broken = False
+        self._lock = threading.Lock()
+        self._connection: Optional[sqlite3.Connection] = None
+
+    def _connect(self) -> sqlite3.Connection:
+        if self._connection is None:
+            if os.path.isdir(self.path):
+                raise sqlite3.OperationalError("it is a directory")
+            connection = sqlite3.connect(self.path, timeout=30, check_same_thread=False, isolation_level=None)
+            connection.execute("PRAGMA journal_mode=WAL")
+            connection.execute(_SCHEMA)
+            self._connection = connection
+        return self._connection
+
+    def _fail(self, error: BaseException) -> None:
+        if not self.broken:
+            self.broken = True
+            log.warning("toma: cannot use the size file %s (%s); going on without remembered sizes", self.path, error)
+
+    def recall(self, key: str) -> Optional[Tuple[int, Optional[str]]]:
+        """(size, the policy's model as JSON text or None) remembered under `key` (None: nothing usable)."""
+        if self.broken:
+            return None
+        try:
+            with self._lock:
+                row = self._connect().execute("SELECT size, model FROM toma_sizes WHERE key = ?", (key,)).fetchone()
+        except (sqlite3.Error, OSError) as error:
+            self._fail(error)
+            return None
+        if row is None or not isinstance(row[0], int) or row[0] < 1:
+            return None
+        return int(row[0]), row[1] if isinstance(row[1], str) else None
+
+    def put(self, key: str, site: str, device: str, size: int, model: Optional[str] = None) -> None:
+        if self.broken:
+            return
+        try:
+            with self._lock:
+                self._connect().execute(
+                    "INSERT INTO toma_sizes (key, site, device, size, model, updated) VALUES (?, ?, ?, ?, ?, ?) "
+                    "ON CONFLICT(key) DO UPDATE SET size = excluded.size, model = excluded.model, "
+                    "updated = excluded.updated",
+                    (key, site, device, int(size), model, time.time()),
+                )
+        except (sqlite3.Error, OSError) as error:
+            self._fail(error)
+
+    def rows(self) -> List[Tuple[str, str, int, Optional[str], float]]:
+        """(site, device, size, model, when) for every remembered size (errors raise: for the CLI)."""
+        with self._lock:
+            return list(
+                self._connect().execute("SELECT site, device, size, model, updated FROM toma_sizes ORDER BY site")
+            )
+
+    def clear(self) -> int:
+        with self._lock:
+            return int(self._connect().execute("DELETE FROM toma_sizes").rowcount)
+
+
+_store: Optional[SizeStore] = None
+_environment_checked = False
+
+
+def remember_sizes(path: Optional[str]) -> Optional[SizeStore]:
+    """Keep sizes in the SQLite file at `path` from now on (None: stop). Returns the store."""
+    global _store, _environment_checked
+    _environment_checked = True
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a file path, got {path!r}")
+    _store = None if path is None else SizeStore(os.fspath(path))
+    return _store
+
+
+def active_store() -> Optional[SizeStore]:
+    """The store in use: the one `remember_sizes` set, else `TOMA_SIZES`'s (read once), else None."""
+    global _store, _environment_checked
+    if not _environment_checked:
+        _environment_checked = True
+        path = os.environ.get(ENVIRONMENT_VARIABLE)
+        if path:
+            _store = SizeStore(path)
+    return _store
+
+
+def device_key(device: Any = None) -> str:
+    """The device a size was learned on: for work on a CUDA device, that device's name and memory; for
+    CPU work the CPU (with the address-space limit, which decides what fits); and the world size.
+    `device` None (not known): the current CUDA device in a process that uses CUDA, else the CPU."""
+    import torch  # a module-level import would be one more import floor for nothing
+
+    world = 1
+    distributed = getattr(torch, "distributed", None)
+    if distributed is not None and distributed.is_available() and distributed.is_initialized():
+        world = distributed.get_world_size()
+    if device is None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        device = torch.device("cuda", torch.cuda.current_device())
+    kind = "cpu" if device is None else device.type
+    if kind == "cuda":
+        index = torch.cuda.current_device() if device.index is None else device.index
+        properties = torch.cuda.get_device_properties(index)
+        return f"cuda:{properties.name}:{properties.total_memory}:world={world}"
+    if kind != "cpu":
+        return f"{kind}:world={world}"
+    from toma.memory.cpu import _address_space_limit
+
+    limit = _address_space_limit()  # in 64 MiB steps: a cap set from the settled address space moves a little
+    return f"cpu:limit={'none' if limit is None else f'{limit >> 26} x 64MiB'}:world={world}"
+
+
+def describe_model(learned: Any) -> Optional[str]:
+    """A learning policy's state as text for the file (None when there is none): its own `describe()`,
+    which a later run's policy reads back through `restore`."""
+    describe = getattr(learned, "describe", None)
+    text = describe() if callable(describe) else None
+    return text if isinstance(text, str) else None

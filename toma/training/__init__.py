@@ -1,0 +1,1 @@
+"""`toma.Trainer`: whole trainings on `toma.accumulate`, with their history and progress display."""

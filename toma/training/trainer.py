@@ -1,0 +1,549 @@
+"""A Keras-like training manager built on `toma.accumulate` and `toma.range`: no retry loop of its own.
+
+`Trainer(model, optimizer, loss_fn, train_data, batch_size=4096).fit(10)` trains with logical batches of
+4096 rows whatever the memory: each optimizer step accumulates exact gradients over micro-batches whose
+size toma finds (and then keeps: later steps run at it with no out-of-memory error). The logical batch
+stays on the host (or wherever the data is) and each micro-batch moves to the device on its own, so a
+logical batch larger than GPU memory trains too.
+"""
+
+import logging
+import math
+import time
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, TextIO, Tuple, Union
+
+import torch
+
+from toma.core import engine
+from toma.accumulation.accumulate import (
+    ACCUMULATION_POLICY,
+    AccumulationStats,
+    accumulate,
+    check_model,
+    check_reduction,
+    check_scaler,
+    check_weight,
+)
+from toma.core.arguments import check_size
+from toma.batching.batches import Segments, logical_batches, rows, take, to_device
+from toma.core.caches import GlobalBatchsizeCache
+from toma.training.history import TrainingHistory
+from toma.memory import History as MemoryHistory
+from toma.sizing.policies import SizePolicy, check_policy
+from toma.training.progress import VERBOSITY, Progress
+from toma.batching.splitting import BatchSplit, Parts
+
+logger = logging.getLogger("toma")
+
+__all__ = ["Trainer", "Callback", "StopTraining", "accuracy", "METRICS"]
+
+Metric = Callable[[torch.Tensor, torch.Tensor], Any]
+
+
+class StopTraining(Exception):
+    """Raise it from a callback (or a loss function) to end `fit` cleanly after the current step."""
+
+
+class Callback:
+    """Hooks called with the trainer, which carries the state: `current_epoch` (epochs finished),
+    `global_step`, `last_loss`, `history`, `micro_batch`, `oom_retries`, `memory`, `model`, `optimizer`."""
+
+    def on_step_end(self, trainer: "Trainer") -> None:
+        pass
+
+    def on_epoch_end(self, trainer: "Trainer") -> None:
+        pass
+
+
+def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The share of targets whose largest output is the target class; targets of -100 (the `ignore_index`
+    of PyTorch's and Hugging Face's losses: padding) are not counted."""
+    counted = targets != -100
+    hits = (outputs.argmax(dim=-1) == targets) & counted
+    return hits.sum().float() / counted.sum().clamp(min=1)
+
+
+METRICS: Dict[str, Metric] = {"accuracy": accuracy}
+"""The built-in metrics, by the names `metrics=["accuracy"]` takes."""
+
+
+def _check_metrics(metrics: Union[None, Mapping[str, Any], Sequence[Any]]) -> Dict[str, Metric]:
+    if metrics is None:
+        return {}
+    if isinstance(metrics, str):
+        metrics = [metrics]
+    if isinstance(metrics, Mapping):
+        named = dict(metrics)
+    else:
+        named = {}
+        for metric in metrics:
+            if isinstance(metric, str):
+                if metric not in METRICS:
+                    raise ValueError(f"metrics: unknown metric {metric!r}; the built-in ones are {sorted(METRICS)}")
+                named[metric] = METRICS[metric]
+            else:
+                named[getattr(metric, "__name__", type(metric).__name__)] = metric
+    for name, metric in named.items():
+        if not callable(metric):
+            raise TypeError(f"metrics[{name!r}] must be a function (outputs, targets) -> value, got {metric!r}")
+    return named
+
+
+def _check_scalar(loss: Any, what: str) -> torch.Tensor:
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else repr(loss)
+        raise TypeError(f"{what} must return a scalar tensor (the batch's loss), got {shape}")
+    return loss
+
+
+def _field(output: Any, name: str) -> Any:
+    """`output.name` or `output[name]` (a Hugging Face ModelOutput has both), or None."""
+    if isinstance(output, Mapping):
+        return output.get(name)
+    return getattr(output, name, None)
+
+
+def _loss_of(output: Any) -> torch.Tensor:
+    """forward's result: the loss itself, or a model output carrying it (`.loss`, `["loss"]`)."""
+    if isinstance(output, torch.Tensor):
+        return _check_scalar(output, "forward(batch)")
+    loss = _field(output, "loss")
+    if loss is None:
+        raise TypeError(
+            "forward(batch) must return the batch's loss (a scalar tensor) or a model output carrying it as "
+            f".loss (a Hugging Face ModelOutput, or a dict with 'loss'), got {type(output).__name__}"
+        )
+    return _check_scalar(loss, "forward(batch).loss")
+
+
+def _logits_of(output: Any) -> torch.Tensor:
+    logits = None if isinstance(output, torch.Tensor) else _field(output, "logits")
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(
+            "metrics with forward= need forward(batch) to return the model's output with its loss and logits "
+            "(a Hugging Face ModelOutput, or a dict with 'loss' and 'logits'); it returned "
+            f"{type(output).__name__}"
+        )
+    return logits
+
+
+def _default_targets(batch: Any) -> Any:
+    """The targets of a batch for metrics with forward=: `batch["labels"]`, or the second of a pair."""
+    if isinstance(batch, Mapping) and "labels" in batch:
+        return batch["labels"]
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[1]
+    raise TypeError(
+        "metrics with forward= need the batch's targets: batches that are dicts with 'labels' or "
+        "(inputs, targets) pairs have them; for others pass targets=batch -> targets"
+    )
+
+
+def _known_length(data: Any) -> Optional[int]:
+    try:
+        return len(data)
+    except TypeError:  # a DataLoader over an IterableDataset without __len__
+        return None
+
+
+def _rows_per_epoch(data: Any) -> Optional[int]:
+    """The rows one pass over `data` yields, where that is known without loading it: a DataLoader's sampler
+    (so a subset sampler counts only its rows), or a list of batches."""
+    if isinstance(data, (list, tuple)):
+        try:
+            return sum(rows(batch) for batch in data)
+        except (TypeError, ValueError):
+            return None
+    batch_size = getattr(data, "batch_size", None)
+    dataset = getattr(data, "dataset", None)
+    if isinstance(dataset, torch.utils.data.IterableDataset):  # its own length, if it has one, is the rows
+        count = _known_length(dataset)
+        if count is None or not isinstance(batch_size, int) or getattr(data, "num_workers", 0) > 0:
+            return None  # with workers each replica yields the dataset: rows unknown to us
+        return count - count % batch_size if getattr(data, "drop_last", False) else count
+    batch_sampler = getattr(data, "batch_sampler", None)
+    sampler = getattr(batch_sampler, "sampler", None)
+    if batch_size is None or sampler is None or getattr(batch_sampler, "batch_size", None) != batch_size:
+        return None  # a custom batch sampler, or no automatic batching: rows unknown
+    count = _known_length(sampler)
+    if count is None:
+        return None
+    if getattr(batch_sampler, "drop_last", False):
+        count -= count % batch_size
+    return count
+
+
+# The evaluation cache's starting size: every batch whole (chunks are capped at its rows) until one runs
+# out of memory; not the first batch's rows, which a short first batch would turn into a limit for all.
+_WHOLE_BATCHES = 2**30
+
+
+class _EvaluationChunks(engine.RangeStep):
+    """The rows of one evaluation batch, in chunks that fit; named for what the user knows in log lines."""
+
+    size_name = "evaluation chunk size"
+    __slots__ = ()
+
+
+class Trainer:
+    """Trains `model` on `train_data` in logical batches of `batch_size` rows, micro-batched to fit memory.
+
+    `train_data` is a DataLoader or any iterable of `(inputs, targets)` batches, re-cut into logical batches
+    of `batch_size` rows; the loss is `loss_fn(model(inputs), targets)` (a mean over the rows, like
+    `nn.CrossEntropyLoss()`), or `forward(batch)` for batches of another shape (returning the loss, or a
+    model output carrying `.loss`). `weight(inputs, targets)` (or `weight(batch)` with `forward=`) gives the
+    number of items a batch's mean loss averages over when that is not its rows (label tokens, say).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: Optional[Callable[..., torch.Tensor]],
+        train_data: Iterable[Any],
+        *,
+        batch_size: int,
+        initial_micro_batch: Optional[int] = None,
+        scaler: Any = None,
+        device: Any = None,
+        callbacks: Sequence[Callback] = (),
+        verbose: int = 1,
+        forward: Optional[Callable[[Any], Any]] = None,
+        reduction: str = "mean",
+        weight: Optional[Callable[..., Any]] = None,
+        targets: Optional[Callable[[Any], Any]] = None,
+        file: Optional[TextIO] = None,
+        policy: Optional[SizePolicy] = None,
+    ) -> None:
+        self.model = check_model(model, "model")
+        # How micro-batch and evaluation chunk sizes are found: measured (FitToMemory) unless given.
+        self.policy: SizePolicy = check_policy(policy, "policy") or ACCUMULATION_POLICY
+        if not (callable(getattr(optimizer, "step", None)) and callable(getattr(optimizer, "zero_grad", None))):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {optimizer!r}")
+        if forward is None and not callable(loss_fn):
+            raise TypeError(f"loss_fn must be a criterion called as loss_fn(model(inputs), targets), got {loss_fn!r}")
+        if forward is not None and not callable(forward):
+            raise TypeError(f"forward must be a function batch -> loss, got {forward!r}")
+        if targets is not None and not callable(targets):
+            raise TypeError(f"targets must be a function batch -> the batch's targets (for metrics), got {targets!r}")
+        self.batch_size = check_size(batch_size, "batch_size")
+        self.initial_micro_batch = (
+            None if initial_micro_batch is None else check_size(initial_micro_batch, "initial_micro_batch")
+        )
+        if verbose not in VERBOSITY:
+            raise ValueError(f"verbose must be 0 (silent), 1 (a line per epoch) or 2 (a progress bar), got {verbose!r}")
+        for callback in callbacks:
+            if not any(callable(getattr(callback, hook, None)) for hook in ("on_step_end", "on_epoch_end")):
+                raise TypeError(f"callbacks must have on_step_end or on_epoch_end, got {callback!r}")
+        if _known_length(train_data) == 0:
+            raise ValueError("train_data is empty: there is nothing to train on")
+        self.optimizer, self.loss_fn, self.forward = optimizer, loss_fn, forward
+        self.train_data = train_data
+        self.scaler = check_scaler(scaler, "scaler")
+        self.reduction = check_reduction(reduction, "reduction")
+        self.weight = check_weight(weight, "weight", self.reduction)
+        self.targets = targets or _default_targets
+        if device is not None:
+            self.device = torch.device(device)
+            self.model.to(self.device)
+        else:
+            first = next(self.model.parameters(), None)
+            self.device = first.device if first is not None else torch.device("cpu")
+        self.callbacks = list(callbacks)
+        self.verbose, self.file = verbose, file
+
+        self.history = TrainingHistory()
+        self.memory = MemoryHistory(self.device, max_length=10_000)
+        self.current_epoch = 0  # epochs finished
+        self.global_step = 0
+        self.last_loss: Optional[torch.Tensor] = None
+        self.stats = AccumulationStats()
+        # One cached size per trainer, wherever and at whatever free memory a step runs: once the search
+        # has settled, every later step starts at the size that worked.
+        self._training_cache = GlobalBatchsizeCache()
+        self._evaluation_cache = GlobalBatchsizeCache()
+
+    # --- state ---------------------------------------------------------------------------------------
+
+    @property
+    def micro_batch(self) -> Optional[int]:
+        """The micro-batch size the last step ran at."""
+        return self.stats.micro_batch
+
+    @property
+    def oom_retries(self) -> int:
+        """Logical batches redone after an out-of-memory error, since the trainer was made."""
+        return self.stats.oom_retries
+
+    # --- training ------------------------------------------------------------------------------------
+
+    def _micro_batch_loss(self, *batch: Any) -> torch.Tensor:
+        batch = to_device(batch, self.device, non_blocking=True)
+        if self.forward is not None:
+            return _loss_of(self.forward(batch[0]))
+        inputs, targets = batch
+        return _check_scalar(self.loss_fn(self.model(inputs), targets), "loss_fn(model(inputs), targets)")  # type: ignore[misc]
+
+    def _parts(self, batch: Any) -> tuple:
+        """The arguments a micro-batch function takes for one data batch."""
+        if self.forward is not None:
+            return (batch,)
+        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+            raise TypeError(
+                "train_data must yield (inputs, targets) batches for loss_fn(model(inputs), targets); "
+                f"got {type(batch).__name__}. For batches of another shape pass forward=batch -> loss"
+            )
+        return tuple(batch)
+
+    def _logical_batch(self, batch: Any) -> Union[BatchSplit, Parts]:
+        if isinstance(batch, Segments):
+            return Parts([BatchSplit(self._parts(segment), {}) for segment in batch])
+        return BatchSplit(self._parts(batch), {})
+
+    def step(self, *batch: Any) -> torch.Tensor:
+        """One logical batch: zero_grad, forward and backward in micro-batches, optimizer step. Returns the
+        logical batch's loss (detached). `step(inputs, targets)`, or `step(batch)` with `forward=`."""
+        logical = self._logical_batch(batch[0] if len(batch) == 1 else batch)
+        # The size the cache keeps is the trainer's, not this batch's: a short batch never shrinks it.
+        initial = self.initial_micro_batch or self.batch_size
+        self.optimizer.zero_grad()
+        loss = accumulate(
+            self._micro_batch_loss,
+            self.model,
+            initial,
+            logical,
+            reduction=self.reduction,
+            weight=self.weight,
+            scaler=self.scaler,
+            cache=self._training_cache,
+            policy=self.policy,
+            stats=self.stats,
+            name="Trainer.step",
+        )
+        if self.stats.weight == 0:
+            # Nothing counted (all labels padding): no backward pass ran, so there is nothing to step on.
+            logger.debug("Trainer.step: the logical batch counted 0 items; no optimizer step")
+        elif self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.global_step += 1
+        self.last_loss = loss
+        return loss
+
+    def _total_steps(self) -> Optional[int]:
+        count = _rows_per_epoch(self.train_data)
+        return None if count is None else math.ceil(count / self.batch_size)
+
+    def _train_epoch(self, progress: Progress, shown: int, epochs: int) -> Tuple[Dict[str, Any], bool]:
+        """One pass over `train_data`: the epoch's record (added to `history`), and whether to stop. `shown`
+        and `epochs` number it for the progress display (within one `fit`)."""
+        self.model.train()
+        self.memory.clear()
+        self._reset_cuda_peak()
+        progress.start_epoch(shown, epochs, self._total_steps())
+        settled_micro_batch = None  # the size full logical batches ran at (a short last one runs whole)
+        started, retries_before, first_step = time.perf_counter(), self.oom_retries, len(self.history.steps)
+        weighted: List[torch.Tensor] = []  # each step's loss, times what it averaged over for a mean loss
+        weights: List[float] = []
+        sizes: List[int] = []
+        stopped = False
+        try:
+            for batch in logical_batches(self.train_data, self.batch_size):
+                n = rows(batch)
+                retries = self.oom_retries
+                loss = self.step(batch)
+                weight = self.stats.weight if self.stats.weight is not None else float(n)
+                weighted.append(loss.float() * weight if self.reduction == "mean" else loss.float())
+                weights.append(weight)
+                sizes.append(n)
+                if n == self.batch_size or settled_micro_batch is None:
+                    settled_micro_batch = self.micro_batch
+                self.memory.record(f"step {self.global_step}")
+                self.history.steps.append(
+                    dict(
+                        step=self.global_step,
+                        epoch=self.current_epoch + 1,
+                        loss=loss,
+                        micro_batch=self.micro_batch,
+                        rows=n,
+                        oom_retries=self.oom_retries - retries,
+                        memory_model=None if self.stats.model is None else str(self.stats.model),
+                    )
+                )
+                progress.step(
+                    dict(
+                        loss=lambda: f"{self.last_loss.item():.4g}",  # type: ignore[union-attr]
+                        samples_per_s=f"{sum(sizes) / (time.perf_counter() - started):.0f}",
+                        micro_batch=self.micro_batch,
+                        ooms=self.oom_retries,
+                    )
+                )
+                self._callbacks("on_step_end")
+        except StopTraining:
+            stopped = True
+        finally:
+            for record in self.history.steps[first_step:]:
+                record["loss"] = float(record["loss"])  # one device sync per step, once per epoch
+        if not sizes:
+            progress.close()
+            if stopped:
+                return {}, True
+            raise ValueError("train_data yielded no batches: there is nothing to train on")
+        seconds = time.perf_counter() - started
+        total = float(torch.stack(weighted).sum())
+        if self.reduction == "mean":
+            loss_value = total / sum(weights) if sum(weights) > 0 else 0.0
+        else:
+            loss_value = total / len(sizes)
+        record = dict(
+            epoch=self.current_epoch + 1,
+            step=self.global_step,
+            loss=loss_value,
+            time=seconds,
+            samples_per_s=sum(sizes) / seconds if seconds > 0 else float("inf"),
+            micro_batch=settled_micro_batch,
+            oom_retries=self.oom_retries - retries_before,
+            peak_rss=self.memory.peak("rss"),
+            peak_cuda_allocated=self._cuda_peak(),
+        )
+        self.history.epochs.append(record)
+        return record, stopped
+
+    def _finish_epoch(self, record: Dict[str, Any], stopped: bool, progress: Progress, shown: int, epochs: int) -> bool:
+        """Show the epoch, count it as finished, run the epoch callbacks; True when training should stop."""
+        if record:
+            progress.end_epoch(shown, epochs, record)
+            self.current_epoch += 1  # before the callbacks: they see the epochs finished, this one included
+            if not stopped:
+                try:
+                    self._callbacks("on_epoch_end")
+                except StopTraining:
+                    stopped = True
+        return stopped
+
+    def epoch(self) -> Dict[str, Any]:
+        """One epoch over `train_data`, for code around it (evaluation, schedules); returns its record.
+        Raises StopTraining if a callback asked to stop."""
+        progress = Progress(self.verbose, self.file)
+        try:
+            shown = self.current_epoch
+            record, stopped = self._train_epoch(progress, shown, shown + 1)
+            stopped = self._finish_epoch(record, stopped, progress, shown, shown + 1)
+        finally:
+            progress.close()
+        if stopped:
+            raise StopTraining
+        return record
+
+    def fit(
+        self,
+        epochs: int,
+        eval_data: Optional[Iterable[Any]] = None,
+        metrics: Union[None, Mapping[str, Metric], Sequence[Union[str, Metric]]] = None,
+    ) -> TrainingHistory:
+        """Train for `epochs` epochs (evaluating on `eval_data` after each, if given); returns the history.
+        A callback raising StopTraining ends it after the current step."""
+        epochs = check_size(epochs, "epochs")
+        named_metrics = _check_metrics(metrics)
+        if epochs > 1 and isinstance(self.train_data, Iterator):  # iter() on a DataLoader would draw its RNG
+            raise TypeError(
+                "train_data is an iterator that can be read only once; for several epochs pass a DataLoader, "
+                "a list, or another iterable that starts over"
+            )
+        progress = Progress(self.verbose, self.file)
+        try:
+            for shown in range(epochs):
+                record, stopped = self._train_epoch(progress, shown, epochs)
+                if record and eval_data is not None:
+                    results = self.evaluate(eval_data, named_metrics)
+                    record.update({f"eval_{name}": value for name, value in results.items()})
+                if self._finish_epoch(record, stopped, progress, shown, epochs):
+                    break
+        finally:
+            progress.close()
+        return self.history
+
+    def _callbacks(self, hook: str) -> None:
+        for callback in self.callbacks:
+            method = getattr(callback, hook, None)
+            if method is not None:
+                method(self)
+
+    # --- evaluation ----------------------------------------------------------------------------------
+
+    def _chunks(self, func: Callable[..., None], rows_: int, *args: Any) -> None:
+        """`func(start, stop, *args)` over `[0, rows_)` in chunks that fit (the trainer's evaluation size)."""
+        step = _EvaluationChunks(func, 0, rows_, args, {}, name="Trainer.evaluate", device=self.device)
+        engine.drive(step, self._evaluation_cache, _WHOLE_BATCHES, self.policy)
+
+    def _predict_rows(self, start: int, stop: int, inputs: Any, outputs: List[torch.Tensor]) -> None:
+        outputs.append(self.model(to_device(take(inputs, start, stop), self.device, non_blocking=True)))
+
+    def _forward_rows(self, start: int, stop: int, batch: Any, named: Dict[str, Metric], totals: Dict[str, float]) -> None:
+        part = take(batch, start, stop)
+        count = self._count(part) if self.weight is not None else float(stop - start)
+        if count == 0:
+            return
+        output = self.forward(to_device(part, self.device, non_blocking=True))  # type: ignore[misc]
+        results = {"loss": _loss_of(output).detach().float().item() * (count if self.reduction == "mean" else 1)}
+        if named:
+            logits = _logits_of(output)
+            targets = to_device(self.targets(part), self.device, non_blocking=True)
+            results.update({name: float(metric(logits, targets)) * count for name, metric in named.items()})
+        # Only a chunk that finished counts: one that runs out of memory half-way is redone whole.
+        for name, value in results.items():
+            totals[name] += value
+        totals["_seen"] += count
+
+    def _count(self, *parts: Any) -> float:
+        return float(self.weight(*parts))  # type: ignore[misc]
+
+    def evaluate(
+        self, data: Iterable[Any], metrics: Union[None, Mapping[str, Metric], Sequence[Union[str, Metric]]] = None
+    ) -> Dict[str, float]:
+        """The loss (and `metrics(outputs, targets)`) over `data`, without gradients, each batch computed in
+        chunks that fit (found like any toma.range step). Returns {"loss": ..., metric name: ...} averaged
+        over rows, or over what `weight` counts. With `forward=`, metrics get the output's logits and the
+        batch's targets (`batch["labels"]`, the second of a pair, or `targets(batch)`)."""
+        named = _check_metrics(metrics)
+        was_training = self.model.training
+        self.model.eval()
+        totals = {"loss": 0.0, **{name: 0.0 for name in named}, "_seen": 0.0}
+        try:
+            with torch.no_grad():
+                for batch in data:
+                    if self.forward is not None:
+                        self._chunks(self._forward_rows, rows(batch), batch, named, totals)
+                        continue
+                    inputs, targets = self._parts(batch)
+                    n = rows(inputs)
+                    count = self._count(inputs, targets) if self.weight is not None else float(n)
+                    outputs: List[torch.Tensor] = []
+                    self._chunks(self._predict_rows, n, inputs, outputs)
+                    output = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+                    targets = to_device(targets, self.device, non_blocking=True)
+                    loss = _check_scalar(self.loss_fn(output, targets), "loss_fn(model(inputs), targets)")  # type: ignore[misc]
+                    if count > 0:
+                        totals["loss"] += loss.item() * (count if self.reduction == "mean" else 1)
+                        for name, metric in named.items():
+                            totals[name] += float(metric(output, targets)) * count
+                    totals["_seen"] += count
+        finally:
+            self.model.train(was_training)
+        seen = totals.pop("_seen")
+        if seen == 0:
+            raise ValueError("data yielded no batches (or nothing to count): there is nothing to evaluate")
+        return {name: total / seen for name, total in totals.items()}
+
+    # --- memory --------------------------------------------------------------------------------------
+
+    def _reset_cuda_peak(self) -> None:
+        if self.device.type == "cuda" and torch.cuda.is_initialized():
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _cuda_peak(self) -> Optional[int]:
+        if self.device.type == "cuda" and torch.cuda.is_initialized():
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return None
