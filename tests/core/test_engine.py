@@ -11,6 +11,8 @@ from helpers import raise_fake_oom
 
 from toma import GlobalBatchsizeCache, NoBatchsizeCache, engine, explicit, simple, toma
 from toma.core.caches import Batchsize
+from toma.core.policy import LearningPolicy
+from toma.core.steps import Step
 from toma.sizing.policies import Halving
 from toma.core.oom import should_reduce_batch_size
 
@@ -135,9 +137,9 @@ def test_range_never_repeats_a_finished_chunk():
 
 
 def test_a_custom_step_drives_the_engine():
-    """A new form is a new step, not a new loop."""
+    """A new form is a new step (a subclass of `Step` that overrides what it knows), not a new loop."""
 
-    class Doubling:
+    class Doubling(Step):
         func = staticmethod(lambda size: None)
         size_name = "width"
 
@@ -207,17 +209,12 @@ def test_a_policy_that_does_not_shrink_is_refused_instead_of_looping_forever():
     assert not should_reduce_batch_size(info.value), "an outer toma layer does not retry a broken policy"
 
 
-class _RecordingPolicy(Halving):
+class _RecordingPolicy(LearningPolicy, Halving):
     """A learning policy that only notes the device each hook is told about."""
-
-    learns = True
 
     def __init__(self):
         super().__init__()
         self.devices = []
-
-    def quick(self, entry, scale):
-        return False
 
     def start(self, entry, size, asked, scale, device=None):
         self.devices.append(("start", device))

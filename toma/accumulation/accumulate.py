@@ -23,6 +23,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 
 from toma.core import engine
+from toma.core.steps import Step
 from toma.core.caches import BatchsizeCache
 from toma.core.agreement import Agreement, all_reduce_gradients, broadcast_buffers, is_distributed
 from toma.accumulation.gradients import GradientStash
@@ -294,7 +295,7 @@ def _pipeline_for(params: List[torch.Tensor], batch: Batch) -> Optional[MicroBat
     return MicroBatchTransfers(shared_transfers(device))
 
 
-class AccumulateStep:
+class AccumulateStep(Step):
     """One attempt at the whole logical batch: forward and backward of every micro-batch at `size`."""
 
     size_name = "micro-batch size"

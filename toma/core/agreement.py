@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from toma.core.oom import ControlException, should_reduce_batch_size
 from toma.core.policy import SizePolicy, shrink_below
+from toma.core.steps import Step
 
 __all__ = [
     "Agreement",
@@ -150,12 +151,12 @@ class Agreement:
         ) from error
 
 
-class AgreedStep:
+class AgreedStep(Step):
     """A decorator's step whose every attempt ends in the ranks' agreement: for functions that contain
     collectives themselves, every rank runs every attempt at the same size. A rank whose attempt finished
     while another's ran out of memory rewinds and redoes it with the others."""
 
-    def __init__(self, step: Any, agreement: Agreement, policy: SizePolicy) -> None:
+    def __init__(self, step: Step, agreement: Agreement, policy: SizePolicy) -> None:
         self.step, self.agreement, self.policy = step, agreement, policy
         self.func, self.size_name, self.name = step.func, step.size_name, step.name
 
@@ -165,7 +166,7 @@ class AgreedStep:
 
     @property
     def device(self) -> Optional[torch.device]:
-        return getattr(self.step, "device", None)  # a step may leave it out (see toma.core.engine.Step)
+        return self.step.device
 
     def effective(self, size: int) -> int:
         return int(self.step.effective(size))

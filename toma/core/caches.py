@@ -15,6 +15,7 @@ from toma.core import call_sites
 from toma.memory.free import GAUGE, FreeMemoryGauge
 
 __all__ = [
+    "LearnedState",
     "Batchsize",
     "BatchsizeCache",
     "NoBatchsizeCache",
@@ -28,6 +29,19 @@ __all__ = [
 ]
 
 
+class LearnedState:
+    """What a learning policy keeps on a cache entry (`Batchsize.learned`): the caches fork it for a new
+    free-memory level of the call site, and the size file keeps its description across runs."""
+
+    def fork(self) -> "LearnedState":
+        """A copy for a free-memory level the call site has not met."""
+        raise NotImplementedError
+
+    def describe(self) -> Optional[str]:
+        """The text the size file keeps, which the policy's `restore` reads back (None: nothing to keep)."""
+        return None
+
+
 @dataclass
 class Batchsize:
     """A remembered batch (or step) size. Shrinks only, never below 1, safe to share between threads."""
@@ -36,7 +50,7 @@ class Batchsize:
     # What calls saw at this entry: the largest size that ran through, the smallest that ran out of memory.
     fitted: Optional[int] = field(default=None, init=False, compare=False)
     failed: Optional[int] = field(default=None, init=False, compare=False)
-    learned: Any = field(default=None, init=False, repr=False, compare=False)  # a learning policy's state
+    learned: Optional[LearnedState] = field(default=None, init=False, repr=False, compare=False)
     # Where the size is remembered across runs (toma.core.size_file): None until first used; "" for never.
     store_key: Optional[str] = field(default=None, init=False, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
@@ -196,9 +210,9 @@ class StacktraceMemoryBatchsizeCache(BatchsizeCache):
         entry = Batchsize(_seed(levels, level))
         # A learning policy's state goes with it: its model predicts the size for this level's memory.
         learned = [e.learned for _, e in sorted(levels.items(), key=lambda item: _distance(item[0], level))]
-        fork = getattr(next((state for state in learned if state is not None), None), "fork", None)
-        if callable(fork):
-            entry.learned = fork()
+        state = next((state for state in learned if state is not None), None)
+        if state is not None:
+            entry.learned = state.fork()
         levels[level] = entry
         while len(levels) > self.LEVELS_PER_SITE:
             levels.pop(next(iter(levels)), None)

@@ -1,35 +1,75 @@
-"""The sizing policy interface the engine drives: `SizePolicy`, and the shrink step every form shares.
+"""The sizing policy interfaces the engine drives, `SizePolicy` and `LearningPolicy`, and the shrink step
+every form shares.
 
 Concrete policies live in `toma.sizing`; a new policy is a new subclass there.
 """
 
 from typing import Any, Optional
 
-__all__ = ["SizePolicy", "check_policy", "shrink_below"]
+import torch
+
+from toma.core.caches import Batchsize
+
+__all__ = ["SizePolicy", "LearningPolicy", "Token", "check_policy", "shrink_below"]
 
 
 class SizePolicy:
-    """Base class: `shrink(size)` returns the next smaller size to try, or None when none is left.
-
-    A policy that learns from measurements sets `learns = True`; the engine then asks, per call,
-    `quick(entry, scale)` (True: a settled call site between measurements; the call runs at the entry's size
-    with no `start`, no `begin` and a token of None), else calls `start(entry, size, asked, scale, device)` (the size to begin with, at most `asked`; `scale`: the items
-    each row holds, the step's `row_items`, 1 unless a step says otherwise; `device`: where the step's work
-    runs, a `torch.device`, or None when not known), and per attempt `begin(entry, size, scale, device)` (a
-    token, or None when it measures nothing this time), and after it either `succeeded(entry, token, ran)`
-    (`ran`: the rows the attempt's first chunk had; returns a description of a size change to log, or None)
-    or `after_oom(entry, token, size, failed, error)`, which returns the next size (below `failed`) or None,
-    and `explain(entry)` says why for the log line. `entry` is the call site's cache entry: a policy keeps
-    what it learned there, and may grow its size. A policy measures `device`, not the current CUDA device
-    (a model on `cuda:1` runs where the current device is 0), and never initialises CUDA for a device that
-    is not CUDA. Ranks that agree on sizes use `shrink` alone, and a learning policy may define
-    `observed(entry, token, ran)`: this rank's attempt fit, but the ranks agreed to redo it smaller.
-    """
-
-    learns = False
+    """Base class: `shrink(size)` returns the next smaller size to try, or None when none is left. A new
+    back-off is a new subclass; one that learns from measurements subclasses `LearningPolicy`."""
 
     def shrink(self, size: int) -> Optional[int]:
         raise NotImplementedError
+
+
+Token = Any  # what `LearningPolicy.begin` returns for an attempt it measures, handed back after it
+
+
+class LearningPolicy(SizePolicy):
+    """A policy that learns from measurements: the engine calls these hooks, per call and per attempt. `entry`
+    is the call site's cache entry; the policy keeps what it learned there (`entry.learned`, a
+    `LearnedState`) and may grow its size. A policy measures `device` (where the step's work runs: a model
+    on `cuda:1` runs where the current device is 0), never initialises CUDA for a device that is not CUDA,
+    and on the hot path (`quick`) does no more than a throttled check. Ranks that agree on sizes use
+    `shrink` for the agreed retry and `observed` for what an attempt here showed."""
+
+    def quick(self, entry: Batchsize, scale: float) -> bool:
+        """True: a settled call site between measurements; the call runs at the entry's size, with no
+        `start`, no `begin` and a token of None."""
+        return False
+
+    def start(
+        self, entry: Batchsize, size: int, asked: int, scale: float, device: Optional[torch.device] = None
+    ) -> int:
+        """The size a call begins with (at most `asked`, the size the call asked for): `scale` is the items each
+        row holds (the step's `row_items`)."""
+        return size
+
+    def begin(
+        self, entry: Batchsize, size: int, scale: float = 1.0, device: Optional[torch.device] = None
+    ) -> Optional[Token]:
+        """Before an attempt: a token for its measurement, or None when it measures nothing this time."""
+        return None
+
+    def succeeded(self, entry: Batchsize, token: Optional[Token], ran: int) -> Optional[str]:
+        """The attempt fit (`ran`: the rows of its first chunk); a description of a size change to log, or None."""
+        return None
+
+    def observed(self, entry: Batchsize, token: Optional[Token], ran: int) -> None:
+        """This rank's attempt fit, but the ranks agreed to redo it smaller (another rank ran out of memory)."""
+
+    def after_oom(
+        self, entry: Batchsize, token: Optional[Token], size: int, failed: int, error: BaseException
+    ) -> Optional[int]:
+        """The attempt at `size` ran out of memory after `failed` rows: the next size (below `failed`), or None
+        at the smallest."""
+        return shrink_below(self, size, failed)
+
+    def explain(self, entry: Batchsize) -> str:
+        """Why the last size after an error was chosen, for the log line."""
+        return ""
+
+    def restore(self, entry: Batchsize, text: str) -> None:
+        """Take back what `entry.learned.describe()` wrote to the size file in an earlier run."""
 
 
 def check_policy(policy: Any, name: str) -> Optional[SizePolicy]:

@@ -16,6 +16,8 @@ import threading
 import time
 from typing import Any, List, Optional, Tuple
 
+from toma.core.caches import LearnedState
+
 __all__ = ["SizeStore", "remember_sizes", "active_store", "device_key", "describe_model", "ENVIRONMENT_VARIABLE"]
 
 log = logging.getLogger("toma")
@@ -148,9 +150,7 @@ def device_key(device: Any = None) -> str:
     return f"cpu:limit={'none' if limit is None else f'{limit >> 26} x 64MiB'}:world={world}"
 
 
-def describe_model(learned: Any) -> Optional[str]:
+def describe_model(learned: Optional[LearnedState]) -> Optional[str]:
     """A learning policy's state as text for the file (None when there is none): its own `describe()`,
     which a later run's policy reads back through `restore`."""
-    describe = getattr(learned, "describe", None)
-    text = describe() if callable(describe) else None
-    return text if isinstance(text, str) else None
+    return None if learned is None else learned.describe()

@@ -26,12 +26,13 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
-from toma.core.caches import Batchsize
+from toma.core.caches import Batchsize, LearnedState
+from toma.core.policy import LearningPolicy
 from toma.sizing.bracket import KEPT, SAME_BUDGET, Bracket, Evidence
 from toma.memory.free import GAUGE, FreeMemoryGauge
 from toma.memory.meters import Mark, MemoryMeter, default_meter
 from toma.sizing.need import Need, fit_need, format_bytes
-from toma.sizing.policies import SizePolicy, shrink_below
+from toma.core.policy import shrink_below
 
 __all__ = ["FitToMemory", "LinearNeed", "Need", "describe_remembered"]
 
@@ -50,7 +51,7 @@ Token = Tuple[MemoryMeter, Mark, float]
 
 
 @dataclass
-class _Learned:
+class _Learned(LearnedState):
     """What a call site's attempts showed (kept on its cache entry)."""
 
     evidence: Evidence = field(default_factory=Evidence)
@@ -144,7 +145,7 @@ def _moved(reading: Any, before: Any, step: int = 2**26) -> bool:
     return any((a is None) != (b is None) or (a is not None and abs(a - b) > step) for a, b in zip(reading, before))
 
 
-class FitToMemory(SizePolicy):
+class FitToMemory(LearningPolicy):
     """Size from measurements: `(1 - margin)` of the largest size predicted to fit, safeguarded by the
     bracket of sizes that fit and failed, never more out-of-memory errors than halving.
 
@@ -153,7 +154,6 @@ class FitToMemory(SizePolicy):
     `measure_every`-th call, half as often each time a measurement keeps the size (to one in 64 of those).
     """
 
-    learns = True
     gauge: FreeMemoryGauge = GAUGE  # a settled call site is measured again when free memory moves
 
     def __init__(
@@ -183,20 +183,27 @@ class FitToMemory(SizePolicy):
         return None if size <= self.minimum else max(self.minimum, size // 2)
 
     @staticmethod
-    def learned(entry: Batchsize) -> _Learned:
+    def known(entry: Batchsize) -> Optional[_Learned]:
+        """What this kind of policy learned at `entry` (None: nothing yet)."""
         state = entry.learned
-        if state is None:
+        return state if isinstance(state, _Learned) else None
+
+    @staticmethod
+    def learned(entry: Batchsize) -> _Learned:
+        """What this kind of policy learned at `entry`, begun if nothing was."""
+        state = entry.learned
+        if not isinstance(state, _Learned):
             state = entry.learned = _Learned()
-        return state  # type: ignore[no-any-return]
+        return state
 
     def model(self, entry: Batchsize) -> Optional[Need]:
         """The need model of a call site's entry (None before anything was measured)."""
-        state = entry.learned
+        state = self.known(entry)
         return None if state is None else state.model()
 
     def bracket(self, entry: Batchsize, budget: Optional[float] = None) -> Optional[Bracket]:
         """The bracket (items) of a call site's entry under `budget` (None: its last measured budget)."""
-        state = entry.learned
+        state = self.known(entry)
         if state is None:
             return None
         return state.evidence.bracket(state.budget if budget is None else budget, state.scale)
@@ -234,7 +241,7 @@ class FitToMemory(SizePolicy):
         """The size a call begins with when its rows hold `scale` items (elements) each: `size` (the entry's)
         when the scale is the one it was found for, else the size chosen for the budget now on `device`
         (never above `asked`, the size the call asked for). Padded batches of other widths need no new search."""
-        state = entry.learned
+        state = self.known(entry)
         if state is not None and scale == state.scale and not state.fresh and state.recalled is None:
             if state.evidence.start is not None:  # the call site's size, as it is: the common case, kept fast
                 return size
@@ -263,7 +270,7 @@ class FitToMemory(SizePolicy):
         """True when this call runs at the entry's size unmeasured (a settled call site between measurements,
         free memory where it was): the engine then skips `start`, `begin` and finding the call's device."""
         state = entry.learned
-        if state is None or state.fresh or state.recalled is not None or state.evidence.start is None:
+        if type(state) is not _Learned or state.fresh or state.recalled is not None or state.evidence.start is None:
             return False
         return self._between_measurements(state, scale, state.device)
 
@@ -280,7 +287,7 @@ class FitToMemory(SizePolicy):
         self, entry: Batchsize, size: int, scale: float = 1.0, device: Optional[torch.device] = None
     ) -> Optional[Token]:
         """A measurement of the attempt on `device` (None: not measured this time)."""
-        state = entry.learned or self.learned(entry)
+        state = self.learned(entry)
         if self._between_measurements(state, scale, device):
             return None
         state.reading, state.device = self.gauge.read(device), device
@@ -350,7 +357,7 @@ class FitToMemory(SizePolicy):
         return f"{ran} {measured} {_bytes(mark.budget)}; {'growing' if best > current else 'shrinking'} to {best} ({rule})"
 
     def explain(self, entry: Batchsize) -> str:
-        state = entry.learned
+        state = self.known(entry)
         return "" if state is None else str(state.note)
 
     def after_oom(
