@@ -65,7 +65,7 @@ def test_imports_between_subpackages_flow_downward():
 def test_the_package_folder_holds_subpackages_and_only_the_public_surface():
     modules = {name for name in os.listdir(PACKAGE) if name.endswith(".py")}
     assert modules == {
-        "__init__.py", "__main__.py", "forms.py", "old_paths.py", "version.py",
+        "__init__.py", "__main__.py", "old_paths.py", "version.py",
         "batchsize_cache.py", "cpu_memory.py", "stacktrace.py", "torch_cuda_memory.py",  # toma 1.1.0's, for type checkers
     }, modules
 

@@ -28,6 +28,7 @@ from toma.core.caches import BatchsizeCache
 from toma.core.agreement import Agreement, all_reduce_gradients, broadcast_buffers, is_distributed
 from toma.accumulation.gradients import GradientStash
 from toma.accumulation.misuse import AccumulationMisuse, MisuseWatch
+from toma.accumulation.options import REDUCTIONS, check_model, check_reduction, check_scaler, check_weight
 from toma.core.oom import should_reduce_batch_size
 from toma.sizing.fit_to_memory import FitToMemory
 from toma.sizing.policies import SizePolicy
@@ -49,45 +50,7 @@ __all__ = [
 
 log = logging.getLogger("toma")
 
-REDUCTIONS = ("mean", "sum")
-
 _AUTOCAST_DEVICE_TYPES = ("cuda", "cpu", "xpu", "mps", "hpu")
-
-
-def check_model(model: Any, name: str) -> torch.nn.Module:
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"{name} must be the torch.nn.Module whose gradients are accumulated, got {model!r}")
-    return model
-
-
-def check_reduction(reduction: Any, name: str) -> str:
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"{name} must be 'mean' or 'sum' (how the loss function reduces a batch), got {reduction!r}")
-    return reduction
-
-
-def check_scaler(scaler: Any, name: str) -> Any:
-    if scaler is not None and not callable(getattr(scaler, "scale", None)):
-        raise TypeError(f"{name} must be a torch.amp.GradScaler (or None), got {scaler!r}")
-    return scaler
-
-
-def check_weight(weight: Any, name: str, reduction: str) -> Optional[Callable[..., Any]]:
-    """`weight=`: None, or a function called like the loss function that returns how many items that
-    micro-batch's mean loss averages over."""
-    if weight is None:
-        return None
-    if not callable(weight):
-        raise TypeError(
-            f"{name} must be a function called with a micro-batch's arguments (like the loss function) that "
-            f"returns how many items its loss averages over, e.g. label tokens; got {weight!r}"
-        )
-    if reduction != "mean":
-        raise ValueError(
-            f"{name} weights mean losses; with reduction={reduction!r} the micro-losses are added as they are, "
-            "so leave it out"
-        )
-    return weight  # type: ignore[no-any-return]
 
 
 class LocalSync:

@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-__all__ = ["whole", "BatchSplit", "Parts", "Window", "map_tensors", "is_row_sequence_candidate"]
+__all__ = ["whole", "BatchSplit", "Parts", "Window", "map_tensors", "leaves", "is_row_sequence_candidate"]
 
 
 class whole:
@@ -108,6 +108,20 @@ def _rebuild_sequence(obj: Any, items: List[Any]) -> Any:
     if isinstance(obj, list):
         return items
     return type(obj)(*items) if _is_record(obj) else tuple(items)
+
+
+def leaves(obj: Any) -> List[Any]:
+    """The values at the leaves of tuples, lists and dicts, in order (depth first)."""
+    found: List[Any] = []
+    if isinstance(obj, (tuple, list)):
+        for item in obj:
+            found.extend(leaves(item))
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            found.extend(leaves(value))
+    else:
+        found.append(obj)
+    return found
 
 
 def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:

@@ -12,23 +12,10 @@ import torch
 
 from toma.core.engine import RangeStep
 from toma.batching.splitting import BatchSplit, map_tensors
+from toma.batching.splitting import leaves as leaf_values
 from toma.batching.transfer import Pending, Transfers
 
 __all__ = ["MapStep"]
-
-
-def _leaves(obj: Any) -> List[Any]:
-    """The values at the leaves of tuples, lists and dicts, in order."""
-    found: List[Any] = []
-    if isinstance(obj, (tuple, list)):
-        for item in obj:
-            found.extend(_leaves(item))
-    elif isinstance(obj, dict):
-        for value in obj.values():
-            found.extend(_leaves(value))
-    else:
-        found.append(obj)
-    return found
 
 
 class _Joined:
@@ -42,7 +29,7 @@ class _Joined:
 
     def check(self, out: Any, rows: int) -> List[torch.Tensor]:
         """The output's tensors; a TypeError naming the function when it is not tensors of `rows` rows."""
-        leaves = _leaves(out)
+        leaves = leaf_values(out)
         for leaf in leaves:
             if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0 or leaf.shape[0] != rows:
                 what = f"a tensor of shape {tuple(leaf.shape)}" if isinstance(leaf, torch.Tensor) else repr(leaf)
@@ -58,7 +45,7 @@ class _Joined:
 
     def write(self, out: Any, start: int, stop: int) -> None:
         """Put the rows `[start, stop)` of every output (host or device tensors) in place."""
-        leaves = _leaves(out)
+        leaves = leaf_values(out)
         if start == 0 and stop == self.rows:
             self.whole = map_tensors(out, lambda tensor: tensor.detach().to(self.device))
             return

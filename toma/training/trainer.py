@@ -15,15 +15,8 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optio
 import torch
 
 from toma.core import engine
-from toma.accumulation.accumulate import (
-    ACCUMULATION_POLICY,
-    AccumulationStats,
-    accumulate,
-    check_model,
-    check_reduction,
-    check_scaler,
-    check_weight,
-)
+from toma.accumulation.accumulate import ACCUMULATION_POLICY, AccumulationStats, accumulate
+from toma.accumulation.options import AccumulationOptions
 from toma.core.arguments import check_size
 from toma.batching.batches import Segments, logical_batches, rows, take, to_device
 from toma.core.caches import GlobalBatchsizeCache
@@ -215,7 +208,8 @@ class Trainer:
         file: Optional[TextIO] = None,
         policy: Optional[SizePolicy] = None,
     ) -> None:
-        self.model = check_model(model, "model")
+        self.accumulation = AccumulationOptions.checked(model, reduction, weight, scaler)
+        self.model = self.accumulation.model
         # How micro-batch and evaluation chunk sizes are found: measured (FitToMemory) unless given.
         self.policy: SizePolicy = check_policy(policy, "policy") or ACCUMULATION_POLICY
         if not (callable(getattr(optimizer, "step", None)) and callable(getattr(optimizer, "zero_grad", None))):
@@ -239,9 +233,7 @@ class Trainer:
             raise ValueError("train_data is empty: there is nothing to train on")
         self.optimizer, self.loss_fn, self.forward = optimizer, loss_fn, forward
         self.train_data = train_data
-        self.scaler = check_scaler(scaler, "scaler")
-        self.reduction = check_reduction(reduction, "reduction")
-        self.weight = check_weight(weight, "weight", self.reduction)
+        self.scaler, self.reduction, self.weight = scaler, self.accumulation.reduction, self.accumulation.weight
         self.targets = targets or _default_targets
         if device is not None:
             self.device = torch.device(device)

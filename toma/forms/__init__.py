@@ -1,0 +1,16 @@
+"""The public forms, thin drivers of the one engine: one runner per form (`runners`), shared by
+
+- `toma.batch` / `toma.range` / `toma.chunked` / `toma.accumulate`: decorators with a per-function cache
+  (`namespace`), and `toma.map`;
+- `toma.execute.*`: run the decorated block at once, cached per call site (`inline`);
+- `explicit.*`: the same as plain calls, with `toma_*` keyword options; `simple.*`: plain calls without a
+  cache (`plain`).
+
+A new form is a new step (`toma.core.steps`) and a runner here, not a new loop.
+"""
+
+from toma.forms.namespace import toma
+from toma.forms.plain import explicit, simple
+from toma.forms.settings import PackageModule
+
+__all__ = ["toma", "explicit", "simple", "PackageModule"]

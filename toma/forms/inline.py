@@ -1,0 +1,81 @@
+"""`toma.execute.*`: run the decorated block at once (`@toma.execute.batch(512)` above a `def`), cached per
+call site."""
+
+from typing import Any, Callable, Hashable, Optional, TypeVar, cast
+
+import torch
+
+from toma.core.arguments import check_dimension, check_function, check_index, check_size, check_tensor_dimension
+from toma.core.call_sites import call_site_key
+from toma.core.policy import SizePolicy
+from toma.forms.options import CacheType, CallOptions
+from toma.forms.runners import run_batch, run_chunked, run_range
+
+__all__ = ["execute"]
+
+R = TypeVar("R")
+
+
+def _options(cache_type: CacheType, context: Optional[Hashable], policy: Any, distributed: Any) -> CallOptions:
+    return CallOptions(cache_type, call_site_key() if context is None else context, policy, distributed)
+
+
+class execute:
+    """Run the decorated block at once (`@toma.execute.batch(512)` above a `def`); cached per call site."""
+
+    @staticmethod
+    def batch(
+        initial_batchsize: int,
+        cache_type: CacheType = None,
+        context: Optional[Hashable] = None,
+        policy: Optional[SizePolicy] = None,
+        distributed: Any = False,
+    ) -> Callable[[Callable[[int], R]], R]:
+        initial = check_size(initial_batchsize, "initial_batchsize")
+        options = _options(cache_type, context, policy, distributed)
+
+        def execute_batch(func: Callable[[int], R]) -> R:
+            check_function(func, "toma.execute.batch")
+            return cast(R, run_batch(func, options, initial, (), {}))
+
+        return execute_batch
+
+    @staticmethod
+    def range(
+        start: int,
+        end: int,
+        initial_step: int,
+        cache_type: CacheType = None,
+        context: Optional[Hashable] = None,
+        policy: Optional[SizePolicy] = None,
+        distributed: Any = False,
+    ) -> Callable[[Callable[[int, int], Any]], None]:
+        start, end = check_index(start, "start"), check_index(end, "end")
+        initial = check_size(initial_step, "initial_step")
+        options = _options(cache_type, context, policy, distributed)
+
+        def execute_range(func: Callable[[int, int], Any]) -> None:
+            check_function(func, "toma.execute.range")
+            run_range(func, options, start, end, initial, (), {})
+
+        return execute_range
+
+    @staticmethod
+    def chunked(
+        tensor: torch.Tensor,
+        initial_step: Optional[int] = None,
+        dimension: Optional[int] = None,
+        cache_type: CacheType = None,
+        context: Optional[Hashable] = None,
+        policy: Optional[SizePolicy] = None,
+        distributed: Any = False,
+    ) -> Callable[[Callable[[torch.Tensor, int, int], Any]], None]:
+        initial = check_size(initial_step, "initial_step")
+        dim = check_tensor_dimension(tensor, check_dimension(dimension, "dimension"), "tensor", "dimension")
+        options = _options(cache_type, context, policy, distributed)
+
+        def execute_chunked(func: Callable[[torch.Tensor, int, int], Any]) -> None:
+            check_function(func, "toma.execute.chunked")
+            run_chunked(func, options, tensor, dim, initial, (), {})
+
+        return execute_chunked

@@ -1,0 +1,354 @@
+"""The `toma` namespace: the decorators `toma.batch`, `toma.range`, `toma.chunked`, `toma.accumulate`, the call
+`toma.map`, and `toma.execute`, `toma.explicit`, `toma.simple`. Each decorator is one `_decorator` call around
+its form's runner (`toma.forms.runners`)."""
+
+import functools
+from typing import Any, Callable, Concatenate, Dict, Hashable, NamedTuple, Optional, ParamSpec, Tuple, Type, TypeVar, overload
+
+import torch
+
+from toma.accumulation.accumulate import AccumulationStats
+from toma.accumulation.options import AccumulationOptions
+from toma.core.arguments import check_dimension, check_function, check_index, check_size, check_tensor_dimension
+from toma.core.caches import BatchsizeCache, BoundedDict, GlobalBatchsizeCache, NoBatchsizeCache, StacktraceMemoryBatchsizeCache
+from toma.core.call_sites import call_site_key
+from toma.core.policy import SizePolicy
+from toma.core.signatures import AccumulateFunction, BatchFunction, ChunkedFunction, RangeFunction
+from toma.batching.splitting import whole
+from toma.batching.transfer import check_device
+from toma.forms.inline import execute
+from toma.forms.options import CacheType, CallOptions, initial_size
+from toma.forms.plain import explicit, simple
+from toma.forms.runners import run_accumulate, run_batch, run_chunked, run_map, run_range
+from toma.forms.settings import SettingsNamespace
+from toma.offload.hosted_embedding import HostedEmbedding
+
+__all__ = ["toma"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+Bound = Tuple[Callable[..., Any], Dict[str, Any]]  # a decorated function's wrapper, and attributes to set on it
+
+
+class _Form(NamedTuple):
+    name: str  # "toma.batch"
+    size: str  # the decorator's size argument
+    extra: str  # the keywords the wrapper adds, for its docstring
+
+
+def _decorator(form: _Form, func: Any, options: CallOptions, again: Callable[[], Any], bind: Callable[[Any], Bound]) -> Any:
+    """The skeleton every decorator shares: `@form(...)` without a function returns `again()` (the decorator
+    with its options); with one, checks it and wraps it with its own caches (`bind(func)`: the wrapper and
+    attributes to set on it). A staticmethod stays one, so the result works through a class and an instance."""
+    if func is None:
+        return again()
+    check_function(func, form.name, form.size)
+
+    def wrap(target: Callable[..., Any]) -> Callable[..., Any]:
+        options.own_caches = BoundedDict(16)
+        call, attributes = bind(target)
+        wrapped = functools.wraps(target)(call)
+        for name, value in attributes.items():
+            setattr(wrapped, name, value)
+        wrapped.__doc__ = f"Wrapped in {form.name}: also takes {form.extra}.\n\n{target.__doc__ or ''}"
+        return wrapped
+
+    return staticmethod(wrap(func.__func__)) if isinstance(func, staticmethod) else wrap(func)
+
+
+_BATCH = _Form("toma.batch", "initial_batchsize", "toma_initial_batchsize= and toma_context=")
+_RANGE = _Form("toma.range", "initial_step", "toma_initial_step= and toma_context=")
+_CHUNKED = _Form("toma.chunked", "initial_step", "toma_initial_step=, toma_dimension= and toma_context=")
+_ACCUMULATE = _Form("toma.accumulate", "initial_micro_batch", "toma_initial_micro_batch= and toma_context=")
+
+
+class toma(metaclass=SettingsNamespace):
+    """Decorators that retry a function with a smaller batch or step after an out-of-memory error."""
+
+    DEFAULT_CACHE_TYPE: Type[BatchsizeCache]  # the live setting (see SettingsNamespace), declared for checkers
+    DEFAULT_POLICY: SizePolicy
+    NoBatchsizeCache = NoBatchsizeCache
+    GlobalBatchsizeCache = GlobalBatchsizeCache
+    StacktraceMemoryBatchsizeCache = StacktraceMemoryBatchsizeCache
+    explicit = explicit
+    simple = simple
+    execute = execute
+    whole = whole
+    HostedEmbedding = HostedEmbedding
+
+    @overload
+    @staticmethod
+    def batch(
+        func: Callable[Concatenate[int, P], R],
+        *,
+        initial_batchsize: Optional[int] = None,
+        cache_type: CacheType = None,
+        context: Optional[Hashable] = None,
+        policy: Optional[SizePolicy] = None,
+        distributed: Any = False,
+    ) -> BatchFunction[P, R]: ...
+
+    @overload
+    @staticmethod
+    def batch(
+        func: None = None,
+        *,
+        initial_batchsize: Optional[int] = None,
+        cache_type: CacheType = None,
+        context: Optional[Hashable] = None,
+        policy: Optional[SizePolicy] = None,
+        distributed: Any = False,
+    ) -> Callable[[Callable[Concatenate[int, P], R]], BatchFunction[P, R]]: ...
+
+    @staticmethod
+    def batch(
+        func: Any = None,
+        *,
+        initial_batchsize: Optional[int] = None,
+        cache_type: CacheType = None,
+        context: Optional[Hashable] = None,
+        policy: Optional[SizePolicy] = None,
+        distributed: Any = False,
+    ) -> Any:
+        """`@toma.batch(initial_batchsize=512)`: the function's first argument becomes the batch size."""
+        default = None if initial_batchsize is None else check_size(initial_batchsize, "initial_batchsize")
+        options = CallOptions(cache_type, context, policy, distributed)
+
+        def again() -> Any:
+            return functools.partial(
+                toma.batch, initial_batchsize=default, cache_type=options.cache_type, context=context,
+                policy=options.policy, distributed=distributed,
+            )
+
+        def bind(func: Callable[..., Any]) -> Bound:
+            def wrapped(
+                *args: Any, toma_initial_batchsize: Optional[int] = None, toma_context: Optional[Hashable] = None,
+                **kwargs: Any,
+            ) -> Any:
+                initial = initial_size(default, toma_initial_batchsize, "initial_batchsize", "toma_initial_batchsize")
+                return run_batch(func, options, initial, args, kwargs, toma_context)
+
+            return wrapped, {}
+
+        return _decorator(_BATCH, func, options, again, bind)
+
+    @overload
+    @staticmethod
+    def range(
+        func: Callable[Concatenate[int, int, P], Any],
+        *,
+        initial_step: Optional[int] = None,
+        cache_type: CacheType = None,
+        context: Optional[Hashable] = None,
+        policy: Optional[SizePolicy] = None,
+        distributed: Any = False,
+    ) -> RangeFunction[P]: ...
+
+    @overload
+    @staticmethod
+    def range(
+        func: None = None,
+        *,
+        initial_step: Optional[int] = None,
+        cache_type: CacheType = None,
+        context: Optional[Hashable] = None,
+        policy: Optional[SizePolicy] = None,
+        distributed: Any = False,
+    ) -> Callable[[Callable[Concatenate[int, int, P], Any]], RangeFunction[P]]: ...
+
+    @staticmethod
+    def range(
+        func: Any = None,
+        *,
+        initial_step: Optional[int] = None,
+        cache_type: CacheType = None,
+        context: Optional[Hashable] = None,
+        policy: Optional[SizePolicy] = None,
+        distributed: Any = False,
+    ) -> Any:
+        """`@toma.range(initial_step=32)`: `f(start, end, ...)` runs over `[start, end)` chunk by chunk."""
+        default = None if initial_step is None else check_size(initial_step, "initial_step")
+        options = CallOptions(cache_type, context, policy, distributed)
+
+        def again() -> Any:
+            return functools.partial(
+                toma.range, initial_step=default, cache_type=options.cache_type, context=context,
+                policy=options.policy, distributed=distributed,
+            )
+
+        def bind(func: Callable[..., Any]) -> Bound:
+            def wrapped(
+                start: int, end: int, *args: Any, toma_initial_step: Optional[int] = None,
+                toma_context: Optional[Hashable] = None, **kwargs: Any,
+            ) -> None:
+                start, end = check_index(start, "start"), check_index(end, "end")
+                initial = initial_size(default, toma_initial_step, "initial_step", "toma_initial_step")
+                run_range(func, options, start, end, initial, args, kwargs, toma_context)
+
+            return wrapped, {}
+
+        return _decorator(_RANGE, func, options, again, bind)
+
+    @overload
+    @staticmethod
+    def chunked(
+        func: Callable[Concatenate[torch.Tensor, int, int, P], Any],
+        *,
+        initial_step: Optional[int] = None,
+        dimension: Optional[int] = None,
+        cache_type: CacheType = None,
+        context: Optional[Hashable] = None,
+        policy: Optional[SizePolicy] = None,
+        distributed: Any = False,
+    ) -> ChunkedFunction[P]: ...
+
+    @overload
+    @staticmethod
+    def chunked(
+        func: None = None,
+        *,
+        initial_step: Optional[int] = None,
+        dimension: Optional[int] = None,
+        cache_type: CacheType = None,
+        context: Optional[Hashable] = None,
+        policy: Optional[SizePolicy] = None,
+        distributed: Any = False,
+    ) -> Callable[[Callable[Concatenate[torch.Tensor, int, int, P], Any]], ChunkedFunction[P]]: ...
+
+    @staticmethod
+    def chunked(
+        func: Any = None,
+        *,
+        initial_step: Optional[int] = None,
+        dimension: Optional[int] = None,
+        cache_type: CacheType = None,
+        context: Optional[Hashable] = None,
+        policy: Optional[SizePolicy] = None,
+        distributed: Any = False,
+    ) -> Any:
+        """`@toma.chunked(initial_step=512)`: `f(chunk, start, end, ...)` runs over chunks of a tensor."""
+        default = None if initial_step is None else check_size(initial_step, "initial_step")
+        default_dimension = check_dimension(dimension, "dimension")
+        options = CallOptions(cache_type, context, policy, distributed)
+
+        def again() -> Any:
+            return functools.partial(
+                toma.chunked, initial_step=default, dimension=default_dimension, cache_type=options.cache_type,
+                context=context, policy=options.policy, distributed=distributed,
+            )
+
+        def bind(func: Callable[..., Any]) -> Bound:
+            def wrapped(
+                tensor: torch.Tensor, *args: Any, toma_initial_step: Optional[int] = None,
+                toma_dimension: Optional[int] = None, toma_context: Optional[Hashable] = None, **kwargs: Any,
+            ) -> None:
+                initial = initial_size(default, toma_initial_step, "initial_step", "toma_initial_step")
+                if toma_dimension is None:
+                    dim = check_tensor_dimension(tensor, default_dimension, "tensor", "dimension")
+                else:
+                    dim = check_tensor_dimension(
+                        tensor, check_index(toma_dimension, "toma_dimension"), "tensor", "toma_dimension"
+                    )
+                run_chunked(func, options, tensor, dim, initial, args, kwargs, toma_context)
+
+            return wrapped, {}
+
+        return _decorator(_CHUNKED, func, options, again, bind)
+
+    @overload
+    @staticmethod
+    def accumulate(
+        func: Callable[P, torch.Tensor],
+        *,
+        model: torch.nn.Module,
+        initial_micro_batch: Optional[int] = None,
+        reduction: str = "mean",
+        weight: Optional[Callable[..., Any]] = None,
+        scaler: Any = None,
+        cache_type: CacheType = None,
+        context: Optional[Hashable] = None,
+        policy: Optional[SizePolicy] = None,
+    ) -> AccumulateFunction[P]: ...
+
+    @overload
+    @staticmethod
+    def accumulate(
+        func: None = None,
+        *,
+        model: torch.nn.Module,
+        initial_micro_batch: Optional[int] = None,
+        reduction: str = "mean",
+        weight: Optional[Callable[..., Any]] = None,
+        scaler: Any = None,
+        cache_type: CacheType = None,
+        context: Optional[Hashable] = None,
+        policy: Optional[SizePolicy] = None,
+    ) -> Callable[[Callable[P, torch.Tensor]], AccumulateFunction[P]]: ...
+
+    @staticmethod
+    def accumulate(
+        func: Any = None,
+        *,
+        model: Optional[torch.nn.Module] = None,
+        initial_micro_batch: Optional[int] = None,
+        reduction: str = "mean",
+        weight: Optional[Callable[..., Any]] = None,
+        scaler: Any = None,
+        cache_type: CacheType = None,
+        context: Optional[Hashable] = None,
+        policy: Optional[SizePolicy] = None,
+    ) -> Any:
+        """`@toma.accumulate(model=model, initial_micro_batch=256)` on a function returning a micro-batch's
+        loss: each call runs forward and backward over the logical batch in micro-batches that fit.
+        `weight(*args, **kwargs)` gives the number of items a micro-batch's mean loss averages over (label
+        tokens, say) when that is not its rows."""
+        accumulation = AccumulationOptions.checked(model, reduction, weight, scaler)
+        default = None if initial_micro_batch is None else check_size(initial_micro_batch, "initial_micro_batch")
+        options = CallOptions(cache_type, context, policy, False)
+
+        def again() -> Any:
+            return functools.partial(
+                toma.accumulate, model=accumulation.model, initial_micro_batch=default,
+                reduction=accumulation.reduction, weight=accumulation.weight, scaler=accumulation.scaler,
+                cache_type=options.cache_type, context=context, policy=options.policy,
+            )
+
+        def bind(func: Callable[..., Any]) -> Bound:
+            stats = AccumulationStats()
+
+            def wrapped(
+                *args: Any, toma_initial_micro_batch: Optional[int] = None, toma_context: Optional[Hashable] = None,
+                **kwargs: Any,
+            ) -> torch.Tensor:
+                initial = initial_size(
+                    default, toma_initial_micro_batch, "initial_micro_batch", "toma_initial_micro_batch"
+                )
+                return run_accumulate(func, accumulation, options, initial, args, kwargs, toma_context, stats)
+
+            return wrapped, {"stats": stats}
+
+        return _decorator(_ACCUMULATE, func, options, again, bind)
+
+    @staticmethod
+    def map(
+        func: Callable[..., Any],
+        *inputs: Any,
+        device: Any = None,
+        initial_step: Optional[int] = None,
+        output_device: Any = "cpu",
+        cache_type: CacheType = None,
+        context: Optional[Hashable] = None,
+        policy: Optional[SizePolicy] = None,
+        distributed: Any = False,
+    ) -> Any:
+        """`func(*chunk)` over row chunks of `inputs` (tensors, also in tuples, lists and dicts, that agree on
+        dim 0; usually on the host) on `device`, each chunk's copy overlapping the previous chunk's compute;
+        returns the outputs joined along dim 0 on `output_device` (the host by default), detached. The chunk
+        size (`initial_step`, default all rows) shrinks on out-of-memory errors, finished chunks are kept, and
+        it is cached per call site (or `context`)."""
+        check_function(func, "toma.map")
+        target = check_device(device, "device")
+        output = check_device(output_device, "output_device")
+        initial = None if initial_step is None else check_size(initial_step, "initial_step")
+        options = CallOptions(cache_type, call_site_key() if context is None else context, policy, distributed)
+        return run_map(func, inputs, target, output, initial, options)

@@ -1,0 +1,135 @@
+"""The plain calls: `explicit.*` (with a cache, options as `toma_*` keywords) and `simple.*` (no cache)."""
+
+from typing import Any, Callable, Concatenate, Hashable, Optional, ParamSpec, TypeVar, cast
+
+import torch
+
+from toma.accumulation.options import AccumulationOptions
+from toma.core.arguments import check_dimension, check_function, check_index, check_size, check_tensor_dimension
+from toma.core.policy import SizePolicy
+from toma.forms.options import PLAIN, CacheType, CallOptions
+from toma.forms.runners import run_accumulate, run_batch, run_chunked, run_range
+
+__all__ = ["explicit", "simple"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class simple:
+    """Plain calls without a cache: each call starts at its initial size."""
+
+    @staticmethod
+    def batch(func: Callable[Concatenate[int, P], R], initial_batchsize: int, *args: P.args, **kwargs: P.kwargs) -> R:
+        """`func(batchsize, *args, **kwargs)`, halving `batchsize` on out-of-memory errors; returns its result."""
+        check_function(func, "simple.batch")
+        return cast(R, run_batch(func, PLAIN, check_size(initial_batchsize, "initial_batchsize"), args, kwargs))
+
+    @staticmethod
+    def range(
+        func: Callable[Concatenate[int, int, P], Any],
+        start: int,
+        end: int,
+        initial_step: int,
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> None:
+        """`func(chunk_start, chunk_end, *args, **kwargs)` over `[start, end)`, halving the step on OOM."""
+        check_function(func, "simple.range")
+        start, end = check_index(start, "start"), check_index(end, "end")
+        run_range(func, PLAIN, start, end, check_size(initial_step, "initial_step"), args, kwargs)
+
+    @staticmethod
+    def chunked(
+        func: Callable[[torch.Tensor, int, int], Any], tensor: torch.Tensor, initial_step: int, dimension: int = 0
+    ) -> None:
+        """`func(chunk, chunk_start, chunk_end)` over chunks of `tensor` along `dimension`, halving on OOM."""
+        check_function(func, "simple.chunked")
+        initial = check_size(initial_step, "initial_step")
+        dim = check_tensor_dimension(tensor, check_dimension(dimension, "dimension"), "tensor", "dimension")
+        run_chunked(func, PLAIN, tensor, dim, initial, (), {})
+
+
+class explicit:
+    """Plain calls with a cache (`toma_cache_type`, keyed by `toma_context` or the function)."""
+
+    @staticmethod
+    def batch(
+        func: Callable[..., R],
+        initial_batchsize: int,
+        *args: Any,
+        toma_context: Optional[Hashable] = None,
+        toma_cache_type: CacheType = None,
+        toma_policy: Optional[SizePolicy] = None,
+        toma_distributed: Any = False,
+        **kwargs: Any,
+    ) -> R:
+        """`func(batchsize, *args, **kwargs)`, shrinking `batchsize` on out-of-memory errors; returns its result."""
+        check_function(func, "explicit.batch")
+        initial = check_size(initial_batchsize, "initial_batchsize")
+        options = CallOptions(toma_cache_type, toma_context, toma_policy, toma_distributed, prefix="toma_")
+        return cast(R, run_batch(func, options, initial, args, kwargs))
+
+    @staticmethod
+    def range(
+        func: Callable[..., Any],
+        start: int,
+        end: int,
+        initial_step: int,
+        *args: Any,
+        toma_context: Optional[Hashable] = None,
+        toma_cache_type: CacheType = None,
+        toma_policy: Optional[SizePolicy] = None,
+        toma_distributed: Any = False,
+        **kwargs: Any,
+    ) -> None:
+        """`func(chunk_start, chunk_end, *args, **kwargs)` over `[start, end)`, shrinking the step on OOM."""
+        check_function(func, "explicit.range")
+        start, end = check_index(start, "start"), check_index(end, "end")
+        initial = check_size(initial_step, "initial_step")
+        options = CallOptions(toma_cache_type, toma_context, toma_policy, toma_distributed, prefix="toma_")
+        run_range(func, options, start, end, initial, args, kwargs)
+
+    @staticmethod
+    def chunked(
+        func: Callable[..., Any],
+        tensor: torch.Tensor,
+        initial_step: int,
+        *args: Any,
+        toma_dimension: Optional[int] = None,
+        toma_context: Optional[Hashable] = None,
+        toma_cache_type: CacheType = None,
+        toma_policy: Optional[SizePolicy] = None,
+        toma_distributed: Any = False,
+        **kwargs: Any,
+    ) -> None:
+        """`func(chunk, chunk_start, chunk_end, *args, **kwargs)` over chunks of `tensor`, shrinking on OOM."""
+        check_function(func, "explicit.chunked")
+        initial = check_size(initial_step, "initial_step")
+        dim = check_tensor_dimension(
+            tensor, check_dimension(toma_dimension, "toma_dimension"), "tensor", "toma_dimension"
+        )
+        options = CallOptions(toma_cache_type, toma_context, toma_policy, toma_distributed, prefix="toma_")
+        run_chunked(func, options, tensor, dim, initial, args, kwargs)
+
+    @staticmethod
+    def accumulate(
+        func: Callable[..., torch.Tensor],
+        model: torch.nn.Module,
+        initial_micro_batch: int,
+        *args: Any,
+        toma_reduction: str = "mean",
+        toma_weight: Optional[Callable[..., Any]] = None,
+        toma_scaler: Any = None,
+        toma_context: Optional[Hashable] = None,
+        toma_cache_type: CacheType = None,
+        toma_policy: Optional[SizePolicy] = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """Forward and backward `func(*args, **kwargs)` over the logical batch in micro-batches that fit,
+        gradients as from one full-batch pass; returns the logical batch's loss, detached."""
+        check_function(func, "explicit.accumulate")
+        accumulation = AccumulationOptions.checked(model, toma_reduction, toma_weight, toma_scaler, prefix="toma_")
+        initial = check_size(initial_micro_batch, "initial_micro_batch")
+        options = CallOptions(toma_cache_type, toma_context, toma_policy, False, prefix="toma_")
+        return run_accumulate(func, accumulation, options, initial, args, kwargs)

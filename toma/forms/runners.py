@@ -1,0 +1,79 @@
+"""One runner per form, shared by the decorator (`toma.X`), the plain calls (`explicit.X`, `simple.X`) and
+the inline form (`toma.execute.X`): each builds the form's step and runs it with the call's options."""
+
+from typing import Any, Callable, Dict, Hashable, Optional, Tuple
+
+import torch
+
+from toma.accumulation.accumulate import AccumulationStats, accumulate
+from toma.accumulation.options import AccumulationOptions
+from toma.batching.splitting import BatchSplit, leaves
+from toma.batching.transfer import Transfers
+from toma.core.steps import BatchStep, ChunkStep, RangeStep
+from toma.forms.options import CallOptions
+from toma.offload.host_map import MapStep
+
+__all__ = ["run_batch", "run_range", "run_chunked", "run_accumulate", "run_map"]
+
+Args = Tuple[Any, ...]
+Kwargs = Dict[str, Any]
+
+
+def run_batch(
+    func: Callable[..., Any], options: CallOptions, initial: int, args: Args, kwargs: Kwargs,
+    context: Optional[Hashable] = None,
+) -> Any:
+    """`func(batchsize, *args, **kwargs)` once, at a size that fits; its result."""
+    return options.perform(BatchStep(func, args, kwargs), initial, context).result
+
+
+def run_range(
+    func: Callable[..., Any], options: CallOptions, start: int, end: int, initial: int, args: Args, kwargs: Kwargs,
+    context: Optional[Hashable] = None,
+) -> None:
+    """`func(chunk_start, chunk_end, *args, **kwargs)` over `[start, end)`."""
+    options.perform(RangeStep(func, start, end, args, kwargs), initial, context)
+
+
+def run_chunked(
+    func: Callable[..., Any], options: CallOptions, tensor: torch.Tensor, dimension: int, initial: int, args: Args,
+    kwargs: Kwargs, context: Optional[Hashable] = None,
+) -> None:
+    """`func(chunk, chunk_start, chunk_end, *args, **kwargs)` over chunks of `tensor` along `dimension`."""
+    options.perform(ChunkStep(func, tensor, dimension, args, kwargs), initial, context)
+
+
+def run_accumulate(
+    func: Callable[..., torch.Tensor], accumulation: AccumulationOptions, options: CallOptions, initial: int,
+    args: Args, kwargs: Kwargs, context: Optional[Hashable] = None, stats: Optional[AccumulationStats] = None,
+) -> torch.Tensor:
+    """Forward and backward over the logical batch of `args`/`kwargs` in micro-batches; its loss, detached."""
+    return accumulate(
+        func,
+        accumulation.model,
+        initial,
+        BatchSplit(args, kwargs),
+        reduction=accumulation.reduction,
+        weight=accumulation.weight,
+        scaler=accumulation.scaler,
+        cache=options.cache(func, context),
+        policy=options.policy,
+        stats=stats,
+    )
+
+
+def run_map(
+    func: Callable[..., Any], inputs: Args, device: torch.device, output: torch.device,
+    initial_step: Optional[int], options: CallOptions,
+) -> Any:
+    """`func(*chunk)` over row chunks of `inputs` on `device`; the outputs joined on `output`."""
+    if not any(isinstance(t, torch.Tensor) and t.dim() > 0 for t in leaves(inputs)):
+        raise ValueError(
+            "toma.map needs inputs: tensors (also inside tuples, lists or dicts) whose dim 0 holds the rows "
+            f"to map over; got {len(inputs)} input(s) with none"
+        )
+    split = BatchSplit(inputs, {}, name="inputs")
+    initial = split.size if initial_step is None else initial_step
+    transfers = Transfers(device)
+    split = split.placed(transfers.place)  # toma.whole values move once per call, not once per chunk
+    return options.perform(MapStep(func, split, transfers, output), initial).result()
