@@ -14,6 +14,7 @@ import glob
 import json
 import os
 import re
+import select
 import subprocess
 import sys
 import textwrap
@@ -72,8 +73,13 @@ def read(page: str) -> str:
 # Runs in a fresh interpreter: imports torch once, then per request (a JSON line: the page, its snippets, a
 # working directory) forks a child that runs the page's snippets in one namespace, and answers with a JSON line.
 RUNNER = r"""
-import json, os, signal, sys, tempfile, time, traceback
-import torch, toma
+import json, os, signal, sys, time, traceback
+import torch, torch.distributed, torch.nn.functional, torch.optim, torch.utils.data, toma
+torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # the first optimizer imports torch._dynamo: 2 s
+try:
+    import matplotlib.pyplot  # the history plot's import, once for every page
+except ImportError:
+    pass
 
 def run_page(request):
     os.chdir(request["cwd"])
@@ -87,8 +93,10 @@ def run_page(request):
             print(f"[{where}] skipped: needs CUDA", flush=True)
             continue
         print(f"[{where}] running", flush=True)
+        started = time.perf_counter()
         code = compile("\n" * (snippet["line"] - 1) + snippet["code"], request["page"], "exec")
         exec(code, namespace)
+        print(f"[{where}] ran in {time.perf_counter() - started:.2f} s", flush=True)
 
 for line in sys.stdin:
     request = json.loads(line)
@@ -148,6 +156,9 @@ def run_page(runner, page: str, cwd) -> dict:
     request = {"page": page, "snippets": [asdict(s) for s in snippets(read(page))], "cwd": str(cwd)}
     runner.stdin.write(json.dumps(dict(request, timeout=PAGE_TIMEOUT_S)) + "\n")
     runner.stdin.flush()
+    # The runner answers once the page's child is done or killed at PAGE_TIMEOUT_S; more means it hangs itself.
+    ready, _, _ = select.select([runner.stdout], [], [], PAGE_TIMEOUT_S + 120)
+    assert ready, "the snippet runner does not answer"
     answer = runner.stdout.readline()
     assert answer, "the snippet runner died"
     return json.loads(answer)
@@ -227,3 +238,4 @@ def test_the_site_builds_strict(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert (tmp_path / "index.html").exists()
     assert (tmp_path / "reference" / "forms" / "index.html").exists()
+
