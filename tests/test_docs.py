@@ -228,7 +228,17 @@ def test_the_readme_and_every_topic_page_have_snippets():
 @pytest.mark.slow
 def test_the_site_builds_strict(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", os.path.join(REPO, "mkdocs.yml"), "-d", str(tmp_path)],
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--strict",
+            "-f",
+            os.path.join(REPO, "mkdocs.yml"),
+            "-d",
+            str(tmp_path),
+        ],
         capture_output=True,
         text=True,
         timeout=300,
@@ -238,4 +248,3 @@ def test_the_site_builds_strict(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert (tmp_path / "index.html").exists()
     assert (tmp_path / "reference" / "forms" / "index.html").exists()
-
