@@ -53,13 +53,16 @@ WORKLOADS = {
     # a large fixed part (a 96 MiB buffer made per call) plus a little per row
     # (its M is about 81600: from 131072, under twice M, halving's one error already decides the size, so it
     # starts at 262144, far above M as the other workloads do)
-    "fixed + rows": Workload("""
+    "fixed + rows": Workload(
+        """
 W = torch.randn(256, 256)
 data = torch.randn(1 << 18, 256)
 def work(size):
     buffer = torch.ones(24 * 2**20)
     return (torch.relu(data[:size] @ W).sum(1) + buffer[:1]).sum()
-""", start=1 << 18),
+""",
+        start=1 << 18,
+    ),
     # the activations of an MLP's forward pass
     "MLP activations": Workload("""
 W1, W2, W3 = torch.randn(256, 1024) / 16, torch.randn(1024, 1024) / 32, torch.randn(1024, 10) / 32
@@ -87,12 +90,16 @@ def work(size):
 """),
     # memory that grows with the square of the size: the distances between every two rows of the batch (4 bytes
     # a pair). Issue 20's case: start 32768, and a headroom that puts M near 8800, so that halving ends at 8192.
-    "pairwise distances": Workload("""
+    "pairwise distances": Workload(
+        """
 points = torch.randn(1 << 15, 64)
 def work(size):
     x = points[:size]
     return torch.cdist(x, x).sum()
-""", start=1 << 15, headroom=0.29),
+""",
+        start=1 << 15,
+        headroom=0.29,
+    ),
     # a need with a step: above 16384 rows the work switches to a way that needs a 96 MiB workspace (as a
     # library switching algorithms), so a line through smaller sizes predicts far too much room above it
     "step-shaped": Workload("""
@@ -305,8 +312,10 @@ def report(results: List[Dict[str, Any]], quick: bool) -> None:
         workload = WORKLOADS[r["name"]]
         for i, (rule, result) in enumerate(r["rules"].items()):
             first = (r["name"], str(workload.headroom), str(workload.start), str(r["best"])) if i == 0 else ("",) * 4
-            print(f"| {' | '.join(first)} | {rule.label} | {result['final'] / r['best']:.3f} | {result['ooms']} "
-                  f"| {result['seconds'] / r['base']['seconds']:.2f} |")
+            print(
+                f"| {' | '.join(first)} | {rule.label} | {result['final'] / r['best']:.3f} | {result['ooms']} "
+                f"| {result['seconds'] / r['base']['seconds']:.2f} |"
+            )
     print("\n| rule | mean final / M | min final / M | mean OOMs |")
     print("|---|---|---|---|")
     for rule in RULES_COMPARED:
@@ -318,16 +327,20 @@ def report(results: List[Dict[str, Any]], quick: bool) -> None:
     print("|---|---|---|---|---|")
     for r in results:
         for rule, result in r["second"].items():
-            print(f"| {r['name']} | {rule.label} | {result['final'] / r['best']:.3f} | {result['ooms']} "
-                  f"| {result['seconds'] / r['base']['seconds']:.2f} |")
+            print(
+                f"| {r['name']} | {rule.label} | {result['final'] / r['best']:.3f} | {result['ooms']} "
+                f"| {result['seconds'] / r['base']['seconds']:.2f} |"
+            )
     print("\nMemory frees mid-run: a tensor holds 40% of the headroom for 4 calls, then is freed; 4 more calls:\n")
     print("| workload | rule | size while held / M | final / M | calls after the release to >= 0.90 M | OOMs |")
     print("|---|---|---|---|---|---|")
     for r in results:
         for rule, result in r["frees"].items():
             calls = reached(result, r["best"])
-            print(f"| {r['name']} | {rule.label} | {result['held'][-1] / r['best']:.3f} "
-                  f"| {result['final'] / r['best']:.3f} | {calls if calls else 'never'} | {result['ooms']} |")
+            print(
+                f"| {r['name']} | {rule.label} | {result['held'][-1] / r['best']:.3f} "
+                f"| {result['final'] / r['best']:.3f} | {calls if calls else 'never'} | {result['ooms']} |"
+            )
     targets(results, quick)
 
 
@@ -348,21 +361,41 @@ def targets(results: List[Dict[str, Any]], quick: bool) -> None:
         needed = round(1 - (rule.margin or 0.0) - 0.02, 6)
         ratios = {r["name"]: r["rules"][rule]["final"] / r["best"] for r in results}
         low = min(ratios, key=ratios.__getitem__)
-        line(f"final >= {needed:.2f} M on every workload", rule, f"lowest {ratios[low]:.4f} ({low})",
-             [f"{r['name']} {r['rules'][rule]['final']} of {r['best']} ({ratios[r['name']]:.4f})"
-              for r in results if ratios[r["name"]] < needed])
+        line(
+            f"final >= {needed:.2f} M on every workload",
+            rule,
+            f"lowest {ratios[low]:.4f} ({low})",
+            [
+                f"{r['name']} {r['rules'][rule]['final']} of {r['best']} ({ratios[r['name']]:.4f})"
+                for r in results
+                if ratios[r["name"]] < needed
+            ],
+        )
         ooms = statistics.mean(r["rules"][rule]["ooms"] for r in results)
         line("<= 2 OOMs on average", rule, f"{ooms:.2f}", [] if ooms <= 2 else [f"{ooms:.2f}"])
-        line("no more OOMs than Halving on any workload", rule,
-             ", ".join(f"{r['rules'][rule]['ooms']} vs {r['rules'][HALVING]['ooms']}" for r in results),
-             [f"{r['name']} {r['rules'][rule]['ooms']} > {r['rules'][HALVING]['ooms']}"
-              for r in results if r["rules"][rule]["ooms"] > r["rules"][HALVING]["ooms"]])
+        line(
+            "no more OOMs than Halving on any workload",
+            rule,
+            ", ".join(f"{r['rules'][rule]['ooms']} vs {r['rules'][HALVING]['ooms']}" for r in results),
+            [
+                f"{r['name']} {r['rules'][rule]['ooms']} > {r['rules'][HALVING]['ooms']}"
+                for r in results
+                if r["rules"][rule]["ooms"] > r["rules"][HALVING]["ooms"]
+            ],
+        )
         calls = {r["name"]: reached(r["frees"][rule], r["best"]) for r in results}
-        line("after memory frees: >= 0.90 M within 3 calls", rule,
-             ", ".join(str(c) if c else "never" for c in calls.values()),
-             [f"{name} {c if c else 'never'}" for name, c in calls.items() if not c or c > 3])
-        line("restart with TOMA_SIZES: 0 OOMs", rule, ", ".join(str(r["second"][rule]["ooms"]) for r in results),
-             [f"{r['name']} {r['second'][rule]['ooms']}" for r in results if r["second"][rule]["ooms"]])
+        line(
+            "after memory frees: >= 0.90 M within 3 calls",
+            rule,
+            ", ".join(str(c) if c else "never" for c in calls.values()),
+            [f"{name} {c if c else 'never'}" for name, c in calls.items() if not c or c > 3],
+        )
+        line(
+            "restart with TOMA_SIZES: 0 OOMs",
+            rule,
+            ", ".join(str(r["second"][rule]["ooms"]) for r in results),
+            [f"{r['name']} {r['second'][rule]['ooms']}" for r in results if r["second"][rule]["ooms"]],
+        )
     print(f"\n{missed} target line(s) missed. (The settled no-op call's cost is benchmarks/test_overhead.py's.)")
 
 

@@ -8,7 +8,6 @@ the CPU, joining the outputs). The GPU figures (transfer GB/s, overlap) come fro
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from toma import HostedEmbedding, NoBatchsizeCache

@@ -40,11 +40,18 @@ def transfer_rates(size=2 * GiB, chunk_rows=16384):
     pageable = torch.randn(rows, 4096)
     pinned = pageable.pin_memory()
     target = torch.empty_like(pinned, device="cuda")
-    peak = size / timed(lambda: target.copy_(pinned, non_blocking=True)) / 1e9
+    peak = size / timed(lambda: target.copy_(pinned, non_blocking=True)) / 1e9  # noqa: F821 (bound above)
     plain = size / timed(lambda: pageable.to("cuda")) / 1e9
     del target
-    mapped = size / timed(lambda: tm.map(lambda c: c[:, :1], pageable, device="cuda", initial_step=chunk_rows,
-                                        cache_type=NoBatchsizeCache)) / 1e9
+    mapped = (
+        size
+        / timed(
+            lambda: tm.map(
+                lambda c: c[:, :1], pageable, device="cuda", initial_step=chunk_rows, cache_type=NoBatchsizeCache
+            )
+        )
+        / 1e9
+    )
     return peak, plain, mapped, pageable, chunk_rows
 
 
@@ -63,8 +70,11 @@ def overlap(pageable, chunk_rows):
         repeats += 1
     chunks = len(pageable) // chunk_rows
     compute_alone = timed(lambda: [compute(chunk) for _ in range(chunks)])
-    transfer_alone = timed(lambda: tm.map(lambda c: c[:, :1], pageable, device="cuda", initial_step=chunk_rows,
-                                          cache_type=NoBatchsizeCache))
+    transfer_alone = timed(
+        lambda: tm.map(
+            lambda c: c[:, :1], pageable, device="cuda", initial_step=chunk_rows, cache_type=NoBatchsizeCache
+        )
+    )
     both = timed(lambda: tm.map(compute, pageable, device="cuda", initial_step=chunk_rows, cache_type=NoBatchsizeCache))
     return compute_alone, transfer_alone, both
 
@@ -116,15 +126,19 @@ def main() -> int:
         return 0
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     peak, plain, mapped, pageable, chunk_rows = transfer_rates()
-    print(f"host-to-device: pinned copy_ {peak:.1f} GB/s, pageable .to() {plain:.1f} GB/s, "
-          f"toma.map {mapped:.1f} GB/s = {mapped / peak:.2f} of the pinned peak")
+    print(
+        f"host-to-device: pinned copy_ {peak:.1f} GB/s, pageable .to() {plain:.1f} GB/s, "
+        f"toma.map {mapped:.1f} GB/s = {mapped / peak:.2f} of the pinned peak"
+    )
     record("host-to-device, pinned copy_", peak, "GB/s")
     record("host-to-device, pageable .to()", plain, "GB/s")
     record("host-to-device, toma.map", mapped, "GB/s")
     record("toma.map / pinned peak", mapped / peak, "ratio")
     compute_alone, transfer_alone, both = overlap(pageable, chunk_rows)
-    print(f"overlap: compute alone {compute_alone * 1e3:.0f} ms, transfer alone {transfer_alone * 1e3:.0f} ms, "
-          f"toma.map {both * 1e3:.0f} ms = {both / max(compute_alone, transfer_alone):.2f}x the larger")
+    print(
+        f"overlap: compute alone {compute_alone * 1e3:.0f} ms, transfer alone {transfer_alone * 1e3:.0f} ms, "
+        f"toma.map {both * 1e3:.0f} ms = {both / max(compute_alone, transfer_alone):.2f}x the larger"
+    )
     record("overlap: compute alone", compute_alone * 1e3, "ms")
     record("overlap: transfer alone", transfer_alone * 1e3, "ms")
     record("overlap: toma.map", both * 1e3, "ms")

@@ -88,8 +88,10 @@ def main() -> None:
         torch.cuda.set_per_process_memory_fraction(options.cap_mib * 2**20 / total, device)
     else:
         set_cpu_memory_headroom(options.cap_mib / 1024)
-    print(f"two tables of {VOCABULARY} x {WIDTH} ({table_mib:.0f} MiB each, with Adam state 3x that) on the host; "
-          f"{device} capped at {options.cap_mib} MiB")
+    print(
+        f"two tables of {VOCABULARY} x {WIDTH} ({table_mib:.0f} MiB each, with Adam state 3x that) on the host; "
+        f"{device} capped at {options.cap_mib} MiB"
+    )
 
     resident = []
     start = time.perf_counter()
@@ -112,8 +114,10 @@ def main() -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elapsed = time.perf_counter() - start
-    print(f"{options.steps / elapsed:.1f} steps/s; rows on the device per step: mean {sum(resident) / len(resident):.0f}, "
-          f"max {max(resident)} of {2 * VOCABULARY}")
+    print(
+        f"{options.steps / elapsed:.1f} steps/s; rows on the device per step: mean {sum(resident) / len(resident):.0f}, "
+        f"max {max(resident)} of {2 * VOCABULARY}"
+    )
     within, across = topic_separation(centers.weight, generator)
     print(f"cosine similarity of words in one topic {within:.3f}, across topics {across:.3f}")
     if not within > across + 0.1:

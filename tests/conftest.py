@@ -1,8 +1,9 @@
 import pytest
-from helpers import FixedGauge
 
 from toma import batchsize_cache, oom, policy
 from toma.core.caches import StacktraceMemoryBatchsizeCache
+
+from helpers import FixedGauge
 
 
 @pytest.fixture(autouse=True)

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from typing import List, Optional
 
 import pytest
+
 from helpers import REPO
 
 PAGE_TIMEOUT_S = 60

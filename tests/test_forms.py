@@ -6,11 +6,12 @@ import weakref
 
 import pytest
 import torch
-from helpers import raise_fake_oom
 
 import toma as toma_package
 from toma import GlobalBatchsizeCache, NoBatchsizeCache, StacktraceMemoryBatchsizeCache, explicit, simple, toma
 from toma.sizing.policies import Halving, ShrinkByFactor
+
+from helpers import raise_fake_oom
 
 ALL_CACHES = [NoBatchsizeCache, GlobalBatchsizeCache, StacktraceMemoryBatchsizeCache]
 

@@ -10,11 +10,12 @@ import sys
 import pytest
 
 import toma
-from helpers import REPO
 from toma import old_paths
 from toma.core.caches import Batchsize
 from toma.core.policy import LearningPolicy
 from toma.core.steps import Step
+
+from helpers import REPO
 
 PACKAGE = os.path.join(REPO, "toma")
 # lower layers first: a module may import from its own layer and the ones before it, never from a later one
@@ -24,8 +25,17 @@ LAYERS = [
     {"sizing"},
     {"accumulation", "offload"},
     {"training"},
-    {"forms", "__init__", "__main__", "old_paths", "version",
-     "batchsize_cache", "cpu_memory", "stacktrace", "torch_cuda_memory"},
+    {
+        "forms",
+        "__init__",
+        "__main__",
+        "old_paths",
+        "version",
+        "batchsize_cache",
+        "cpu_memory",
+        "stacktrace",
+        "torch_cuda_memory",
+    },
 ]
 
 
@@ -65,8 +75,14 @@ def test_imports_between_subpackages_flow_downward():
 def test_the_package_folder_holds_subpackages_and_only_the_public_surface():
     modules = {name for name in os.listdir(PACKAGE) if name.endswith(".py")}
     assert modules == {
-        "__init__.py", "__main__.py", "old_paths.py", "version.py",
-        "batchsize_cache.py", "cpu_memory.py", "stacktrace.py", "torch_cuda_memory.py",  # toma 1.1.0's, for type checkers
+        "__init__.py",
+        "__main__.py",
+        "old_paths.py",
+        "version.py",
+        "batchsize_cache.py",
+        "cpu_memory.py",
+        "stacktrace.py",
+        "torch_cuda_memory.py",  # toma 1.1.0's, for type checkers
     }, modules
 
 
@@ -114,6 +130,7 @@ class _Steady(LearningPolicy):
 
 def test_a_learning_policy_needs_only_the_hooks_it_changes():
     from toma.core import engine
+
     from helpers import raise_fake_oom
 
     class Rows(Step):

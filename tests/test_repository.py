@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+
 from helpers import REPO, run_python
 
 

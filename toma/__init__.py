@@ -8,6 +8,8 @@ import sys
 from typing import Type
 
 from toma import memory, old_paths
+from toma.accumulation.misuse import AccumulationMisuse
+from toma.batching.splitting import whole
 from toma.core import call_sites as tst
 from toma.core.caches import (
     CONTEXT_CACHE_SIZE,
@@ -17,17 +19,15 @@ from toma.core.caches import (
     StacktraceMemoryBatchsizeCache,
     get_cache_for_context,
 )
-from toma.memory.cpu import is_out_of_cpu_memory
-from toma.sizing.fit_to_memory import FitToMemory
-from toma.forms import PackageModule, explicit, simple, toma
-from toma.training.history import TrainingHistory
-from toma.offload.hosted_embedding import HostedEmbedding
-from toma.accumulation.misuse import AccumulationMisuse
 from toma.core.oom import register_oom_predicate, release_memory, should_reduce_batch_size, unregister_oom_predicate
-from toma.sizing.policies import Halving, ShrinkByFactor, SizePolicy
 from toma.core.size_file import remember_sizes
-from toma.batching.splitting import whole
+from toma.forms import PackageModule, explicit, simple, toma
+from toma.memory.cpu import is_out_of_cpu_memory
 from toma.memory.cuda import gc_cuda, is_cuda_out_of_memory, is_cudnn_snafu
+from toma.offload.hosted_embedding import HostedEmbedding
+from toma.sizing.fit_to_memory import FitToMemory
+from toma.sizing.policies import Halving, ShrinkByFactor, SizePolicy
+from toma.training.history import TrainingHistory
 from toma.training.trainer import Callback, StopTraining, Trainer
 from toma.version import __version__
 

@@ -6,8 +6,8 @@ import os
 import sys
 from typing import List, Optional
 
-from toma.sizing.fit_to_memory import describe_remembered
 from toma.core.size_file import ENVIRONMENT_VARIABLE, SizeStore
+from toma.sizing.fit_to_memory import describe_remembered
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -5,15 +5,16 @@ import logging
 import re
 import weakref
 
-import fake_cuda
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import COLLECT_TOMA_LOG, WIDE_MLP_UNDER_A_CAP, raise_fake_oom, requires_cuda, run_python, run_ranks
 from torch import nn
 
 from toma import GlobalBatchsizeCache, NoBatchsizeCache, explicit, toma
 from toma.batching.transfer import Transfers
+
+import fake_cuda
+from helpers import COLLECT_TOMA_LOG, WIDE_MLP_UNDER_A_CAP, raise_fake_oom, requires_cuda, run_python, run_ranks
 
 N = 64
 RTOL, ATOL = 1e-5, 1e-6
@@ -265,7 +266,7 @@ def test_bad_weights_fail_naming_the_argument():
     with pytest.raises(ValueError, match="toma_weight weights mean losses"):
         explicit.accumulate(causal_lm_loss(model), model, 8, ids, labels, toma_reduction="sum", toma_weight=len)
     with pytest.raises(ValueError, match="weight .* at least 0"):
-        explicit.accumulate(causal_lm_loss(model), model, 8, ids, labels, toma_weight=lambda i, l: -1)
+        explicit.accumulate(causal_lm_loss(model), model, 8, ids, labels, toma_weight=lambda inputs, labels: -1)
     assert all(p.grad is None for p in model.parameters())
 
 
@@ -776,7 +777,10 @@ def bn_run(initial):
 # Under a cap of 160 MiB over what the process holds: (A) a token-mean loss over 512 rows whose logits alone take
 # 256 MiB, against its full-batch gradient computed before the cap; (B) the BatchNorm and dropout step, saved for
 # the test to compare with a call that starts at the size it ended at.
-REAL_CAP_EXACTNESS = COLLECT_TOMA_LOG + BN_CASE + """
+REAL_CAP_EXACTNESS = (
+    COLLECT_TOMA_LOG
+    + BN_CASE
+    + """
 import json
 torch.set_num_threads(1)
 from toma import explicit
@@ -813,6 +817,7 @@ torch.save(dict(grads=[p.grad for p in retried.parameters()], buffers=list(retri
 print(json.dumps(dict(lm_messages=lm_messages, lm_ok=lm_ok, lm_err=lm_err, bn_messages=messages[len(lm_messages):],
                       final=final)))
 """
+)
 
 
 @pytest.mark.slow
@@ -837,7 +842,9 @@ def test_under_a_real_cap_token_means_buffers_and_randomness_are_exact(tmp_path)
         torch.set_num_threads(threads)
     retried = torch.load(saved)
     assert reference_size == result["final"]
-    assert int(retried["buffers"][2]) == -(-4096 // result["final"]), "BatchNorm counts only the forward passes that ran"
+    assert int(retried["buffers"][2]) == -(-4096 // result["final"]), (
+        "BatchNorm counts only the forward passes that ran"
+    )
     for got, expected in zip(retried["buffers"], reference.buffers(), strict=True):
         assert torch.equal(got, expected)
     for got, p in zip(retried["grads"], reference.parameters(), strict=True):

@@ -5,12 +5,13 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import raise_fake_oom
 from torch import nn
 
 from toma import engine, explicit, toma
 from toma.accumulation.misuse import AccumulationMisuse
 from toma.core.oom import release_memory
+
+from helpers import raise_fake_oom
 
 N = 32
 

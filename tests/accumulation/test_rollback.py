@@ -3,11 +3,12 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import raise_fake_oom, requires_cuda
 from torch import nn
 
 from toma import HostedEmbedding, NoBatchsizeCache, explicit, toma
 from toma.accumulation.rollback import BufferStash, PendingState, RandomState
+
+from helpers import raise_fake_oom, requires_cuda
 
 N = 64
 

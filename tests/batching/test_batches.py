@@ -87,4 +87,7 @@ def test_per_row_lists_inside_a_tuple_of_lists_are_cut_and_joined_like_inside_a_
     other = (torch.arange(4, 6), (["e", "f"], [14, 15]))
     joined = concatenate([batch, other])
     assert joined[1] == (names + ["e", "f"], ids + [14, 15])
-    assert [b[1] for b in logical_batches([batch, other], 3)] == [(["a", "b", "c"], [10, 11, 12]), (["d", "e", "f"], [13, 14, 15])]
+    assert [b[1] for b in logical_batches([batch, other], 3)] == [
+        (["a", "b", "c"], [10, 11, 12]),
+        (["d", "e", "f"], [13, 14, 15]),
+    ]

@@ -5,13 +5,14 @@ import json
 import logging
 import weakref
 
-import fake_cuda
 import pytest
 import torch
-from helpers import requires_cuda, run_python
 
 from toma import transfer
 from toma.batching.transfer import Transfers, _aligned, check_device
+
+import fake_cuda
+from helpers import requires_cuda, run_python
 
 
 def test_a_nested_batch_moves_with_its_types_and_values():

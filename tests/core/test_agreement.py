@@ -9,10 +9,11 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import COLLECT_TOMA_LOG, REPO, run_ranks
 from torch import nn
 
 from toma import distributed
+
+from helpers import COLLECT_TOMA_LOG, REPO, run_ranks
 
 pytestmark = pytest.mark.multiprocess
 
@@ -448,9 +449,9 @@ def test_the_ddp_agreement_lives_on_ddps_device_not_the_current_one(nccl_rank_1,
 
 
 def test_a_form_with_distributed_agrees_on_the_device_of_its_tensors(nccl_rank_1, monkeypatch):
-    from fake_cuda_memory import on_cuda_1
-
     from toma import toma
+
+    from fake_cuda_memory import on_cuda_1
 
     devices = []
 

@@ -4,6 +4,7 @@ rank stops at once."""
 import json
 
 import pytest
+
 from helpers import run_ranks
 
 pytestmark = pytest.mark.multiprocess

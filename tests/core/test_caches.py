@@ -6,10 +6,11 @@ import threading
 
 import pytest
 import torch
-from helpers import raise_fake_oom
 
 from toma import GlobalBatchsizeCache, NoBatchsizeCache, StacktraceMemoryBatchsizeCache, get_cache_for_context, toma
 from toma.core.caches import Batchsize, BatchsizeCache, BoundedDict
+
+from helpers import raise_fake_oom
 
 
 @pytest.fixture

@@ -7,14 +7,15 @@ import weakref
 
 import pytest
 import torch
-from helpers import raise_fake_oom
 
 from toma import GlobalBatchsizeCache, NoBatchsizeCache, engine, explicit, simple, toma
 from toma.core.caches import Batchsize
+from toma.core.oom import should_reduce_batch_size
 from toma.core.policy import LearningPolicy
 from toma.core.steps import Step
 from toma.sizing.policies import Halving
-from toma.core.oom import should_reduce_batch_size
+
+from helpers import raise_fake_oom
 
 
 @pytest.fixture
@@ -246,13 +247,13 @@ def test_a_learning_policy_is_told_the_device_the_step_runs_on():
 
 
 def test_every_step_says_where_its_work_runs():
-    from fake_cuda_memory import on_cuda_1
-
     from toma.accumulation.accumulate import AccumulateStep
-    from toma.offload.host_map import MapStep
-    from toma.offload.hosted_embedding import HostedEmbedding, _RowUpdate
     from toma.batching.splitting import BatchSplit
     from toma.batching.transfer import Transfers
+    from toma.offload.host_map import MapStep
+    from toma.offload.hosted_embedding import HostedEmbedding, _RowUpdate
+
+    from fake_cuda_memory import on_cuda_1
 
     cuda1, cpu = torch.device("cuda", 1), torch.device("cpu")
     x, host = on_cuda_1(torch.zeros(4, 2)), torch.zeros(4, 2)

@@ -8,9 +8,9 @@ from torch import nn
 from torch._dynamo.exc import InternalTorchDynamoError
 
 from toma import explicit, register_oom_predicate, should_reduce_batch_size, toma, unregister_oom_predicate
-from toma.memory.cpu import is_out_of_cpu_memory
 from toma.core.agreement import AgreedRetry, RankFailed
 from toma.core.oom import ControlException
+from toma.memory.cpu import is_out_of_cpu_memory
 from toma.memory.cuda import is_cuda_out_of_memory, is_cudnn_snafu
 
 OOM_ERRORS = [

@@ -4,15 +4,15 @@ import os
 import re
 import subprocess
 import sys
-import textwrap
 
 import pytest
+
 from helpers import REPO
 
 pytest.importorskip("mypy")
 
 # Each `# reveals: T` line must make mypy reveal T; each `# error` line must be an error; nothing else may be.
-SNIPPET = '''
+SNIPPET = """
 import numpy as np
 import torch
 import toma
@@ -87,7 +87,7 @@ reveal_type(explicit.batch(double, 8, "a", toma_context="k"))  # reveals: str
 toma.DEFAULT_CACHE_TYPE = toma.GlobalBatchsizeCache
 t.DEFAULT_CACHE_TYPE = toma.NoBatchsizeCache
 Halving(minimum=np.int64(4))
-'''
+"""
 
 # torch is not followed (its tensors are Any here): checking torch itself would cost some 20 s per run.
 CONFIG = """
@@ -107,7 +107,16 @@ def test_mypy_strict_sees_the_decorated_functions_signatures(tmp_path):
     (tmp_path / "mypy.ini").write_text(CONFIG)
     env = dict(os.environ, MYPYPATH=REPO)
     result = subprocess.run(
-        [sys.executable, "-m", "mypy", "--config-file", "mypy.ini", "--cache-dir", str(tmp_path / "cache"), "snippet.py"],
+        [
+            sys.executable,
+            "-m",
+            "mypy",
+            "--config-file",
+            "mypy.ini",
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "snippet.py",
+        ],
         capture_output=True,
         text=True,
         cwd=tmp_path,

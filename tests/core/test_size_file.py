@@ -8,10 +8,11 @@ import subprocess
 import sys
 
 import pytest
-from helpers import REPO, raise_fake_oom
 
 from toma import GlobalBatchsizeCache, explicit, remember_sizes
 from toma.core.size_file import SizeStore
+
+from helpers import REPO, raise_fake_oom
 
 RUN = """
 import json, logging, os, sys
@@ -60,8 +61,13 @@ def test_four_processes_writing_at_once_leave_a_valid_file(tmp_path):
     path = tmp_path / "sizes.db"
     env = dict(os.environ, PYTHONPATH=REPO, TOMA_SIZES=str(path))
     processes = [
-        subprocess.Popen([sys.executable, "-c", RUN.replace("> 12", f"> {4 + i}")], env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", RUN.replace("> 12", f"> {4 + i}")],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for i in range(4)
     ]
     outputs = [process.communicate(timeout=120) for process in processes]
@@ -86,7 +92,9 @@ def test_a_corrupt_file_or_a_directory_costs_one_warning_and_the_job_runs(tmp_pa
             return batchsize
 
         with caplog.at_level(logging.WARNING, logger="toma"):
-            calls = [explicit.batch(work, 32, toma_cache_type=GlobalBatchsizeCache, toma_context=str(path)) for _ in range(3)]
+            calls = [
+                explicit.batch(work, 32, toma_cache_type=GlobalBatchsizeCache, toma_context=str(path)) for _ in range(3)
+            ]
             assert calls == [8] * 3
         warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
         assert len(warnings) == 1 and str(path) in warnings[0].getMessage(), warnings
@@ -103,11 +111,21 @@ def test_remember_sizes_in_process_and_the_cli_lists_and_clears(tmp_path):
 
     assert explicit.batch(work, 40, toma_cache_type=GlobalBatchsizeCache) == 5
     env = dict(os.environ, PYTHONPATH=REPO)
-    listed = subprocess.run([sys.executable, "-m", "toma", "sizes", "--file", str(path)], capture_output=True,
-                            text=True, env=env, timeout=60)
+    listed = subprocess.run(
+        [sys.executable, "-m", "toma", "sizes", "--file", str(path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert listed.returncode == 0 and "<locals>.work called from" in listed.stdout and listed.stdout.split()[0] == "5"
-    cleared = subprocess.run([sys.executable, "-m", "toma", "sizes", "--file", str(path), "--clear"],
-                             capture_output=True, text=True, env=env, timeout=60)
+    cleared = subprocess.run(
+        [sys.executable, "-m", "toma", "sizes", "--file", str(path), "--clear"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert cleared.returncode == 0 and "forgot 1" in cleared.stdout
     assert SizeStore(str(path)).rows() == []
     with pytest.raises(TypeError, match="path"):
@@ -164,9 +182,10 @@ def test_fit_to_memory_keeps_its_model_across_runs_and_predicts_a_size_for_anoth
 
 def test_the_device_key_is_the_device_of_the_work_not_the_current_one(monkeypatch):
     import torch
-    from fake_cuda_memory import GiB, FakeCuda
 
     from toma.core.size_file import device_key
+
+    from fake_cuda_memory import FakeCuda, GiB
 
     fake = FakeCuda(monkeypatch, capacities=(8 * GiB, 4 * GiB), current=0)
     assert device_key(torch.device("cuda", 1)) == f"cuda:Fake GPU 1:{4 * GiB}:world=1"

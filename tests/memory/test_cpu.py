@@ -3,7 +3,6 @@
 import json
 
 import pytest
-from helpers import COLLECT_TOMA_LOG, run_python
 
 from toma.memory.cpu import (
     get_available_cpu_memory,
@@ -11,6 +10,8 @@ from toma.memory.cpu import (
     set_cpu_memory_headroom,
     set_cpu_memory_limit,
 )
+
+from helpers import COLLECT_TOMA_LOG, run_python
 
 
 @pytest.mark.parametrize("value, error", [(0, ValueError), (-1, ValueError), ("8", TypeError), (True, TypeError)])

@@ -4,9 +4,10 @@ import json
 
 import pytest
 import torch
-from helpers import COLLECT_TOMA_LOG, requires_cuda, run_python
 
 from toma import torch_cuda_memory as tcm
+
+from helpers import COLLECT_TOMA_LOG, requires_cuda, run_python
 
 
 def test_queries_without_cuda_do_not_initialise_it():

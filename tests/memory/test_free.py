@@ -27,7 +27,8 @@ def test_real_reading_is_plausible():
 
 def test_the_gauge_reads_the_device_it_is_asked_about_and_nothing_else(monkeypatch):
     import torch
-    from fake_cuda_memory import GiB, MiB, FakeCuda
+
+    from fake_cuda_memory import FakeCuda, GiB, MiB
 
     fake = FakeCuda(monkeypatch, capacities=(8 * GiB, 4 * GiB), current=0)
     fake.allocate(1, 512 * MiB)

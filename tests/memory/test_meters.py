@@ -7,10 +7,11 @@ import os
 
 import pytest
 import torch
-from fake_cuda_memory import GiB, MiB, FakeCuda
-from helpers import requires_cuda, run_python
 
 from toma.memory.meters import CpuMeter, CudaMeter, Mark, MemoryMeter, default_meter
+
+from fake_cuda_memory import FakeCuda, GiB, MiB
+from helpers import requires_cuda, run_python
 
 
 @pytest.fixture

@@ -4,9 +4,10 @@ import json
 
 import pytest
 import torch
-from helpers import requires_cuda, run_python
 
 from toma import memory
+
+from helpers import requires_cuda, run_python
 
 
 def test_a_snapshot_has_ram_always():

@@ -3,15 +3,16 @@
 import json
 import logging
 
-import fake_cuda
 import pytest
 import torch
-from helpers import COLLECT_TOMA_LOG, raise_fake_oom, requires_cuda, run_python
 
 import toma
 from toma import FitToMemory, NoBatchsizeCache, transfer
 from toma import toma as tm
 from toma.batching.transfer import Transfers
+
+import fake_cuda
+from helpers import COLLECT_TOMA_LOG, raise_fake_oom, requires_cuda, run_python
 
 
 def pair_function(x, extras):
@@ -95,7 +96,11 @@ def test_a_function_returning_none_gives_none():
 
 @pytest.mark.parametrize(
     "output, message",
-    [(lambda c: c.sum(), "one row per input row"), (lambda c: c[:1], "one row per input row"), (lambda c: 3, "returned 3")],
+    [
+        (lambda c: c.sum(), "one row per input row"),
+        (lambda c: c[:1], "one row per input row"),
+        (lambda c: 3, "returned 3"),
+    ],
 )
 def test_an_output_that_cannot_be_joined_is_a_clear_error(output, message):
     with pytest.raises(TypeError, match=message):

@@ -6,11 +6,12 @@ import json
 
 import pytest
 import torch
-from helpers import COLLECT_TOMA_LOG, raise_fake_oom, requires_cuda, run_python
 
 import toma
 import toma.offload.pinned
 from toma import HostedEmbedding
+
+from helpers import COLLECT_TOMA_LOG, raise_fake_oom, requires_cuda, run_python
 
 N, D = 60, 8
 
@@ -705,8 +706,9 @@ def test_a_scaler_that_is_not_a_grad_scaler_is_named():
 
 
 def test_a_float16_table_under_a_grad_scaler_is_refused_with_a_reason():
-    module = HostedEmbedding(N, D, optimizer=lambda params: torch.optim.SGD(params, lr=0.1), device="cpu",
-                             dtype=torch.float16)
+    module = HostedEmbedding(
+        N, D, optimizer=lambda params: torch.optim.SGD(params, lr=0.1), device="cpu", dtype=torch.float16
+    )
     before = module.weight.clone()
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     module(torch.tensor([1, 2])).float().sum().backward()

@@ -6,9 +6,10 @@ import logging
 
 import pytest
 import torch
-from helpers import requires_cuda
 
 from toma import pinned
+
+from helpers import requires_cuda
 
 CUDA = torch.device("cuda")  # only a name here: the recording registrar never touches CUDA
 

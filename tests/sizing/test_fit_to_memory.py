@@ -7,13 +7,14 @@ import math
 
 import pytest
 import torch
-from helpers import run_python
 
-from toma import FitToMemory, batchsize_cache, GlobalBatchsizeCache, Halving, NoBatchsizeCache, explicit
-from toma.sizing.fit_to_memory import LinearNeed
-from toma.sizing.bracket import Evidence
-from toma.sizing.need import fit_need
+from toma import FitToMemory, GlobalBatchsizeCache, Halving, NoBatchsizeCache, batchsize_cache, explicit
 from toma.memory.meters import Mark, MemoryMeter, failed_bytes
+from toma.sizing.bracket import Evidence
+from toma.sizing.fit_to_memory import LinearNeed
+from toma.sizing.need import fit_need
+
+from helpers import run_python
 
 MiB = 2**20
 
@@ -83,8 +84,11 @@ def calls(policy, memory, count, asked=10**7, **options):
     for _ in range(count):
         before = len(log)
         # one cache entry per policy object: what it learned, as at one call site
-        sizes.append(explicit.batch(work, asked, toma_policy=policy, toma_cache_type=GlobalBatchsizeCache,
-                                    toma_context=_context(policy)))
+        sizes.append(
+            explicit.batch(
+                work, asked, toma_policy=policy, toma_cache_type=GlobalBatchsizeCache, toma_context=_context(policy)
+            )
+        )
         log_len = len(log) - before
         yield sizes[-1], log_len - 1  # the size the call ran at, and its OOMs
 
@@ -257,15 +261,19 @@ HARD_SHAPES = {
 }
 
 
-@pytest.mark.parametrize("shape, capacity_mib, asked, least", [
-    ("jump above halving's size", 256, 131072, 0.93),  # halving pays 3 errors: one to spare after finding 16384
-    ("jump above halving's size", 256, 32768, 0.0),  # halving pays 1: nothing to spare above its 16384
-    ("cubic", 700, 131072, 0.0),
-    ("cubic", 3000, 32768, 0.0),
-    ("cubic", 9000, 1 << 20, 0.0),
-])
-def test_where_the_model_is_wrong_the_bracket_still_never_loses_to_halving(shape, capacity_mib, asked, least,
-                                                                          monkeypatch):
+@pytest.mark.parametrize(
+    "shape, capacity_mib, asked, least",
+    [
+        ("jump above halving's size", 256, 131072, 0.93),  # halving pays 3 errors: one to spare after finding 16384
+        ("jump above halving's size", 256, 32768, 0.0),  # halving pays 1: nothing to spare above its 16384
+        ("cubic", 700, 131072, 0.0),
+        ("cubic", 3000, 32768, 0.0),
+        ("cubic", 9000, 1 << 20, 0.0),
+    ],
+)
+def test_where_the_model_is_wrong_the_bracket_still_never_loses_to_halving(
+    shape, capacity_mib, asked, least, monkeypatch
+):
     """A model found wrong leaves the choice to the bracket: over 12 calls no more OOMs than halving, a final
     size at least halving's, and where halving's errors leave one to spare, steps of the margin up to
     (1 - margin) of M."""
@@ -355,8 +363,9 @@ def test_growth_never_reaches_a_size_that_failed_under_the_same_budget_and_a_res
             log.clear()
             with caplog.at_level(logging.INFO, logger="toma"):
                 for _ in range(6):
-                    explicit.batch(work, 4096, toma_policy=policy, toma_cache_type=GlobalBatchsizeCache,
-                                   toma_context="hidden")
+                    explicit.batch(
+                        work, 4096, toma_policy=policy, toma_cache_type=GlobalBatchsizeCache, toma_context="hidden"
+                    )
             if run == 0:
                 assert log[:4] == [4096, 2048, 1024, 512] and set(log[4:]) == {512}, log
                 first_run = caplog.text
@@ -459,7 +468,9 @@ def test_the_model_is_a_ceiling_of_what_was_measured():
 
 
 def test_failed_bytes_reads_cpu_and_cuda_messages():
-    assert failed_bytes(RuntimeError("DefaultCPUAllocator: not enough memory: you tried to allocate 4096 bytes")) == 4096
+    assert (
+        failed_bytes(RuntimeError("DefaultCPUAllocator: not enough memory: you tried to allocate 4096 bytes")) == 4096
+    )
     assert failed_bytes(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.50 GiB")) == 3 * 2**29
     wrapped = RuntimeError("compiled")
     wrapped.__cause__ = MemoryError("Tried to allocate 2.00 MiB")
@@ -587,13 +598,22 @@ def test_accumulation_stats_and_the_trainer_history_carry_the_model():
     # accumulation sizes by elements: a row of x (8) and y (1) holds 9
     assert compute_loss.stats.model.need(16 * 9) >= 16 * 2**20 > compute_loss.stats.model.need(15 * 9)
     batches = [(x[i : i + 16], y[i : i + 16]) for i in range(0, 64, 16)]
+
     def forward(batch):
         memory.allocate(2**20 * len(batch[0]))
         memory.in_use = 0
         return torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
 
-    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), None, batches, batch_size=32,
-                      verbose=0, forward=forward, policy=FitToMemory(meter=memory))
+    trainer = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        None,
+        batches,
+        batch_size=32,
+        verbose=0,
+        forward=forward,
+        policy=FitToMemory(meter=memory),
+    )
     trainer.fit(1)
     assert all("per item" in step["memory_model"] for step in trainer.history.steps), trainer.history.steps
 
@@ -688,10 +708,10 @@ def test_a_call_whose_tensors_are_on_cuda_1_is_measured_and_remembered_there(mon
     """The current device is 0 (a new thread's, or a rank that did `model.to(rank)` without set_device):
     the call's tensor on cuda:1 decides what is measured and under which device the size is filed. The user's
     earlier peak on that device stays, and the size comes close to the largest that fits all the same."""
-    from fake_cuda_memory import GiB, FakeCuda, on_cuda_1
-
     from toma import remember_sizes, toma
     from toma.core.size_file import SizeStore
+
+    from fake_cuda_memory import FakeCuda, GiB, on_cuda_1
 
     fake = FakeCuda(monkeypatch, capacities=(8 * GiB, 1 * GiB), current=0)
     fake.allocate(1, 700 * MiB)  # the user's work before: a peak of 700 MiB, still cached
@@ -719,10 +739,10 @@ def test_a_call_whose_tensors_are_on_cuda_1_is_measured_and_remembered_there(mon
 
 
 def test_cpu_work_in_a_process_that_uses_cuda_is_measured_and_remembered_on_the_cpu(monkeypatch, tmp_path):
-    from fake_cuda_memory import FakeCuda
-
     from toma import remember_sizes, toma
     from toma.core.size_file import SizeStore
+
+    from fake_cuda_memory import FakeCuda
 
     fake = FakeCuda(monkeypatch)
     torch.manual_seed(0)

@@ -6,13 +6,14 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import COLLECT_TOMA_LOG, WIDE_MLP_UNDER_A_CAP, raise_fake_oom, run_python
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import toma
 from toma import Callback, StopTraining, Trainer
 from toma.training.trainer import accuracy
+
+from helpers import COLLECT_TOMA_LOG, WIDE_MLP_UNDER_A_CAP, raise_fake_oom, run_python
 
 N, FEATURES, CLASSES = 96, 6, 3
 
@@ -407,8 +408,16 @@ def test_loader_batches_of_different_widths_train_exactly_with_weight():
 def test_metrics_with_forward_use_the_outputs_logits_and_the_batch_labels():
     model = TinyLM()
     batches = padded_batches(count=3)
-    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), None, batches, batch_size=4,
-                      forward=lambda b: model(**b), weight=label_tokens, verbose=0)
+    trainer = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        None,
+        batches,
+        batch_size=4,
+        forward=lambda b: model(**b),
+        weight=label_tokens,
+        verbose=0,
+    )
 
     def next_token_accuracy(logits, labels):
         return accuracy(logits[:, :-1], labels[:, 1:])
@@ -425,8 +434,15 @@ def test_metrics_with_forward_use_the_outputs_logits_and_the_batch_labels():
             losses += float(out["loss"]) * int(mask.sum())
     assert results["next_token_accuracy"] == pytest.approx(hits / tokens, rel=1e-6)
     assert results["loss"] == pytest.approx(losses / tokens, rel=1e-5)
-    bare = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), None, batches, batch_size=4,
-                   forward=lambda b: model(**b)["loss"], verbose=0)
+    bare = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        None,
+        batches,
+        batch_size=4,
+        forward=lambda b: model(**b)["loss"],
+        verbose=0,
+    )
     with pytest.raises(TypeError, match="logits"):
         bare.evaluate(batches, metrics=["accuracy"])
 
@@ -542,8 +558,16 @@ print(json.dumps(dict(messages=messages, error=error, micro_batch=trainer.micro_
 def test_an_evaluation_chunk_that_runs_out_of_memory_in_a_metric_is_counted_once(caplog):
     model = TinyLM()
     batches = padded_batches(count=2)
-    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), None, batches, batch_size=4,
-                      forward=lambda b: model(**b), weight=label_tokens, verbose=0)
+    trainer = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        None,
+        batches,
+        batch_size=4,
+        forward=lambda b: model(**b),
+        weight=label_tokens,
+        verbose=0,
+    )
 
     def fussy_accuracy(logits, labels):
         if len(logits) > 2:
@@ -554,7 +578,9 @@ def test_an_evaluation_chunk_that_runs_out_of_memory_in_a_metric_is_counted_once
     fussy = trainer.evaluate(batches, metrics={"acc": fussy_accuracy})
     plain = trainer.evaluate(batches, metrics={"acc": accuracy})
     assert fussy["loss"] == pytest.approx(plain["loss"], rel=1e-6)
-    assert any("Trainer.evaluate ran out of memory at evaluation chunk size 4" in r.getMessage() for r in caplog.records)
+    assert any(
+        "Trainer.evaluate ran out of memory at evaluation chunk size 4" in r.getMessage() for r in caplog.records
+    )
 
 
 @pytest.mark.parametrize("with_scaler", [False, True], ids=["optimizer", "GradScaler"])
@@ -568,8 +594,17 @@ def test_a_logical_batch_with_nothing_to_learn_from_takes_no_optimizer_step(with
     for b in batches:
         b["labels"].fill_(PAD)
     scaler = torch.amp.GradScaler("cpu") if with_scaler else None
-    trainer = Trainer(model, optimizer, None, batches, batch_size=4, forward=lambda b: model(**b),
-                      weight=label_tokens, scaler=scaler, verbose=0)
+    trainer = Trainer(
+        model,
+        optimizer,
+        None,
+        batches,
+        batch_size=4,
+        forward=lambda b: model(**b),
+        weight=label_tokens,
+        scaler=scaler,
+        verbose=0,
+    )
     before = [p.detach().clone() for p in model.parameters()]
     trainer.fit(1)
     assert trainer.global_step == 2 and not optimizer.state, "Adam never stepped"
@@ -611,11 +646,11 @@ def test_the_policy_option_decides_how_micro_batches_shrink():
 def test_the_epoch_cuda_peak_is_the_epochs_and_the_steps_measurements_leave_it_alone(monkeypatch):
     """The trainer reads the device's peak per epoch; the measured steps inside it (FitToMemory on the same
     device) must not reset it, or the epoch's peak would be the last measured step's. CUDA is faked."""
-    from fake_cuda_memory import MiB, FakeCuda
-
     import toma.training.trainer
     from toma import FitToMemory
     from toma.memory.meters import CudaMeter
+
+    from fake_cuda_memory import FakeCuda, MiB
 
     fake = FakeCuda(monkeypatch, current=0)
     monkeypatch.setattr(toma.training.trainer, "to_device", lambda batch, device, non_blocking=False: batch)
@@ -629,8 +664,16 @@ def test_the_epoch_cuda_peak_is_the_epochs_and_the_steps_measurements_leave_it_a
         fake.free(0, n)
         return F.cross_entropy(model(inputs), targets)
 
-    trainer = Trainer(model, optimizer, None, loader(32, shuffle=False), batch_size=32, verbose=0, forward=forward,
-                      policy=FitToMemory(meter=CudaMeter("cuda:0")))
+    trainer = Trainer(
+        model,
+        optimizer,
+        None,
+        loader(32, shuffle=False),
+        batch_size=32,
+        verbose=0,
+        forward=forward,
+        policy=FitToMemory(meter=CudaMeter("cuda:0")),
+    )
     trainer.device = torch.device("cuda", 0)  # as if the model were there
     trainer.fit(1)
     assert trainer.global_step == 3

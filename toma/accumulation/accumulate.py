@@ -22,20 +22,20 @@ import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 
-from toma.core import engine
-from toma.core.steps import Step
-from toma.core.caches import BatchsizeCache
-from toma.core.agreement import Agreement, all_reduce_gradients, broadcast_buffers, is_distributed
 from toma.accumulation.gradients import GradientStash
 from toma.accumulation.misuse import AccumulationMisuse, MisuseWatch
 from toma.accumulation.options import REDUCTIONS, check_model, check_reduction, check_scaler, check_weight
+from toma.accumulation.rollback import BufferStash, PendingStash, RandomState
+from toma.batching import transfer
+from toma.batching.splitting import BatchSplit, Parts, Window
+from toma.batching.transfer import MicroBatchTransfers, Pending, shared_transfers
+from toma.core import engine
+from toma.core.agreement import Agreement, all_reduce_gradients, broadcast_buffers, is_distributed
+from toma.core.caches import BatchsizeCache
 from toma.core.oom import should_reduce_batch_size
+from toma.core.steps import Step
 from toma.sizing.fit_to_memory import FitToMemory
 from toma.sizing.policies import SizePolicy
-from toma.accumulation.rollback import BufferStash, PendingStash, RandomState
-from toma.batching.splitting import BatchSplit, Parts, Window
-from toma.batching import transfer
-from toma.batching.transfer import MicroBatchTransfers, Pending, shared_transfers
 
 __all__ = [
     "accumulate",

@@ -90,7 +90,9 @@ class MisuseWatch:
         if not self.grads:
             return  # before the attempt's first backward pass nothing of it can be lost
         if any(map(operator.is_not, map(_GRAD, self.params), self.grads)):
-            self._raise(next(i for i, p in enumerate(self.params) if p.grad is not self.grads[i]), "replaced or removed")
+            self._raise(
+                next(i for i, p in enumerate(self.params) if p.grad is not self.grads[i]), "replaced or removed"
+            )
         if list(map(_VERSION, self.tracked)) != self.versions:
             changed = next(g for g, v in zip(self.tracked, self.versions) if g._version != v)
             self._raise(next(i for i, g in enumerate(self.grads) if g is changed), "changed")

@@ -84,8 +84,10 @@ class _Scan:
         else:
             return False
         inner = parents + [obj]
-        hits = [self.walk(value, f"{path}[{key!r}]" if isinstance(obj, Mapping) else f"{path}[{key}]", inner)
-                for key, value in items]
+        hits = [
+            self.walk(value, f"{path}[{key!r}]" if isinstance(obj, Mapping) else f"{path}[{key}]", inner)
+            for key, value in items
+        ]
         if any(hits):
             self.changing.add(id(obj))
             return True
@@ -173,7 +175,16 @@ class BatchSplit:
     """A call's `(args, kwargs)`, split into micro-batches `[start, stop)` of the logical batch."""
 
     __slots__ = (
-        "args", "kwargs", "size", "tensors", "name", "_arg_slots", "_kwarg_slots", "_plain", "_changing", "_per_row"
+        "args",
+        "kwargs",
+        "size",
+        "tensors",
+        "name",
+        "_arg_slots",
+        "_kwarg_slots",
+        "_plain",
+        "_changing",
+        "_per_row",
     )
 
     def __init__(self, args: Tuple[Any, ...], kwargs: Dict[str, Any], name: str = "args") -> None:
@@ -204,9 +215,7 @@ class BatchSplit:
         self._changing, self._per_row = changing, per_row
         # Which top-level arguments change per micro-batch, and whether each is a plain tensor (a fast slice).
         self._arg_slots = [
-            (i, isinstance(arg, torch.Tensor))
-            for i, arg in enumerate(args)
-            if arg_hits[i] or id(arg) in changing
+            (i, isinstance(arg, torch.Tensor)) for i, arg in enumerate(args) if arg_hits[i] or id(arg) in changing
         ]
         self._kwarg_slots = [
             (key, isinstance(value, torch.Tensor))

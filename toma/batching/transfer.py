@@ -54,9 +54,7 @@ def check_device(device: Any, name: str) -> torch.device:
             raise ValueError(f"{name} is {device!r}, but CUDA is not available on this machine")
         index = torch.cuda.current_device() if resolved.index is None else resolved.index
         if index >= torch.cuda.device_count():
-            raise ValueError(
-                f"{name} is {device!r}, but this machine has {torch.cuda.device_count()} CUDA device(s)"
-            )
+            raise ValueError(f"{name} is {device!r}, but this machine has {torch.cuda.device_count()} CUDA device(s)")
         return torch.device("cuda", index)
     if resolved.type not in ("cpu", "meta") and not _backend_available(resolved.type):
         raise ValueError(f"{name} is {device!r}, but no {resolved.type} device is available on this machine")

@@ -7,7 +7,6 @@ from typing import Any, Optional
 
 import torch
 
-
 __all__ = [
     "check_size",
     "check_index",

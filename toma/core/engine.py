@@ -13,13 +13,13 @@ from typing import Optional, Tuple, TypeVar, Union
 import torch
 
 from toma.core import call_sites
-from toma.core.caches import Batchsize, BatchsizeCache
 from toma.core.agreement import AgreedRetry, Agreement
-from toma.memory.free import GAUGE
+from toma.core.caches import Batchsize, BatchsizeCache
 from toma.core.oom import release_memory, should_reduce_batch_size
 from toma.core.policy import LearningPolicy, SizePolicy, Token, shrink_below
-from toma.core.steps import BatchStep, ChunkStep, RangeStep, Step, find_device
 from toma.core.size_file import SizeStore, active_store, describe_model, device_key
+from toma.core.steps import BatchStep, ChunkStep, RangeStep, Step, find_device
+from toma.memory.free import GAUGE
 
 __all__ = ["Step", "run", "drive", "BatchStep", "RangeStep", "ChunkStep", "add_note", "step_device", "find_device"]
 
@@ -104,8 +104,13 @@ def _first_line(exception: BaseException) -> str:
 
 
 def _starting_size(
-    step: Step, entry: Batchsize, initial_size: int, learner: Optional[LearningPolicy], scale: float,
-    device: Optional[torch.device], recalled: bool,
+    step: Step,
+    entry: Batchsize,
+    initial_size: int,
+    learner: Optional[LearningPolicy],
+    scale: float,
+    device: Optional[torch.device],
+    recalled: bool,
 ) -> int:
     """The size the call begins with: the entry's, or what a learning policy predicts for it."""
     size = entry.start(initial_size)
@@ -126,7 +131,11 @@ def _starting_size(
 
 
 def _succeeded(
-    step: Step, entry: Batchsize, learner: Optional[LearningPolicy], token: Optional[Token], ran: int,
+    step: Step,
+    entry: Batchsize,
+    learner: Optional[LearningPolicy],
+    token: Optional[Token],
+    ran: int,
     store: Optional[SizeStore],
 ) -> None:
     """Note an attempt that finished: the entry's largest fit, and what a learning policy makes of it."""
@@ -141,8 +150,14 @@ def _succeeded(
 
 
 def _shrunk(
-    policy: SizePolicy, learner: Optional[LearningPolicy], proposal: Optional[_Proposal], entry: Batchsize,
-    token: Optional[Token], size: int, failed: int, error: BaseException,
+    policy: SizePolicy,
+    learner: Optional[LearningPolicy],
+    proposal: Optional[_Proposal],
+    entry: Batchsize,
+    token: Optional[Token],
+    size: int,
+    failed: int,
+    error: BaseException,
 ) -> Tuple[Optional[int], str]:
     """The size after an out-of-memory error at `size` (`failed` rows), and why (for the log line)."""
     if learner is None:
@@ -153,8 +168,14 @@ def _shrunk(
 
 
 def _retrying(
-    step: Step, entry: Batchsize, store: Optional[SizeStore], size: int, next_size: int, own_failure: Optional[int],
-    reason: str, detail: str,
+    step: Step,
+    entry: Batchsize,
+    store: Optional[SizeStore],
+    size: int,
+    next_size: int,
+    own_failure: Optional[int],
+    reason: str,
+    detail: str,
 ) -> None:
     """After a failed attempt, its traceback gone: the entry's new size, the size file, the log line, and the
     memory the attempt left."""
@@ -196,7 +217,11 @@ def run(
     device = step.device if (learner is not None and not quick) or recalled or agreement is not None else None
     if store is not None and recalled:
         _recall(entry, step, store, learner, device)
-    size = entry.start(initial_size) if quick else _starting_size(step, entry, initial_size, learner, scale, device, recalled)
+    size = (
+        entry.start(initial_size)
+        if quick
+        else _starting_size(step, entry, initial_size, learner, scale, device, recalled)
+    )
     if agreement is not None:
         agreement.work_on(device)
         size = agreement.start(size)

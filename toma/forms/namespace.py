@@ -3,19 +3,38 @@
 its form's runner (`toma.forms.runners`)."""
 
 import functools
-from typing import Any, Callable, Concatenate, Dict, Hashable, NamedTuple, Optional, ParamSpec, Tuple, Type, TypeVar, overload
+from typing import (
+    Any,
+    Callable,
+    Concatenate,
+    Dict,
+    Hashable,
+    NamedTuple,
+    Optional,
+    ParamSpec,
+    Tuple,
+    Type,
+    TypeVar,
+    overload,
+)
 
 import torch
 
 from toma.accumulation.accumulate import AccumulationStats
 from toma.accumulation.options import AccumulationOptions
+from toma.batching.splitting import whole
+from toma.batching.transfer import check_device
 from toma.core.arguments import check_dimension, check_function, check_index, check_size, check_tensor_dimension
-from toma.core.caches import BatchsizeCache, BoundedDict, GlobalBatchsizeCache, NoBatchsizeCache, StacktraceMemoryBatchsizeCache
+from toma.core.caches import (
+    BatchsizeCache,
+    BoundedDict,
+    GlobalBatchsizeCache,
+    NoBatchsizeCache,
+    StacktraceMemoryBatchsizeCache,
+)
 from toma.core.call_sites import call_site_key
 from toma.core.policy import SizePolicy
 from toma.core.signatures import AccumulateFunction, BatchFunction, ChunkedFunction, RangeFunction
-from toma.batching.splitting import whole
-from toma.batching.transfer import check_device
 from toma.forms.inline import execute
 from toma.forms.options import CacheType, CallOptions, initial_size
 from toma.forms.plain import explicit, simple
@@ -36,7 +55,9 @@ class _Form(NamedTuple):
     extra: str  # the keywords the wrapper adds, for its docstring
 
 
-def _decorator(form: _Form, func: Any, options: CallOptions, again: Callable[[], Any], bind: Callable[[Any], Bound]) -> Any:
+def _decorator(
+    form: _Form, func: Any, options: CallOptions, again: Callable[[], Any], bind: Callable[[Any], Bound]
+) -> Any:
     """The skeleton every decorator shares: `@form(...)` without a function returns `again()` (the decorator
     with its options); with one, checks it and wraps it with its own caches (`bind(func)`: the wrapper and
     attributes to set on it). A staticmethod stays one, so the result works through a class and an instance."""
@@ -116,13 +137,19 @@ class toma(metaclass=SettingsNamespace):
 
         def again() -> Any:
             return functools.partial(
-                toma.batch, initial_batchsize=default, cache_type=options.cache_type, context=context,
-                policy=options.policy, distributed=distributed,
+                toma.batch,
+                initial_batchsize=default,
+                cache_type=options.cache_type,
+                context=context,
+                policy=options.policy,
+                distributed=distributed,
             )
 
         def bind(func: Callable[..., Any]) -> Bound:
             def wrapped(
-                *args: Any, toma_initial_batchsize: Optional[int] = None, toma_context: Optional[Hashable] = None,
+                *args: Any,
+                toma_initial_batchsize: Optional[int] = None,
+                toma_context: Optional[Hashable] = None,
                 **kwargs: Any,
             ) -> Any:
                 initial = initial_size(default, toma_initial_batchsize, "initial_batchsize", "toma_initial_batchsize")
@@ -172,14 +199,22 @@ class toma(metaclass=SettingsNamespace):
 
         def again() -> Any:
             return functools.partial(
-                toma.range, initial_step=default, cache_type=options.cache_type, context=context,
-                policy=options.policy, distributed=distributed,
+                toma.range,
+                initial_step=default,
+                cache_type=options.cache_type,
+                context=context,
+                policy=options.policy,
+                distributed=distributed,
             )
 
         def bind(func: Callable[..., Any]) -> Bound:
             def wrapped(
-                start: int, end: int, *args: Any, toma_initial_step: Optional[int] = None,
-                toma_context: Optional[Hashable] = None, **kwargs: Any,
+                start: int,
+                end: int,
+                *args: Any,
+                toma_initial_step: Optional[int] = None,
+                toma_context: Optional[Hashable] = None,
+                **kwargs: Any,
             ) -> None:
                 start, end = check_index(start, "start"), check_index(end, "end")
                 initial = initial_size(default, toma_initial_step, "initial_step", "toma_initial_step")
@@ -233,14 +268,23 @@ class toma(metaclass=SettingsNamespace):
 
         def again() -> Any:
             return functools.partial(
-                toma.chunked, initial_step=default, dimension=default_dimension, cache_type=options.cache_type,
-                context=context, policy=options.policy, distributed=distributed,
+                toma.chunked,
+                initial_step=default,
+                dimension=default_dimension,
+                cache_type=options.cache_type,
+                context=context,
+                policy=options.policy,
+                distributed=distributed,
             )
 
         def bind(func: Callable[..., Any]) -> Bound:
             def wrapped(
-                tensor: torch.Tensor, *args: Any, toma_initial_step: Optional[int] = None,
-                toma_dimension: Optional[int] = None, toma_context: Optional[Hashable] = None, **kwargs: Any,
+                tensor: torch.Tensor,
+                *args: Any,
+                toma_initial_step: Optional[int] = None,
+                toma_dimension: Optional[int] = None,
+                toma_context: Optional[Hashable] = None,
+                **kwargs: Any,
             ) -> None:
                 initial = initial_size(default, toma_initial_step, "initial_step", "toma_initial_step")
                 if toma_dimension is None:
@@ -308,16 +352,24 @@ class toma(metaclass=SettingsNamespace):
 
         def again() -> Any:
             return functools.partial(
-                toma.accumulate, model=accumulation.model, initial_micro_batch=default,
-                reduction=accumulation.reduction, weight=accumulation.weight, scaler=accumulation.scaler,
-                cache_type=options.cache_type, context=context, policy=options.policy,
+                toma.accumulate,
+                model=accumulation.model,
+                initial_micro_batch=default,
+                reduction=accumulation.reduction,
+                weight=accumulation.weight,
+                scaler=accumulation.scaler,
+                cache_type=options.cache_type,
+                context=context,
+                policy=options.policy,
             )
 
         def bind(func: Callable[..., Any]) -> Bound:
             stats = AccumulationStats()
 
             def wrapped(
-                *args: Any, toma_initial_micro_batch: Optional[int] = None, toma_context: Optional[Hashable] = None,
+                *args: Any,
+                toma_initial_micro_batch: Optional[int] = None,
+                toma_context: Optional[Hashable] = None,
                 **kwargs: Any,
             ) -> torch.Tensor:
                 initial = initial_size(

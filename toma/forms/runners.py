@@ -20,7 +20,11 @@ Kwargs = Dict[str, Any]
 
 
 def run_batch(
-    func: Callable[..., Any], options: CallOptions, initial: int, args: Args, kwargs: Kwargs,
+    func: Callable[..., Any],
+    options: CallOptions,
+    initial: int,
+    args: Args,
+    kwargs: Kwargs,
     context: Optional[Hashable] = None,
 ) -> Any:
     """`func(batchsize, *args, **kwargs)` once, at a size that fits; its result."""
@@ -28,7 +32,13 @@ def run_batch(
 
 
 def run_range(
-    func: Callable[..., Any], options: CallOptions, start: int, end: int, initial: int, args: Args, kwargs: Kwargs,
+    func: Callable[..., Any],
+    options: CallOptions,
+    start: int,
+    end: int,
+    initial: int,
+    args: Args,
+    kwargs: Kwargs,
     context: Optional[Hashable] = None,
 ) -> None:
     """`func(chunk_start, chunk_end, *args, **kwargs)` over `[start, end)`."""
@@ -36,16 +46,28 @@ def run_range(
 
 
 def run_chunked(
-    func: Callable[..., Any], options: CallOptions, tensor: torch.Tensor, dimension: int, initial: int, args: Args,
-    kwargs: Kwargs, context: Optional[Hashable] = None,
+    func: Callable[..., Any],
+    options: CallOptions,
+    tensor: torch.Tensor,
+    dimension: int,
+    initial: int,
+    args: Args,
+    kwargs: Kwargs,
+    context: Optional[Hashable] = None,
 ) -> None:
     """`func(chunk, chunk_start, chunk_end, *args, **kwargs)` over chunks of `tensor` along `dimension`."""
     options.perform(ChunkStep(func, tensor, dimension, args, kwargs), initial, context)
 
 
 def run_accumulate(
-    func: Callable[..., torch.Tensor], accumulation: AccumulationOptions, options: CallOptions, initial: int,
-    args: Args, kwargs: Kwargs, context: Optional[Hashable] = None, stats: Optional[AccumulationStats] = None,
+    func: Callable[..., torch.Tensor],
+    accumulation: AccumulationOptions,
+    options: CallOptions,
+    initial: int,
+    args: Args,
+    kwargs: Kwargs,
+    context: Optional[Hashable] = None,
+    stats: Optional[AccumulationStats] = None,
 ) -> torch.Tensor:
     """Forward and backward over the logical batch of `args`/`kwargs` in micro-batches; its loss, detached."""
     return accumulate(
@@ -63,8 +85,12 @@ def run_accumulate(
 
 
 def run_map(
-    func: Callable[..., Any], inputs: Args, device: torch.device, output: torch.device,
-    initial_step: Optional[int], options: CallOptions,
+    func: Callable[..., Any],
+    inputs: Args,
+    device: torch.device,
+    output: torch.device,
+    initial_step: Optional[int],
+    options: CallOptions,
 ) -> Any:
     """`func(*chunk)` over row chunks of `inputs` on `device`; the outputs joined on `output`."""
     if not any(isinstance(t, torch.Tensor) and t.dim() > 0 for t in leaves(inputs)):

@@ -10,10 +10,10 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
-from toma.core.engine import RangeStep
 from toma.batching.splitting import BatchSplit, map_tensors
 from toma.batching.splitting import leaves as leaf_values
 from toma.batching.transfer import Pending, Transfers
+from toma.core.engine import RangeStep
 
 __all__ = ["MapStep"]
 

@@ -12,13 +12,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from toma.batching.transfer import Pending, Transfers, check_device
 from toma.core import engine
-from toma.offload import pinned
 from toma.core.arguments import check_size
 from toma.core.caches import GlobalBatchsizeCache
-from toma.sizing.policies import SizePolicy, check_policy, get_default_policy
+from toma.offload import pinned
 from toma.offload.row_optimizer import RowState, clone, initial_state, probe, step_rows
-from toma.batching.transfer import Pending, Transfers, check_device
+from toma.sizing.policies import SizePolicy, check_policy, get_default_policy
 
 try:
     from torch.amp import GradScaler
@@ -153,9 +153,7 @@ class HostedEmbedding(nn.Module):
             low, high = int(indices.min()), int(indices.max())
             if low < 0 or high >= self.num_embeddings:
                 bad = low if low < 0 else high
-                raise IndexError(
-                    f"indices holds {bad}, outside the table's rows [0, {self.num_embeddings})"
-                )
+                raise IndexError(f"indices holds {bad}, outside the table's rows [0, {self.num_embeddings})")
         return indices
 
     def _gather(self, indices: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, Pending]:
@@ -315,13 +313,17 @@ class HostedEmbedding(nn.Module):
         return target.copy_(saved.detach())
 
     def get_extra_state(self) -> Dict[str, Any]:
-        groups = [{key: value for key, value in group.items() if key != "params"} for group in self.optimizer.param_groups]
+        groups = [
+            {key: value for key, value in group.items() if key != "params"} for group in self.optimizer.param_groups
+        ]
         return {"rows": self._rows, "shared": self._shared, "param_groups": groups}
 
     def set_extra_state(self, state: Dict[str, Any]) -> None:
         rows = state.get("rows")
         kept = self._rows or {}
-        self._rows = None if rows is None else {key: self._table_for(kept.get(key), table) for key, table in rows.items()}
+        self._rows = (
+            None if rows is None else {key: self._table_for(kept.get(key), table) for key, table in rows.items()}
+        )
         self._shared = None if state.get("shared") is None else {key: clone(v) for key, v in state["shared"].items()}
         for group, saved in zip(self.optimizer.param_groups, state.get("param_groups", [])):
             group.update(saved)

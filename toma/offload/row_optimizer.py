@@ -232,4 +232,3 @@ def _fresh(
         if key in per_row:
             fresh[key] = built.get(key, value)[0].detach().to("cpu")
     return fresh
-

@@ -27,12 +27,11 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch
 
 from toma.core.caches import Batchsize, LearnedState
-from toma.core.policy import LearningPolicy
-from toma.sizing.bracket import KEPT, SAME_BUDGET, Bracket, Evidence
+from toma.core.policy import LearningPolicy, shrink_below
 from toma.memory.free import GAUGE, FreeMemoryGauge
 from toma.memory.meters import Mark, MemoryMeter, default_meter
+from toma.sizing.bracket import KEPT, SAME_BUDGET, Bracket, Evidence
 from toma.sizing.need import Need, fit_need, format_bytes
-from toma.core.policy import shrink_below
 
 __all__ = ["FitToMemory", "LinearNeed", "Need", "describe_remembered"]
 
@@ -78,8 +77,12 @@ class _Learned(LearnedState):
     def fork(self) -> "_Learned":
         """A copy for a new free-memory level of the call site (what the default cache asks for)."""
         return _Learned(
-            evidence=self.evidence.copy(), measured=list(self.measured), scale=self.scale, budget=self.budget,
-            fresh=True, doubted=self.doubted,
+            evidence=self.evidence.copy(),
+            measured=list(self.measured),
+            scale=self.scale,
+            budget=self.budget,
+            fresh=True,
+            doubted=self.doubted,
         )
 
     def model(self) -> Optional[Need]:
@@ -354,7 +357,9 @@ class FitToMemory(LearningPolicy):
             return None
         state.quiet, state.announced = 0, best
         measured = f"needed {_bytes(used)} of" if used is not None else "fit (not measured: below an earlier peak) in"
-        return f"{ran} {measured} {_bytes(mark.budget)}; {'growing' if best > current else 'shrinking'} to {best} ({rule})"
+        return (
+            f"{ran} {measured} {_bytes(mark.budget)}; {'growing' if best > current else 'shrinking'} to {best} ({rule})"
+        )
 
     def explain(self, entry: Batchsize) -> str:
         state = self.known(entry)
@@ -423,7 +428,10 @@ class FitToMemory(LearningPolicy):
                 if (1 - spare) * min(largest, bracket.high - scale) > _FAR * max(sizes) and spare < _FAR_MARGIN:
                     # far above every measurement a small error of the slope is a large one of the size: land
                     # with the wider margin, and measure there before closing in
-                    spare, rule = _FAR_MARGIN, f"{rule} (far above the sizes measured: {_FAR_MARGIN:.0%} to spare first)"
+                    spare, rule = (
+                        _FAR_MARGIN,
+                        f"{rule} (far above the sizes measured: {_FAR_MARGIN:.0%} to spare first)",
+                    )
                 items = (1 - spare) * min(largest, bracket.high - scale)
                 alone = max(sizes) < 1.1 * min(sizes) and not state.probed and not doubting
                 if alone and abs(items - sizes[-1]) < 0.1 * sizes[-1]:

@@ -70,7 +70,6 @@ class Need:
             text += f", bending up by {self.bend:.3g} B per item squared above {self.knee:.0f}"
         return text
 
-
     def _search(self, budget: float) -> int:
         """`largest_within` by bisection (the need grows with the size)."""
         low, high = 0, 1
@@ -137,7 +136,7 @@ def _ceiling(model: Need, points: Sequence[Point]) -> Need:
 
 def _line(points: Sequence[Point]) -> Need:
     if len(points) == 1:
-        (s, b), = points
+        ((s, b),) = points
         return Need(0.0, b / s)  # the fixed part counted per item: safe above the measured size
     line = _least_squares(points, (0, 1))
     if line is None or line.per_item <= 0:  # noise: the steepest line through the origin
@@ -148,9 +147,7 @@ def _line(points: Sequence[Point]) -> Need:
 def _curve(points: Sequence[Point]) -> Optional[Need]:
     """The best curve that bends upwards: a fixed part, a line, and a power of the size above one."""
     candidates = [
-        _least_squares(points, terms)
-        for power in _POWERS
-        for terms in ((0, 1, power), (0, power), (1, power))
+        _least_squares(points, terms) for power in _POWERS for terms in ((0, 1, power), (0, power), (1, power))
     ]
     fitted = [c for c in candidates if c is not None and c.per_square + c.per_power > 0]
     return min(fitted, key=lambda c: _worst_miss(c, points), default=None)
@@ -202,8 +199,11 @@ def fit_need(fits: Sequence[Point], bounds: Sequence[Point] = ()) -> Optional[Ne
             model = replace(model, fixed=model.fixed + bound - model.need(size))
     # an error above: the need bends up from the largest measured size, as much as the steepest error says
     bend = max(
-        [(bound - model.need(size)) / (size * (size - top)) for size, bound in bounds
-         if size > top and bound > model.need(size) * (1 + 1e-6)],
+        [
+            (bound - model.need(size)) / (size * (size - top))
+            for size, bound in bounds
+            if size > top and bound > model.need(size) * (1 + 1e-6)
+        ],
         default=0.0,
     )
     if bend > 0:

@@ -5,7 +5,7 @@ A policy is a small object with one method, `shrink(size)`, so a new back-off is
 
 import math
 import numbers
-from typing import Any, Optional, SupportsIndex
+from typing import Optional, SupportsIndex
 
 from toma.core.arguments import check_size
 from toma.core.policy import SizePolicy, check_policy, shrink_below

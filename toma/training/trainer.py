@@ -14,17 +14,17 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optio
 
 import torch
 
-from toma.core import engine
 from toma.accumulation.accumulate import ACCUMULATION_POLICY, AccumulationStats, accumulate
 from toma.accumulation.options import AccumulationOptions
-from toma.core.arguments import check_size
 from toma.batching.batches import Segments, logical_batches, rows, take, to_device
+from toma.batching.splitting import BatchSplit, Parts
+from toma.core import engine
+from toma.core.arguments import check_size
 from toma.core.caches import GlobalBatchsizeCache
-from toma.training.history import TrainingHistory
 from toma.memory import History as MemoryHistory
 from toma.sizing.policies import SizePolicy, check_policy
+from toma.training.history import TrainingHistory
 from toma.training.progress import VERBOSITY, Progress
-from toma.batching.splitting import BatchSplit, Parts
 
 logger = logging.getLogger("toma")
 
@@ -473,7 +473,9 @@ class Trainer:
     def _predict_rows(self, start: int, stop: int, inputs: Any, outputs: List[torch.Tensor]) -> None:
         outputs.append(self.model(to_device(take(inputs, start, stop), self.device, non_blocking=True)))
 
-    def _forward_rows(self, start: int, stop: int, batch: Any, named: Dict[str, Metric], totals: Dict[str, float]) -> None:
+    def _forward_rows(
+        self, start: int, stop: int, batch: Any, named: Dict[str, Metric], totals: Dict[str, float]
+    ) -> None:
         part = take(batch, start, stop)
         count = self._count(part) if self.weight is not None else float(stop - start)
         if count == 0:
