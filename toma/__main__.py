@@ -7,7 +7,7 @@ import sys
 from typing import List, Optional
 
 from toma.core.size_file import ENVIRONMENT_VARIABLE, SizeStore
-from toma.sizing.fit_to_memory import describe_remembered
+from toma.sizing.learned import describe_remembered
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -16,21 +16,20 @@ import logging
 import re
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
-from torch.nn.parallel import DistributedDataParallel
 
 from toma.accumulation.gradients import GradientStash
 from toma.accumulation.misuse import AccumulationMisuse, MisuseWatch
 from toma.accumulation.options import REDUCTIONS, check_model, check_reduction, check_scaler, check_weight
 from toma.accumulation.rollback import BufferStash, PendingStash, RandomState
+from toma.accumulation.sync import AgreeingDDP, DDPNoSync, LocalSync, model_device, sync_for  # noqa: F401 (kept importable here)
 from toma.batching import transfer
 from toma.batching.splitting import BatchSplit, Parts, Window
 from toma.batching.transfer import MicroBatchTransfers, Pending, shared_transfers
 from toma.core import engine
-from toma.core.agreement import Agreement, all_reduce_gradients, broadcast_buffers, is_distributed
 from toma.core.caches import BatchsizeCache
 from toma.core.oom import should_reduce_batch_size
 from toma.core.steps import Step
@@ -51,108 +50,6 @@ __all__ = [
 log = logging.getLogger("toma")
 
 _AUTOCAST_DEVICE_TYPES = ("cuda", "cpu", "xpu", "mps", "hpu")
-
-
-class LocalSync:
-    """A module on one process: micro-batches need no synchronisation context."""
-
-    _nothing = contextlib.nullcontext()
-    copy_grads = False  # the gradients set aside are nobody else's to write
-    agreement = None
-
-    def micro_batch(self, last: bool) -> ContextManager[Any]:
-        return self._nothing
-
-    def abort(self) -> None:
-        pass
-
-
-class DDPNoSync:
-    """DistributedDataParallel: all micro-batches but the last under `no_sync()`, so the gradients are
-    all-reduced once per logical batch, overlapping the last micro-batch's backward pass."""
-
-    agreement = None  # one rank: DDP's reduction in the last backward pass cannot be left unmatched
-
-    def __init__(self, model: DistributedDataParallel) -> None:
-        self.model = model
-        # With gradient_as_bucket_view the reducer writes the reduced gradients into the memory the old
-        # `.grad` tensors view, so the gradients a call starts with must be kept as copies.
-        self.copy_grads = bool(getattr(model, "gradient_as_bucket_view", False))
-
-    def micro_batch(self, last: bool) -> ContextManager[Any]:
-        return contextlib.nullcontext() if last else self.model.no_sync()
-
-    def abort(self) -> None:
-        # A backward pass that failed after DDP's hooks fired leaves its reducer expecting the rest of the
-        # reduction; without a reset the retry's forward fails with "Expected to have finished reduction".
-        reducer = getattr(self.model, "reducer", None)
-        if reducer is not None and hasattr(reducer, "_reset_state"):
-            reducer._reset_state()
-
-
-class AgreeingDDP:
-    """DistributedDataParallel over several ranks: no collective inside the region that may be retried.
-
-    Every micro-batch runs under `no_sync()`; after the logical batch the ranks agree (one small all-reduce)
-    whether any ran out of memory, and only if none did are the gradients all-reduced, once, in buckets
-    (`toma.core.agreement.all_reduce_gradients`). Letting DDP reduce during the last backward pass would overlap
-    communication with it, but a rank that runs out of memory there leaves the others' all-reduces unmatched:
-    the hang this design exists to prevent. The lost overlap is the price (see the benchmark).
-    """
-
-    copy_grads = False  # DDP's reducer never runs, so nothing writes into the gradients set aside
-
-    def __init__(self, model: DistributedDataParallel) -> None:
-        self.model = model
-        self.agreement = Agreement(model.process_group, _ddp_device(model))
-        # Set on construction (and by a synchronised forward pass outside toma), it makes the next forward
-        # pass broadcast buffers; `synchronise` does that outside the retried region instead.
-        model.require_forward_param_sync = False
-
-    def micro_batch(self, last: bool) -> ContextManager[Any]:
-        return self.model.no_sync()
-
-    def synchronise(self, params: List[torch.Tensor], weight: Optional[float] = None) -> None:
-        """Average this call's gradients over the ranks; with `weight` (the items this rank's mean loss
-        averaged over, from weight=) weigh each rank by its items, so the result is the mean over all of
-        them rather than a mean of the ranks' means."""
-        scale = 1.0
-        if weight is not None:
-            total = self.agreement.sum(weight)
-            scale = weight * self.agreement.world_size / total if total > 0 else 0.0
-        all_reduce_gradients(params, self.model.process_group, scale=scale)
-        if getattr(self.model, "broadcast_buffers", False):
-            # DDP would broadcast rank 0's buffers (BatchNorm statistics) in the next forward pass, a
-            # collective inside the region that may be retried: a rank that skips its forward passes would
-            # leave the others waiting. Broadcast them here, after the agreement, and keep DDP's off.
-            broadcast_buffers(self.model)
-
-    def abort(self) -> None:
-        pass
-
-
-def _model_device(params: Iterable[torch.Tensor]) -> Optional[torch.device]:
-    """Where a model computes: its first parameter's device, or a later one's on an accelerator when the
-    first is on the CPU (None: no parameters)."""
-    first = None
-    for p in params:
-        if p.device.type != "cpu":
-            return p.device
-        first = first or p.device
-    return first
-
-
-def _ddp_device(model: DistributedDataParallel) -> Optional[torch.device]:
-    """DDP's device: its `device_ids[0]`, else its module's parameters' (the rank's GPU under NCCL)."""
-    if model.device_ids:
-        return torch.device(model.device_type, model.device_ids[0])
-    return _model_device(model.module.parameters())
-
-
-def sync_for(model: torch.nn.Module) -> Any:
-    if not isinstance(model, DistributedDataParallel):
-        return LocalSync()
-    return AgreeingDDP(model) if is_distributed(model.process_group) else DDPNoSync(model)
 
 
 def _enabled_autocast() -> Tuple[str, ...]:
@@ -301,7 +198,7 @@ class AccumulateStep(Step):
     @property
     def device(self) -> Optional[torch.device]:
         """Where the model computes (see `toma.core.engine.Step`)."""
-        return _model_device(self.params)
+        return model_device(self.params)
 
     def effective(self, size: int) -> int:
         """A micro-batch never holds more rows than the largest part of the logical batch."""

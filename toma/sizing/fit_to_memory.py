@@ -17,21 +17,19 @@ bisection above a size that fit, else halving. After a measured success the call
 what the same rule chooses (growth back after memory frees, never above what a call asks for).
 """
 
-import dataclasses
-import json
 import math
 import numbers
-from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 
-from toma.core.caches import Batchsize, LearnedState
+from toma.core.caches import Batchsize
 from toma.core.policy import LearningPolicy, shrink_below
 from toma.memory.free import GAUGE, FreeMemoryGauge
 from toma.memory.meters import Mark, MemoryMeter, default_meter
-from toma.sizing.bracket import KEPT, SAME_BUDGET, Bracket, Evidence
-from toma.sizing.need import Need, fit_need, format_bytes
+from toma.sizing.bracket import KEPT, SAME_BUDGET, Bracket
+from toma.sizing.learned import Learned, bracket_text, describe_remembered, read_remembered  # noqa: F401 (describe_remembered: kept importable here)
+from toma.sizing.need import Need, format_bytes
 
 __all__ = ["FitToMemory", "LinearNeed", "Need", "describe_remembered"]
 
@@ -47,85 +45,6 @@ _RIGHT_AGAIN = 0.03  # a doubted model that predicts a new largest size this clo
 _FAR_MORE = 0.2  # a success above every measured size that needed this share more than predicted: the model is wrong
 
 Token = Tuple[MemoryMeter, Mark, float]
-
-
-@dataclass
-class _Learned(LearnedState):
-    """What a call site's attempts showed (kept on its cache entry)."""
-
-    evidence: Evidence = field(default_factory=Evidence)
-    # (items, bytes) of the attempts that fit and were measured; items: rows times items per row (1 for the
-    # forms, elements per row in accumulation)
-    measured: List[Tuple[float, float]] = field(default_factory=list)
-    quiet: int = 0  # calls since the size last changed
-    every: int = 0  # a settled size is measured every this many calls (0: the policy's `measure_every`)
-    reading: Any = None  # the free-memory gauge's reading at the last measurement
-    note: str = ""  # why the last size after an error was chosen, for the log line
-    announced: int = 0  # the last size this call site grew to (ranks that agree may hold it smaller)
-    scale: float = 1.0  # items per row that the entry's size is for
-    budget: float = 0.0  # the budget of the last measured attempt
-    recalled: Optional[float] = None  # the budget a size restored from the size file was found with
-    fresh: bool = False  # a new free-memory level's copy: its first call predicts its size
-    overestimated: bool = False  # the last success needed less than half what the model said: grow by bisection
-    probed: bool = False  # a smaller size was tried beside the one size measured, to learn the slope
-    mispredicted: bool = False  # a size the model predicted to fit failed: the next size comes from the bracket
-    # the largest size (items) at which the model was wrong (a predicted fit failed, a success needed far less
-    # or far more): while a failure bounds the bracket, the bracket decides (0: never wrong, or right again above it)
-    doubted: float = 0.0
-    device: Optional[torch.device] = None  # where the last measured attempt ran: the settled path reads it
-
-    def fork(self) -> "_Learned":
-        """A copy for a new free-memory level of the call site (what the default cache asks for)."""
-        return _Learned(
-            evidence=self.evidence.copy(),
-            measured=list(self.measured),
-            scale=self.scale,
-            budget=self.budget,
-            fresh=True,
-            doubted=self.doubted,
-        )
-
-    def model(self) -> Optional[Need]:
-        bounds = [(f.items, f.bound) for f in self.evidence.failures if f.bound > 0]
-        return fit_need(self.measured, bounds)
-
-    def describe(self) -> Optional[str]:
-        """The model and the evidence as JSON text for the size file (None when nothing was learned)."""
-        model = self.model()
-        if model is None and not self.evidence.fits and not self.evidence.failures:
-            return None
-        line = {} if model is None else dataclasses.asdict(model)
-        return json.dumps(
-            dict(line, budget=self.budget, scale=self.scale, measured=self.measured, **self.evidence.to_dict())
-        )
-
-
-def describe_remembered(text: Optional[str]) -> str:
-    """A size file's model as one line (`python -m toma sizes`); the text itself if it is not one."""
-    if not text:
-        return ""
-    try:
-        data = json.loads(text)
-        parts = []
-        if "per_item" in data:
-            terms = ("fixed", "per_item", "per_square", "bend", "knee")
-            parts.append(str(Need(*(float(data.get(term) or 0) for term in terms))))
-        if data.get("budget"):
-            parts.append(f"budget {format_bytes(float(data['budget']))}")
-        if "fits" in data:
-            evidence = Evidence.from_dict(data)
-            budget = float(data.get("budget") or 0)
-            bracket = evidence.bracket(budget, float(data.get("scale") or 1))
-            parts.append(_bracket_text(bracket, float(data.get("scale") or 1)))
-        return "; ".join(parts)
-    except (ValueError, TypeError, KeyError, AttributeError):
-        return text
-
-
-def _bracket_text(bracket: Bracket, scale: float) -> str:
-    low = f"{bracket.low / scale:.0f}" if bracket.low else "-"
-    high = f"{bracket.high / scale:.0f}" if math.isfinite(bracket.high) else "-"
-    return f"fit {low}, failed {high}"
 
 
 def _bisect(low: float, high: float) -> float:
@@ -186,17 +105,17 @@ class FitToMemory(LearningPolicy):
         return None if size <= self.minimum else max(self.minimum, size // 2)
 
     @staticmethod
-    def known(entry: Batchsize) -> Optional[_Learned]:
+    def known(entry: Batchsize) -> Optional[Learned]:
         """What this kind of policy learned at `entry` (None: nothing yet)."""
         state = entry.learned
-        return state if isinstance(state, _Learned) else None
+        return state if isinstance(state, Learned) else None
 
     @staticmethod
-    def learned(entry: Batchsize) -> _Learned:
+    def learned(entry: Batchsize) -> Learned:
         """What this kind of policy learned at `entry`, begun if nothing was."""
         state = entry.learned
-        if not isinstance(state, _Learned):
-            state = entry.learned = _Learned()
+        if not isinstance(state, Learned):
+            state = entry.learned = Learned()
         return state
 
     def model(self, entry: Batchsize) -> Optional[Need]:
@@ -212,23 +131,12 @@ class FitToMemory(LearningPolicy):
         return state.evidence.bracket(state.budget if budget is None else budget, state.scale)
 
     def restore(self, entry: Batchsize, text: str) -> None:
-        """Take up what the size file remembers (`_Learned.describe`'s JSON): the next call keeps the
+        """Take up what the size file remembers (`Learned.describe`'s JSON): the next call keeps the
         remembered size if its budget is the one it was found with, else chooses one for its budget."""
-        try:
-            data = json.loads(text)
-            budget, scale = float(data.get("budget") or 0), float(data.get("scale") or 1)
-            if "fits" in data:
-                evidence = Evidence.from_dict(data)
-                measured = [(float(items), float(used)) for items, used in data.get("measured", [])][-KEPT:]
-            else:  # a line from before the bracket was kept: two points of it at the remembered size
-                fixed, per_item = float(data["fixed"]), float(data["per_item"])
-                if not (per_item > 0 and fixed >= 0 and entry.value):
-                    return
-                items = entry.value * scale
-                evidence = Evidence([], [], None)
-                measured = [(items, fixed + per_item * items), (items / 2, fixed + per_item * items / 2)]
-        except (ValueError, TypeError, KeyError, AttributeError):
+        remembered = read_remembered(text, entry.value)
+        if remembered is None:
             return  # a model this version cannot read: the remembered size alone
+        evidence, measured, budget, scale = remembered
         if not (scale > 0 and budget > 0 and entry.value):
             return
         state = self.learned(entry)
@@ -273,11 +181,11 @@ class FitToMemory(LearningPolicy):
         """True when this call runs at the entry's size unmeasured (a settled call site between measurements,
         free memory where it was): the engine then skips `start`, `begin` and finding the call's device."""
         state = entry.learned
-        if type(state) is not _Learned or state.fresh or state.recalled is not None or state.evidence.start is None:
+        if type(state) is not Learned or state.fresh or state.recalled is not None or state.evidence.start is None:
             return False
         return self._between_measurements(state, scale, state.device)
 
-    def _between_measurements(self, state: _Learned, scale: float, device: Optional[torch.device]) -> bool:
+    def _between_measurements(self, state: Learned, scale: float, device: Optional[torch.device]) -> bool:
         quiet = state.quiet
         if quiet >= 2 and quiet % (state.every or self.measure_every) and scale == state.scale:  # settled
             reading = self.gauge.read(device)  # throttled: a clock read most of the time
@@ -299,7 +207,7 @@ class FitToMemory(LearningPolicy):
         mark = meter.begin()
         return None if mark is None else (meter, mark, scale)
 
-    def _record_fit(self, state: _Learned, token: Token, ran: int) -> Optional[float]:
+    def _record_fit(self, state: Learned, token: Token, ran: int) -> Optional[float]:
         """Note an attempt of `ran` rows that fit; returns the bytes it needed (None: not measured)."""
         meter, mark, scale = token
         state.budget = mark.budget
@@ -393,7 +301,7 @@ class FitToMemory(LearningPolicy):
 
     # --- the choice ----------------------------------------------------------------------------------------
 
-    def _choose(self, state: _Learned, budget: float, scale: float) -> Tuple[float, str]:
+    def _choose(self, state: Learned, budget: float, scale: float) -> Tuple[float, str]:
         """The size (items) to run at under `budget`, and the rule that chose it, for the log."""
         evidence = state.evidence
         bracket = evidence.bracket(budget, scale)
@@ -402,7 +310,7 @@ class FitToMemory(LearningPolicy):
         model = state.model()
         failures = evidence.failures_under(budget)
         explained = model is not None and all(model.need(f.items) > f.budget * (1 - SAME_BUDGET) for f in failures)
-        where = _bracket_text(bracket, scale)
+        where = bracket_text(bracket, scale)
         # Near halving's next size (not one that failed), bisection tries that size itself: it costs no error
         # halving would not pay, and halving would end there.
         top = upper if bracket.low < upper < bracket.high - scale and upper <= 2 * bracket.low else None
