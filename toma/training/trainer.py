@@ -23,159 +23,29 @@ from toma.core.arguments import check_size
 from toma.core.caches import GlobalBatchsizeCache
 from toma.memory import History as MemoryHistory
 from toma.sizing.policies import SizePolicy, check_policy
+from toma.training.callbacks import Callback, StopTraining  # noqa: F401
+from toma.training.data import WHOLE_BATCHES, EvaluationChunks, known_length, rows_per_epoch  # noqa: F401
 from toma.training.history import TrainingHistory
+from toma.training.outputs import (  # noqa: F401
+    METRICS,
+    Metric,
+    accuracy,
+    check_metrics,
+    check_scalar,
+    default_targets,
+    field,
+    logits_of,
+    loss_of,
+)
 from toma.training.progress import VERBOSITY, Progress
 
 logger = logging.getLogger("toma")
 
 __all__ = ["Trainer", "Callback", "StopTraining", "accuracy", "METRICS"]
 
-Metric = Callable[[torch.Tensor, torch.Tensor], Any]
-
-
-class StopTraining(Exception):
-    """Raise it from a callback (or a loss function) to end `fit` cleanly after the current step."""
-
-
-class Callback:
-    """Hooks called with the trainer, which carries the state: `current_epoch` (epochs finished),
-    `global_step`, `last_loss`, `history`, `micro_batch`, `oom_retries`, `memory`, `model`, `optimizer`."""
-
-    def on_step_end(self, trainer: "Trainer") -> None:
-        pass
-
-    def on_epoch_end(self, trainer: "Trainer") -> None:
-        pass
-
-
-def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The share of targets whose largest output is the target class; targets of -100 (the `ignore_index`
-    of PyTorch's and Hugging Face's losses: padding) are not counted."""
-    counted = targets != -100
-    hits = (outputs.argmax(dim=-1) == targets) & counted
-    return hits.sum().float() / counted.sum().clamp(min=1)
-
-
-METRICS: Dict[str, Metric] = {"accuracy": accuracy}
-"""The built-in metrics, by the names `metrics=["accuracy"]` takes."""
-
-
-def _check_metrics(metrics: Union[None, Mapping[str, Any], Sequence[Any]]) -> Dict[str, Metric]:
-    if metrics is None:
-        return {}
-    if isinstance(metrics, str):
-        metrics = [metrics]
-    if isinstance(metrics, Mapping):
-        named = dict(metrics)
-    else:
-        named = {}
-        for metric in metrics:
-            if isinstance(metric, str):
-                if metric not in METRICS:
-                    raise ValueError(f"metrics: unknown metric {metric!r}; the built-in ones are {sorted(METRICS)}")
-                named[metric] = METRICS[metric]
-            else:
-                named[getattr(metric, "__name__", type(metric).__name__)] = metric
-    for name, metric in named.items():
-        if not callable(metric):
-            raise TypeError(f"metrics[{name!r}] must be a function (outputs, targets) -> value, got {metric!r}")
-    return named
-
-
-def _check_scalar(loss: Any, what: str) -> torch.Tensor:
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        shape = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else repr(loss)
-        raise TypeError(f"{what} must return a scalar tensor (the batch's loss), got {shape}")
-    return loss
-
-
-def _field(output: Any, name: str) -> Any:
-    """`output.name` or `output[name]` (a Hugging Face ModelOutput has both), or None."""
-    if isinstance(output, Mapping):
-        return output.get(name)
-    return getattr(output, name, None)
-
-
-def _loss_of(output: Any) -> torch.Tensor:
-    """forward's result: the loss itself, or a model output carrying it (`.loss`, `["loss"]`)."""
-    if isinstance(output, torch.Tensor):
-        return _check_scalar(output, "forward(batch)")
-    loss = _field(output, "loss")
-    if loss is None:
-        raise TypeError(
-            "forward(batch) must return the batch's loss (a scalar tensor) or a model output carrying it as "
-            f".loss (a Hugging Face ModelOutput, or a dict with 'loss'), got {type(output).__name__}"
-        )
-    return _check_scalar(loss, "forward(batch).loss")
-
-
-def _logits_of(output: Any) -> torch.Tensor:
-    logits = None if isinstance(output, torch.Tensor) else _field(output, "logits")
-    if not isinstance(logits, torch.Tensor):
-        raise TypeError(
-            "metrics with forward= need forward(batch) to return the model's output with its loss and logits "
-            "(a Hugging Face ModelOutput, or a dict with 'loss' and 'logits'); it returned "
-            f"{type(output).__name__}"
-        )
-    return logits
-
-
-def _default_targets(batch: Any) -> Any:
-    """The targets of a batch for metrics with forward=: `batch["labels"]`, or the second of a pair."""
-    if isinstance(batch, Mapping) and "labels" in batch:
-        return batch["labels"]
-    if isinstance(batch, (tuple, list)) and len(batch) == 2:
-        return batch[1]
-    raise TypeError(
-        "metrics with forward= need the batch's targets: batches that are dicts with 'labels' or "
-        "(inputs, targets) pairs have them; for others pass targets=batch -> targets"
-    )
-
-
-def _known_length(data: Any) -> Optional[int]:
-    try:
-        return len(data)
-    except TypeError:  # a DataLoader over an IterableDataset without __len__
-        return None
-
-
-def _rows_per_epoch(data: Any) -> Optional[int]:
-    """The rows one pass over `data` yields, where that is known without loading it: a DataLoader's sampler
-    (so a subset sampler counts only its rows), or a list of batches."""
-    if isinstance(data, (list, tuple)):
-        try:
-            return sum(rows(batch) for batch in data)
-        except (TypeError, ValueError):
-            return None
-    batch_size = getattr(data, "batch_size", None)
-    dataset = getattr(data, "dataset", None)
-    if isinstance(dataset, torch.utils.data.IterableDataset):  # its own length, if it has one, is the rows
-        count = _known_length(dataset)
-        if count is None or not isinstance(batch_size, int) or getattr(data, "num_workers", 0) > 0:
-            return None  # with workers each replica yields the dataset: rows unknown to us
-        return count - count % batch_size if getattr(data, "drop_last", False) else count
-    batch_sampler = getattr(data, "batch_sampler", None)
-    sampler = getattr(batch_sampler, "sampler", None)
-    if batch_size is None or sampler is None or getattr(batch_sampler, "batch_size", None) != batch_size:
-        return None  # a custom batch sampler, or no automatic batching: rows unknown
-    count = _known_length(sampler)
-    if count is None:
-        return None
-    if getattr(batch_sampler, "drop_last", False):
-        count -= count % batch_size
-    return count
-
 
 # The evaluation cache's starting size: every batch whole (chunks are capped at its rows) until one runs
 # out of memory; not the first batch's rows, which a short first batch would turn into a limit for all.
-_WHOLE_BATCHES = 2**30
-
-
-class _EvaluationChunks(engine.RangeStep):
-    """The rows of one evaluation batch, in chunks that fit; named for what the user knows in log lines."""
-
-    size_name = "evaluation chunk size"
-    __slots__ = ()
 
 
 class Trainer:
@@ -229,12 +99,12 @@ class Trainer:
         for callback in callbacks:
             if not any(callable(getattr(callback, hook, None)) for hook in ("on_step_end", "on_epoch_end")):
                 raise TypeError(f"callbacks must have on_step_end or on_epoch_end, got {callback!r}")
-        if _known_length(train_data) == 0:
+        if known_length(train_data) == 0:
             raise ValueError("train_data is empty: there is nothing to train on")
         self.optimizer, self.loss_fn, self.forward = optimizer, loss_fn, forward
         self.train_data = train_data
         self.scaler, self.reduction, self.weight = scaler, self.accumulation.reduction, self.accumulation.weight
-        self.targets = targets or _default_targets
+        self.targets = targets or default_targets
         if device is not None:
             self.device = torch.device(device)
             self.model.to(self.device)
@@ -272,9 +142,9 @@ class Trainer:
     def _micro_batch_loss(self, *batch: Any) -> torch.Tensor:
         batch = to_device(batch, self.device, non_blocking=True)
         if self.forward is not None:
-            return _loss_of(self.forward(batch[0]))
+            return loss_of(self.forward(batch[0]))
         inputs, targets = batch
-        return _check_scalar(self.loss_fn(self.model(inputs), targets), "loss_fn(model(inputs), targets)")  # type: ignore[misc]
+        return check_scalar(self.loss_fn(self.model(inputs), targets), "loss_fn(model(inputs), targets)")  # type: ignore[misc]
 
     def _parts(self, batch: Any) -> tuple:
         """The arguments a micro-batch function takes for one data batch."""
@@ -325,7 +195,7 @@ class Trainer:
         return loss
 
     def _total_steps(self) -> Optional[int]:
-        count = _rows_per_epoch(self.train_data)
+        count = rows_per_epoch(self.train_data)
         return None if count is None else math.ceil(count / self.batch_size)
 
     def _train_epoch(self, progress: Progress, shown: int, epochs: int) -> Tuple[Dict[str, Any], bool]:
@@ -438,7 +308,7 @@ class Trainer:
         """Train for `epochs` epochs (evaluating on `eval_data` after each, if given); returns the history.
         A callback raising StopTraining ends it after the current step."""
         epochs = check_size(epochs, "epochs")
-        named_metrics = _check_metrics(metrics)
+        named_metrics = check_metrics(metrics)
         if epochs > 1 and isinstance(self.train_data, Iterator):  # iter() on a DataLoader would draw its RNG
             raise TypeError(
                 "train_data is an iterator that can be read only once; for several epochs pass a DataLoader, "
@@ -467,8 +337,8 @@ class Trainer:
 
     def _chunks(self, func: Callable[..., None], rows_: int, *args: Any) -> None:
         """`func(start, stop, *args)` over `[0, rows_)` in chunks that fit (the trainer's evaluation size)."""
-        step = _EvaluationChunks(func, 0, rows_, args, {}, name="Trainer.evaluate", device=self.device)
-        engine.drive(step, self._evaluation_cache, _WHOLE_BATCHES, self.policy)
+        step = EvaluationChunks(func, 0, rows_, args, {}, name="Trainer.evaluate", device=self.device)
+        engine.drive(step, self._evaluation_cache, WHOLE_BATCHES, self.policy)
 
     def _predict_rows(self, start: int, stop: int, inputs: Any, outputs: List[torch.Tensor]) -> None:
         outputs.append(self.model(to_device(take(inputs, start, stop), self.device, non_blocking=True)))
@@ -481,9 +351,9 @@ class Trainer:
         if count == 0:
             return
         output = self.forward(to_device(part, self.device, non_blocking=True))  # type: ignore[misc]
-        results = {"loss": _loss_of(output).detach().float().item() * (count if self.reduction == "mean" else 1)}
+        results = {"loss": loss_of(output).detach().float().item() * (count if self.reduction == "mean" else 1)}
         if named:
-            logits = _logits_of(output)
+            logits = logits_of(output)
             targets = to_device(self.targets(part), self.device, non_blocking=True)
             results.update({name: float(metric(logits, targets)) * count for name, metric in named.items()})
         # Only a chunk that finished counts: one that runs out of memory half-way is redone whole.
@@ -501,7 +371,7 @@ class Trainer:
         chunks that fit (found like any toma.range step). Returns {"loss": ..., metric name: ...} averaged
         over rows, or over what `weight` counts. With `forward=`, metrics get the output's logits and the
         batch's targets (`batch["labels"]`, the second of a pair, or `targets(batch)`)."""
-        named = _check_metrics(metrics)
+        named = check_metrics(metrics)
         was_training = self.model.training
         self.model.eval()
         totals = {"loss": 0.0, **{name: 0.0 for name in named}, "_seen": 0.0}
@@ -518,7 +388,7 @@ class Trainer:
                     self._chunks(self._predict_rows, n, inputs, outputs)
                     output = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
                     targets = to_device(targets, self.device, non_blocking=True)
-                    loss = _check_scalar(self.loss_fn(output, targets), "loss_fn(model(inputs), targets)")  # type: ignore[misc]
+                    loss = check_scalar(self.loss_fn(output, targets), "loss_fn(model(inputs), targets)")  # type: ignore[misc]
                     if count > 0:
                         totals["loss"] += loss.item() * (count if self.reduction == "mean" else 1)
                         for name, metric in named.items():

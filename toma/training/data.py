@@ -1,0 +1,53 @@
+"""The data as the Trainer reads it: how many batches and rows an epoch holds, and evaluation in chunks that fit
+(a range step)."""
+
+from typing import Any, Optional
+
+import torch
+
+from toma.batching.batches import rows
+from toma.core import engine
+
+
+def known_length(data: Any) -> Optional[int]:
+    try:
+        return len(data)
+    except TypeError:  # a DataLoader over an IterableDataset without __len__
+        return None
+
+
+def rows_per_epoch(data: Any) -> Optional[int]:
+    """The rows one pass over `data` yields, where that is known without loading it: a DataLoader's sampler
+    (so a subset sampler counts only its rows), or a list of batches."""
+    if isinstance(data, (list, tuple)):
+        try:
+            return sum(rows(batch) for batch in data)
+        except (TypeError, ValueError):
+            return None
+    batch_size = getattr(data, "batch_size", None)
+    dataset = getattr(data, "dataset", None)
+    if isinstance(dataset, torch.utils.data.IterableDataset):  # its own length, if it has one, is the rows
+        count = known_length(dataset)
+        if count is None or not isinstance(batch_size, int) or getattr(data, "num_workers", 0) > 0:
+            return None  # with workers each replica yields the dataset: rows unknown to us
+        return count - count % batch_size if getattr(data, "drop_last", False) else count
+    batch_sampler = getattr(data, "batch_sampler", None)
+    sampler = getattr(batch_sampler, "sampler", None)
+    if batch_size is None or sampler is None or getattr(batch_sampler, "batch_size", None) != batch_size:
+        return None  # a custom batch sampler, or no automatic batching: rows unknown
+    count = known_length(sampler)
+    if count is None:
+        return None
+    if getattr(batch_sampler, "drop_last", False):
+        count -= count % batch_size
+    return count
+
+
+WHOLE_BATCHES = 2**30
+
+
+class EvaluationChunks(engine.RangeStep):
+    """The rows of one evaluation batch, in chunks that fit; named for what the user knows in log lines."""
+
+    size_name = "evaluation chunk size"
+    __slots__ = ()
