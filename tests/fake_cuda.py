@@ -8,6 +8,7 @@ import threading
 import torch
 
 from toma import transfer
+from toma.batching import staging
 
 
 class FakeStream:
@@ -80,7 +81,7 @@ def install(monkeypatch) -> FakeCuda:
     """Make every `Transfers` (and the accumulation pipeline) treat the CPU as a CUDA device, with fakes."""
     fake = FakeCuda()
     monkeypatch.setattr(transfer, "uses_cuda", lambda device: device.type in ("cpu", "cuda"))
-    monkeypatch.setattr(transfer, "_pin", fake.pin)
+    monkeypatch.setattr(staging, "pinned_block", fake.pin)
     monkeypatch.setattr(transfer, "_per_thread", threading.local())  # no fake Transfers kept for later tests
     monkeypatch.setattr(torch.cuda, "Stream", fake.Stream)
     monkeypatch.setattr(torch.cuda, "stream", fake.stream)

@@ -8,8 +8,9 @@ import weakref
 import pytest
 import torch
 
-from toma import transfer
-from toma.batching.transfer import Transfers, _aligned, check_device
+from toma.batching import staging
+from toma.batching.staging import aligned
+from toma.batching.transfer import Transfers, check_device
 
 import fake_cuda
 from helpers import requires_cuda, run_python
@@ -127,7 +128,7 @@ def test_only_the_tensors_asked_for_move_the_rest_pass_as_given(fake):
     pending = transfers.prefetch((rows, shared), stage=[rows])
     moved_rows, passed = pending.take()
     assert passed is shared and torch.equal(moved_rows, rows) and moved_rows is not rows
-    assert transfers.staged_bytes == _aligned(rows.numel() * 4)
+    assert transfers.staged_bytes == aligned(rows.numel() * 4)
 
 
 def test_sparse_zero_dim_and_grad_requiring_tensors_move_intact(fake):
@@ -199,8 +200,8 @@ def test_pinning_refused_falls_back_to_pageable_copies_with_one_warning(fake, mo
     def refuse(nbytes):
         raise RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported")
 
-    monkeypatch.setattr(transfer, "_pin", refuse)
-    monkeypatch.setattr(transfer, "_refusal_warned", False)
+    monkeypatch.setattr(staging, "pinned_block", refuse)
+    monkeypatch.setattr(staging, "_refusal_warned", False)
     transfers = Transfers("cpu")
     batch = (torch.randn(8, 3), torch.arange(8))
     with caplog.at_level(logging.WARNING, logger="toma"):
@@ -217,7 +218,7 @@ def test_keyboard_interrupt_while_pinning_is_not_swallowed(fake, monkeypatch):
     def interrupted(nbytes):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(transfer, "_pin", interrupted)
+    monkeypatch.setattr(staging, "pinned_block", interrupted)
     with pytest.raises(KeyboardInterrupt):
         Transfers("cpu").move(torch.randn(4, 2))
 
@@ -260,6 +261,7 @@ def test_under_cuda_malloc_async_no_record_stream_warning(monkeypatch):
         """
 import json, warnings, torch
 import toma
+from toma.batching import staging
 from toma import HostedEmbedding
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")

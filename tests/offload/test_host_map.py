@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import toma
-from toma import FitToMemory, NoBatchsizeCache, transfer
+from toma import FitToMemory, NoBatchsizeCache
 from toma import toma as tm
+from toma.batching import staging
 from toma.batching.transfer import Transfers
 
 import fake_cuda
@@ -263,8 +264,8 @@ def test_with_fake_cuda_a_refused_pinning_never_shrinks_the_chunk(fake, monkeypa
     def refuse(nbytes):
         raise RuntimeError("CUDA error: out of memory")  # what cudaHostAlloc failing reads like
 
-    monkeypatch.setattr(transfer, "_pin", refuse)
-    monkeypatch.setattr(transfer, "_refusal_warned", False)
+    monkeypatch.setattr(staging, "pinned_block", refuse)
+    monkeypatch.setattr(staging, "_refusal_warned", False)
     sizes = []
 
     def double(chunk):

@@ -23,6 +23,16 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 import torch
 
 from toma.batching.splitting import BatchSplit, map_tensors
+from toma.batching.staging import (  # noqa: F401
+    ALIGNMENT,
+    StagingSlot,
+    aligned,
+    dense,
+    pinned_block,
+    pinning_refused,
+    stageable,
+    view_in,
+)
 
 __all__ = [
     "Transfers",
@@ -36,8 +46,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("toma")
-
-ALIGNMENT = 256  # bytes between packed tensors: every dtype's alignment, and CUDA's preferred for copies
 
 
 def check_device(device: Any, name: str) -> torch.device:
@@ -81,81 +89,6 @@ def _tensors(obj: Any) -> List[torch.Tensor]:
 def _distinct(tensors: Iterable[torch.Tensor]) -> List[torch.Tensor]:
     """Each tensor once (one object passed twice is copied once)."""
     return list({id(tensor): tensor for tensor in tensors}.values())
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // ALIGNMENT) * ALIGNMENT
-
-
-def _dense(tensor: torch.Tensor) -> bool:
-    """A plain strided tensor: its bytes, copied into a buffer and viewed with its dtype and shape, are it."""
-    plain = type(tensor) is torch.Tensor and tensor.layout == torch.strided
-    return plain and not tensor.is_quantized and not tensor.is_nested
-
-
-def stageable(tensor: torch.Tensor) -> bool:
-    """Whether a host tensor can travel through a uint8 staging buffer: dense and outside autograd. The others
-    (sparse, requiring grad, subclasses) move with `.to()`, which keeps their layout and autograd link."""
-    return _dense(tensor) and not tensor.requires_grad
-
-
-def _pin(nbytes: int) -> torch.Tensor:
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-
-
-_refusal_lock = threading.Lock()
-_refusal_warned = False
-
-
-def _pinning_refused(error: BaseException, nbytes: int) -> None:
-    """Page-locked host memory could not be had: host memory, not device memory, so never an out-of-memory
-    error that shrinks device work. Warned once per process; the moves go on with pageable memory."""
-    global _refusal_warned
-    with _refusal_lock:
-        first, _refusal_warned = not _refusal_warned, True
-    if first:
-        log.warning(
-            "toma could not pin %d bytes of host memory for staging transfers (%s); moving tensors from "
-            "pageable memory instead (slower, without overlap)",
-            nbytes,
-            str(error).splitlines()[0] if str(error) else type(error).__name__,
-        )
-    else:
-        log.debug("pinning %d bytes of host memory failed again: %s", nbytes, error)
-
-
-class _Slot:
-    """A pinned staging buffer and the event after which the copy that last read or wrote it is done; for a
-    copy back, the device tensors it reads, kept alive until then."""
-
-    __slots__ = ("buffer", "event", "reading")
-
-    def __init__(self) -> None:
-        self.buffer: Optional[torch.Tensor] = None
-        self.event: Optional[Any] = None
-        self.reading: Tuple[torch.Tensor, ...] = ()
-
-    def settle(self) -> None:
-        """Wait for the last copy that used the buffer."""
-        if self.event is not None:
-            self.event.synchronize()
-            self.event = None
-        self.reading = ()
-
-    def reserve(self, nbytes: int) -> Optional[torch.Tensor]:
-        """The buffer, at least `nbytes` long, once no copy uses it any more; None if the driver refuses to
-        pin that much (warned). It follows the chunk size: grown by a quarter beyond what is asked (chunks of
-        one size vary a little), released when 4x too large."""
-        self.settle()
-        capacity = 0 if self.buffer is None else self.buffer.numel()
-        if capacity < nbytes or capacity > 4 * max(nbytes, 1 << 20):
-            self.buffer = None  # let the old pinned block go before pinning the new one
-            try:
-                self.buffer = _pin(nbytes + nbytes // 4)
-            except RuntimeError as error:  # cudaHostAlloc failing reads "CUDA error: out of memory"
-                _pinning_refused(error, nbytes + nbytes // 4)
-                return None
-        return self.buffer
 
 
 class Pending:
@@ -230,7 +163,7 @@ class _Returning(Pending):
         placed: Dict[int, torch.Tensor],
         copied: Dict[int, torch.Tensor],
         event: Any = None,
-        slot: Optional[_Slot] = None,
+        slot: Optional[StagingSlot] = None,
     ) -> None:
         super().__init__(None)
         self.source, self.placed, self.copied, self.event, self.slot = source, placed, copied, event, slot
@@ -267,7 +200,7 @@ class Transfers:
         self.cuda = uses_cuda(self.device)
         self.stream: Optional[Any] = torch.cuda.Stream(self.device) if self.cuda else None
         count = max(1, slots) if self.cuda else 0
-        self._slots = [_Slot() for _ in range(2 * count)]  # the first half inbound, the rest outbound
+        self._slots = [StagingSlot() for _ in range(2 * count)]  # the first half inbound, the rest outbound
         self._next = [0, 0]
         self.pinning = self.cuda  # False once the driver refused page-locked memory: pageable copies from then on
         self.copied_bytes = 0  # host-to-device bytes copied so far (pinned staging or pinned sources)
@@ -276,13 +209,13 @@ class Transfers:
     def __repr__(self) -> str:
         return f"Transfers({str(self.device)!r})"
 
-    def _slot(self, outbound: bool) -> _Slot:
+    def _slot(self, outbound: bool) -> StagingSlot:
         half = len(self._slots) // 2
         index = self._next[outbound]
         self._next[outbound] = (index + 1) % half
         return self._slots[index + half * outbound]
 
-    def _reserve(self, slot: _Slot, nbytes: int) -> Optional[torch.Tensor]:
+    def _reserve(self, slot: StagingSlot, nbytes: int) -> Optional[torch.Tensor]:
         buffer = slot.reserve(nbytes)
         if buffer is None:
             self.pinning = False
@@ -329,12 +262,12 @@ class Transfers:
         with torch.cuda.stream(stream):
             if buffer is not None:
                 for tensor, offset in zip(packed, offsets):
-                    _view(buffer, offset, tensor).copy_(tensor)
+                    view_in(buffer, offset, tensor).copy_(tensor)
                 block = torch.empty(total, dtype=torch.uint8, device=self.device)
                 block.copy_(buffer[:total], non_blocking=True)
                 blocks.append(block)
                 for tensor, offset in zip(packed, offsets):
-                    placed[id(tensor)] = _view(block, offset, tensor)
+                    placed[id(tensor)] = view_in(block, offset, tensor)
                 self.staged_bytes += total
                 self.copied_bytes += total
             for tensor in direct:  # pinned by the caller: copied straight from it
@@ -356,7 +289,7 @@ class Transfers:
         if not self.cuda:
             return Pending(map_tensors(obj, lambda tensor: tensor.cpu()))
         tensors = _distinct(_tensors(obj))
-        here = [t for t in tensors if t.device == self.device and _dense(t)] if self.pinning else []
+        here = [t for t in tensors if t.device == self.device and dense(t)] if self.pinning else []
         here, offsets, total, slot, buffer = self._stage(here, outbound=True)
         staging = {id(t) for t in here}
         elsewhere = [t for t in tensors if t.device.type != "cpu" and id(t) not in staging]
@@ -370,7 +303,7 @@ class Transfers:
             stream.wait_stream(torch.cuda.current_stream(self.device))  # the outputs are computed there
             with torch.cuda.stream(stream):
                 for tensor, offset in zip(here, offsets):
-                    view = _view(buffer, offset, tensor)
+                    view = view_in(buffer, offset, tensor)
                     view.copy_(tensor.detach(), non_blocking=True)
                     placed[id(tensor)] = view
                 event = torch.cuda.Event()
@@ -382,7 +315,7 @@ class Transfers:
 
     def _stage(
         self, tensors: List[torch.Tensor], outbound: bool
-    ) -> Tuple[List[torch.Tensor], List[int], int, Optional[_Slot], Optional[torch.Tensor]]:
+    ) -> Tuple[List[torch.Tensor], List[int], int, Optional[StagingSlot], Optional[torch.Tensor]]:
         """A staging buffer for `tensors` in the next slot of one direction: (the tensors it takes, their
         offsets, the bytes, the slot, the buffer); no tensors and no buffer when there are none or pinning
         was refused."""
@@ -400,14 +333,8 @@ class Transfers:
         offsets, total = [], 0
         for tensor in tensors:
             offsets.append(total)
-            total += _aligned(tensor.numel() * tensor.element_size())
+            total += aligned(tensor.numel() * tensor.element_size())
         return offsets, max(total, ALIGNMENT)
-
-
-def _view(block: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
-    """The bytes of `block` from `offset` as a contiguous tensor shaped and typed like `like`."""
-    nbytes = like.numel() * like.element_size()
-    return block[offset : offset + nbytes].view(like.dtype).view(like.shape)
 
 
 class MicroBatchTransfers:
