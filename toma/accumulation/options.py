@@ -2,7 +2,7 @@
 decorator, the plain call and the Trainer alike."""
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 
@@ -56,6 +56,10 @@ class AccumulationOptions:
     reduction: str = "mean"
     weight: Optional[Callable[..., Any]] = None
     scaler: Any = None
+
+    def as_kwargs(self) -> Dict[str, Any]:
+        """The options as `toma.accumulate`'s keywords."""
+        return dict(model=self.model, reduction=self.reduction, weight=self.weight, scaler=self.scaler)
 
     @classmethod
     def checked(

@@ -58,11 +58,11 @@ class _Form(NamedTuple):
 def _decorator(
     form: _Form, func: Any, options: CallOptions, again: Callable[[], Any], bind: Callable[[Any], Bound]
 ) -> Any:
-    """The skeleton every decorator shares: `@form(...)` without a function returns `again()` (the decorator
+    """The skeleton every decorator shares: `@form(...)` without a function returns `again` (the decorator
     with its options); with one, checks it and wraps it with its own caches (`bind(func)`: the wrapper and
     attributes to set on it). A staticmethod stays one, so the result works through a class and an instance."""
     if func is None:
-        return again()
+        return again
     check_function(func, form.name, form.size)
 
     def wrap(target: Callable[..., Any]) -> Callable[..., Any]:
@@ -135,16 +135,6 @@ class toma(metaclass=SettingsNamespace):
         default = None if initial_batchsize is None else check_size(initial_batchsize, "initial_batchsize")
         options = CallOptions(cache_type, context, policy, distributed)
 
-        def again() -> Any:
-            return functools.partial(
-                toma.batch,
-                initial_batchsize=default,
-                cache_type=options.cache_type,
-                context=context,
-                policy=options.policy,
-                distributed=distributed,
-            )
-
         def bind(func: Callable[..., Any]) -> Bound:
             def wrapped(
                 *args: Any,
@@ -157,7 +147,9 @@ class toma(metaclass=SettingsNamespace):
 
             return wrapped, {}
 
-        return _decorator(_BATCH, func, options, again, bind)
+        return _decorator(
+            _BATCH, func, options, functools.partial(toma.batch, initial_batchsize=default, **options.as_kwargs()), bind
+        )
 
     @overload
     @staticmethod
@@ -197,16 +189,6 @@ class toma(metaclass=SettingsNamespace):
         default = None if initial_step is None else check_size(initial_step, "initial_step")
         options = CallOptions(cache_type, context, policy, distributed)
 
-        def again() -> Any:
-            return functools.partial(
-                toma.range,
-                initial_step=default,
-                cache_type=options.cache_type,
-                context=context,
-                policy=options.policy,
-                distributed=distributed,
-            )
-
         def bind(func: Callable[..., Any]) -> Bound:
             def wrapped(
                 start: int,
@@ -222,7 +204,9 @@ class toma(metaclass=SettingsNamespace):
 
             return wrapped, {}
 
-        return _decorator(_RANGE, func, options, again, bind)
+        return _decorator(
+            _RANGE, func, options, functools.partial(toma.range, initial_step=default, **options.as_kwargs()), bind
+        )
 
     @overload
     @staticmethod
@@ -266,17 +250,6 @@ class toma(metaclass=SettingsNamespace):
         default_dimension = check_dimension(dimension, "dimension")
         options = CallOptions(cache_type, context, policy, distributed)
 
-        def again() -> Any:
-            return functools.partial(
-                toma.chunked,
-                initial_step=default,
-                dimension=default_dimension,
-                cache_type=options.cache_type,
-                context=context,
-                policy=options.policy,
-                distributed=distributed,
-            )
-
         def bind(func: Callable[..., Any]) -> Bound:
             def wrapped(
                 tensor: torch.Tensor,
@@ -297,7 +270,13 @@ class toma(metaclass=SettingsNamespace):
 
             return wrapped, {}
 
-        return _decorator(_CHUNKED, func, options, again, bind)
+        return _decorator(
+            _CHUNKED,
+            func,
+            options,
+            functools.partial(toma.chunked, initial_step=default, dimension=default_dimension, **options.as_kwargs()),
+            bind,
+        )
 
     @overload
     @staticmethod
@@ -350,19 +329,6 @@ class toma(metaclass=SettingsNamespace):
         default = None if initial_micro_batch is None else check_size(initial_micro_batch, "initial_micro_batch")
         options = CallOptions(cache_type, context, policy, False)
 
-        def again() -> Any:
-            return functools.partial(
-                toma.accumulate,
-                model=accumulation.model,
-                initial_micro_batch=default,
-                reduction=accumulation.reduction,
-                weight=accumulation.weight,
-                scaler=accumulation.scaler,
-                cache_type=options.cache_type,
-                context=context,
-                policy=options.policy,
-            )
-
         def bind(func: Callable[..., Any]) -> Bound:
             stats = AccumulationStats()
 
@@ -379,6 +345,9 @@ class toma(metaclass=SettingsNamespace):
 
             return wrapped, {"stats": stats}
 
+        again = functools.partial(
+            toma.accumulate, initial_micro_batch=default, **accumulation.as_kwargs(), **options.as_kwargs(agreed=False)
+        )
         return _decorator(_ACCUMULATE, func, options, again, bind)
 
     @staticmethod

@@ -2,7 +2,7 @@
 cache entry a call gets, and the engine run with the policy and the ranks' agreement."""
 
 import types
-from typing import Any, Callable, Hashable, Optional, Type, TypeVar, cast
+from typing import Any, Callable, Dict, Hashable, Optional, Type, TypeVar, cast
 
 from toma.core import engine
 from toma.core.agreement import AgreedStep, agreement_for
@@ -57,6 +57,13 @@ class CallOptions:
         self.context, self.distributed = context, distributed
         self.own_caches: Optional[BoundedDict] = None
         self.fixed_cache = fixed_cache
+
+    def as_kwargs(self, agreed: bool = True) -> Dict[str, Any]:
+        """The options as the decorators' keywords (without `distributed` for a form that does not take it)."""
+        kwargs: Dict[str, Any] = dict(cache_type=self.cache_type, context=self.context, policy=self.policy)
+        if agreed:
+            kwargs["distributed"] = self.distributed
+        return kwargs
 
     def cache(self, func: Callable[..., Any], context: Optional[Hashable] = None) -> BatchsizeCache:
         """The cache for a call: by context if one is given, else the decorated function's own."""
