@@ -198,6 +198,25 @@ def _retrying(
     GAUGE.invalidate()
 
 
+def _agreed(
+    retry: AgreedRetry,
+    proposal: Optional[_Proposal],
+    learner: Optional[LearningPolicy],
+    entry: Batchsize,
+    token: Optional[Token],
+    ran: int,
+    detail: str,
+) -> Tuple[str, str]:
+    """An agreed retry's reason and detail for the log line; an attempt that fit here is evidence all the same.
+    Returns strings only: no name may keep the cause (this rank's OOM, its frames and tensors) past the block."""
+    reason = retry.reason + (f": {_first_line(retry.__cause__)}" if retry.__cause__ is not None else "")
+    if proposal is not None and proposal.asked:  # this rank's own proposal: say why it chose it
+        return reason, proposal.detail
+    if learner is not None and token is not None and ran:
+        learner.observed(entry, token, ran)
+    return reason, detail
+
+
 def run(
     step: Step, entry: Batchsize, initial_size: int, policy: SizePolicy, agreement: Optional[Agreement] = None
 ) -> None:
@@ -222,7 +241,7 @@ def run(
         if quick
         else _starting_size(step, entry, initial_size, learner, scale, device, recalled)
     )
-    if agreement is not None:
+    if agreement is not None:  # the ranks start at the same size
         agreement.work_on(device)
         size = agreement.start(size)
         entry.shrink_to(size)
@@ -240,12 +259,7 @@ def run(
                 pass
         except AgreedRetry as retry:
             next_size, own_failure = retry.size, None
-            # No local name may keep the cause (this rank's OOM, its frames and tensors) past the block.
-            reason = retry.reason + (f": {_first_line(retry.__cause__)}" if retry.__cause__ is not None else "")
-            if proposal is not None and proposal.asked:  # this rank's own proposal: say why it chose it
-                detail = proposal.detail
-            elif learner is not None and token is not None and ran:  # this rank's attempt fit: evidence all the same
-                learner.observed(entry, token, ran)
+            reason, detail = _agreed(retry, proposal, learner, entry, token, ran, detail)
         except Exception as exception:
             if not should_reduce_batch_size(exception):
                 raise
