@@ -331,30 +331,9 @@ class FitToMemory(LearningPolicy):
             elif largest < bracket.low:  # it says a size that fit would not: near M, which is at least that size
                 items, rule = bracket.low, f"the largest size that fit, which model {model} says is too large"
             else:
-                sizes = [size for size, _ in state.measured]
-                spare, rule = self.margin, f"model {model}"
-                if (1 - spare) * min(largest, bracket.high - scale) > _FAR * max(sizes) and spare < _FAR_MARGIN:
-                    # far above every measurement a small error of the slope is a large one of the size: land
-                    # with the wider margin, and measure there before closing in
-                    spare, rule = (
-                        _FAR_MARGIN,
-                        f"{rule} (far above the sizes measured: {_FAR_MARGIN:.0%} to spare first)",
-                    )
-                items = (1 - spare) * min(largest, bracket.high - scale)
-                alone = max(sizes) < 1.1 * min(sizes) and not state.probed and not doubting
-                if alone and abs(items - sizes[-1]) < 0.1 * sizes[-1]:
-                    # one size says nothing of the fixed part: measure another, once
-                    items, state.probed = _LEARN * sizes[-1], True
-                    rule = f"a smaller size, to learn how the need grows beside model {model}"
+                items, rule, probing = self._trusted(state, model, largest, bracket, upper, scale, doubting)
+                if probing:
                     return min(items, max(upper, scale)), f"{rule}; bracket {where}"
-                for size in evidence.halving_below(bracket.high, scale):
-                    if size <= items:
-                        break
-                    # halving would end there, and the model says it fits with half the margin to spare (a size
-                    # at the very edge of what it predicts fails as often as not)
-                    if size <= upper and size <= (1 - spare / 2) * largest:
-                        items, rule = size, f"halving's size, which model {model} predicts to fit"
-                        break
         elif model is not None and explained:
             # errors alone miss the work an attempt never reached; not so far below them that a call crawls
             items = max(model.largest_within(budget * _ERRORS_SHARE), bracket.high / _ERRORS_DROP)
@@ -375,6 +354,44 @@ class FitToMemory(LearningPolicy):
                 if step < items:
                     items, rule = step, f"{rule}, a step: one more error ends the search"
         return items, f"{rule}; bracket {where}"
+
+    def _trusted(
+        self,
+        state: Learned,
+        model: Need,
+        largest: float,
+        bracket: Bracket,
+        upper: float,
+        scale: float,
+        doubting: bool,
+    ) -> Tuple[float, str, bool]:
+        """A model that has been right: its proposal, a probe of a smaller size (True: return it as it is), or
+        halving's size where the model says it fits with half the margin to spare."""
+        sizes = [size for size, _ in state.measured]
+        spare, rule = self.margin, f"model {model}"
+        if (1 - spare) * min(largest, bracket.high - scale) > _FAR * max(sizes) and spare < _FAR_MARGIN:
+            # far above every measurement a small error of the slope is a large one of the size: land
+            # with the wider margin, and measure there before closing in
+            spare, rule = (
+                _FAR_MARGIN,
+                f"{rule} (far above the sizes measured: {_FAR_MARGIN:.0%} to spare first)",
+            )
+        items = (1 - spare) * min(largest, bracket.high - scale)
+        alone = max(sizes) < 1.1 * min(sizes) and not state.probed and not doubting
+        if alone and abs(items - sizes[-1]) < 0.1 * sizes[-1]:
+            # one size says nothing of the fixed part: measure another, once
+            items, state.probed = _LEARN * sizes[-1], True
+            rule = f"a smaller size, to learn how the need grows beside model {model}"
+            return items, rule, True
+        for size in state.evidence.halving_below(bracket.high, scale):
+            if size <= items:
+                break
+            # halving would end there, and the model says it fits with half the margin to spare (a size
+            # at the very edge of what it predicts fails as often as not)
+            if size <= upper and size <= (1 - spare / 2) * largest:
+                items, rule = size, f"halving's size, which model {model} predicts to fit"
+                break
+        return items, rule, False
 
     def _rows(self, items: float, scale: float) -> int:
         """The rows of `scale` items each that `items` make, at least `minimum`."""
