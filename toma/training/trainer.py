@@ -198,6 +198,30 @@ class Trainer:
         count = rows_per_epoch(self.train_data)
         return None if count is None else math.ceil(count / self.batch_size)
 
+    def _record_step(self, loss: torch.Tensor, n: int, retries: int, progress: Progress, samples_per_s: float) -> None:
+        """A step's record in the history (its loss still on the device), its memory, and the progress display.
+        `retries`: the OOM retries before the step."""
+        self.memory.record(f"step {self.global_step}")
+        self.history.steps.append(
+            dict(
+                step=self.global_step,
+                epoch=self.current_epoch + 1,
+                loss=loss,
+                micro_batch=self.micro_batch,
+                rows=n,
+                oom_retries=self.oom_retries - retries,
+                memory_model=None if self.stats.model is None else str(self.stats.model),
+            )
+        )
+        progress.step(
+            dict(
+                loss=lambda: f"{self.last_loss.item():.4g}",  # type: ignore[union-attr]
+                samples_per_s=f"{samples_per_s:.0f}",
+                micro_batch=self.micro_batch,
+                ooms=self.oom_retries,
+            )
+        )
+
     def _train_epoch(self, progress: Progress, shown: int, epochs: int) -> Tuple[Dict[str, Any], bool]:
         """One pass over `train_data`: the epoch's record (added to `history`), and whether to stop. `shown`
         and `epochs` number it for the progress display (within one `fit`)."""
@@ -222,26 +246,7 @@ class Trainer:
                 sizes.append(n)
                 if n == self.batch_size or settled_micro_batch is None:
                     settled_micro_batch = self.micro_batch
-                self.memory.record(f"step {self.global_step}")
-                self.history.steps.append(
-                    dict(
-                        step=self.global_step,
-                        epoch=self.current_epoch + 1,
-                        loss=loss,
-                        micro_batch=self.micro_batch,
-                        rows=n,
-                        oom_retries=self.oom_retries - retries,
-                        memory_model=None if self.stats.model is None else str(self.stats.model),
-                    )
-                )
-                progress.step(
-                    dict(
-                        loss=lambda: f"{self.last_loss.item():.4g}",  # type: ignore[union-attr]
-                        samples_per_s=f"{sum(sizes) / (time.perf_counter() - started):.0f}",
-                        micro_batch=self.micro_batch,
-                        ooms=self.oom_retries,
-                    )
-                )
+                self._record_step(loss, n, retries, progress, sum(sizes) / (time.perf_counter() - started))
                 self._callbacks("on_step_end")
         except StopTraining:
             stopped = True
