@@ -144,9 +144,9 @@ def device_key(device: Any = None) -> str:
         return f"cuda:{properties.name}:{properties.total_memory}:world={world}"
     if kind != "cpu":
         return f"{kind}:world={world}"
-    from toma.memory.cpu import _address_space_limit
+    from toma.memory.cpu import address_space_limit
 
-    limit = _address_space_limit()  # in 64 MiB steps: a cap set from the settled address space moves a little
+    limit = address_space_limit()  # in 64 MiB steps: a cap set from the settled address space moves a little
     return f"cpu:limit={'none' if limit is None else f'{limit >> 26} x 64MiB'}:world={world}"
 
 

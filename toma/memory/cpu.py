@@ -11,6 +11,7 @@ import psutil
 
 __all__ = [
     "get_available_cpu_memory",
+    "address_space_limit",
     "set_cpu_memory_limit",
     "set_cpu_memory_headroom",
     "settled_address_space",
@@ -33,7 +34,7 @@ CPU_OOM_MARKERS = (
 _process: Optional[psutil.Process] = None
 
 
-def _address_space_limit() -> Optional[int]:
+def address_space_limit() -> Optional[int]:
     """The enforced RLIMIT_AS in bytes, or None when there is none."""
     if resource is None:
         return None
@@ -46,7 +47,7 @@ def get_available_cpu_memory() -> int:
     """Bytes this process can still allocate: free system memory, or less under an address-space limit."""
     global _process
     available = psutil.virtual_memory().available
-    limit = _address_space_limit()
+    limit = address_space_limit()
     if limit is not None:
         if _process is None:
             _process = psutil.Process()
