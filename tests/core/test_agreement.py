@@ -437,7 +437,7 @@ def nccl_rank_1(monkeypatch):
 def test_the_ddp_agreement_lives_on_ddps_device_not_the_current_one(nccl_rank_1, monkeypatch):
     from types import SimpleNamespace
 
-    from toma.accumulation.accumulate import AgreeingDDP
+    from toma.accumulation.sync import AgreeingDDP
 
     cuda0, cuda1 = torch.device("cuda", 0), torch.device("cuda", 1)
     ddp = SimpleNamespace(process_group=None, device_ids=[1], device_type="cuda", module=nn.Linear(2, 1))

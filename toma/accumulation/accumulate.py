@@ -25,7 +25,7 @@ from toma.accumulation.gradients import GradientStash
 from toma.accumulation.misuse import AccumulationMisuse, MisuseWatch
 from toma.accumulation.options import REDUCTIONS, check_model, check_reduction, check_scaler, check_weight
 from toma.accumulation.rollback import BufferStash, PendingStash, RandomState
-from toma.accumulation.sync import AgreeingDDP, DDPNoSync, LocalSync, model_device, sync_for  # noqa: F401 (kept importable here)
+from toma.accumulation.sync import DDPNoSync, model_device, sync_for
 from toma.batching import transfer
 from toma.batching.splitting import BatchSplit, Parts, Window
 from toma.batching.transfer import MicroBatchTransfers, Pending, shared_transfers

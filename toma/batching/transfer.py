@@ -23,13 +23,11 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 import torch
 
 from toma.batching.splitting import BatchSplit, map_tensors
-from toma.batching.staging import (  # noqa: F401
+from toma.batching.staging import (
     ALIGNMENT,
     StagingSlot,
     aligned,
     dense,
-    pinned_block,
-    pinning_refused,
     stageable,
     view_in,
 )

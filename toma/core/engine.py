@@ -21,7 +21,7 @@ from toma.core.size_file import SizeStore, active_store, describe_model, device_
 from toma.core.steps import BatchStep, ChunkStep, RangeStep, Step, find_device
 from toma.memory.free import GAUGE
 
-__all__ = ["Step", "run", "drive", "BatchStep", "RangeStep", "ChunkStep", "add_note", "step_device", "find_device"]
+__all__ = ["Step", "run", "drive", "BatchStep", "RangeStep", "ChunkStep", "add_note", "find_device"]
 
 log = logging.getLogger("toma")
 
@@ -32,11 +32,6 @@ def add_note(exception: BaseException, note: str) -> None:
         exception.add_note(note)
     else:  # Python 3.10: keep the note where 3.11's traceback printer would look.
         setattr(exception, "__notes__", [*getattr(exception, "__notes__", ()), note])
-
-
-def step_device(step: Step) -> Optional[torch.device]:
-    """Where `step`'s work runs (None: not known)."""
-    return step.device
 
 
 def _recall(
@@ -106,16 +101,14 @@ def _first_line(exception: BaseException) -> str:
 def _starting_size(
     step: Step,
     entry: Batchsize,
+    size: int,
     initial_size: int,
-    learner: Optional[LearningPolicy],
+    learner: LearningPolicy,
     scale: float,
     device: Optional[torch.device],
     recalled: bool,
 ) -> int:
-    """The size the call begins with: the entry's, or what a learning policy predicts for it."""
-    size = entry.start(initial_size)
-    if learner is None:
-        return size
+    """The size a learning policy begins with instead of the entry's `size` (what it predicts for it)."""
     predicted = learner.start(entry, size, initial_size, scale, device)
     if predicted != size:  # a remembered model under another budget (INFO), rows of another width
         log.log(
@@ -236,11 +229,9 @@ def run(
     device = step.device if (learner is not None and not quick) or recalled or agreement is not None else None
     if store is not None and recalled:
         _recall(entry, step, store, learner, device)
-    size = (
-        entry.start(initial_size)
-        if quick
-        else _starting_size(step, entry, initial_size, learner, scale, device, recalled)
-    )
+    size = entry.start(initial_size)
+    if learner is not None and not quick:
+        size = _starting_size(step, entry, size, initial_size, learner, scale, device, recalled)
     if agreement is not None:  # the ranks start at the same size
         agreement.work_on(device)
         size = agreement.start(size)

@@ -28,7 +28,7 @@ from toma.core.policy import LearningPolicy, shrink_below
 from toma.memory.free import GAUGE, FreeMemoryGauge
 from toma.memory.meters import Mark, MemoryMeter, default_meter
 from toma.sizing.bracket import KEPT, SAME_BUDGET, Bracket
-from toma.sizing.learned import Learned, bracket_text, describe_remembered, read_remembered  # noqa: F401 (describe_remembered: kept importable here)
+from toma.sizing.learned import Learned, bracket_text, describe_remembered, read_remembered
 from toma.sizing.need import Need, format_bytes
 
 __all__ = ["FitToMemory", "LinearNeed", "Need", "describe_remembered"]

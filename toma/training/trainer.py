@@ -23,17 +23,16 @@ from toma.core.arguments import check_size
 from toma.core.caches import GlobalBatchsizeCache
 from toma.memory import History as MemoryHistory
 from toma.sizing.policies import SizePolicy, check_policy
-from toma.training.callbacks import Callback, StopTraining  # noqa: F401
-from toma.training.data import WHOLE_BATCHES, EvaluationChunks, known_length, rows_per_epoch  # noqa: F401
+from toma.training.callbacks import Callback, StopTraining
+from toma.training.data import WHOLE_BATCHES, EvaluationChunks, known_length, rows_per_epoch
 from toma.training.history import TrainingHistory
-from toma.training.outputs import (  # noqa: F401
+from toma.training.outputs import (
     METRICS,
     Metric,
     accuracy,
     check_metrics,
     check_scalar,
     default_targets,
-    field,
     logits_of,
     loss_of,
 )
