@@ -1,13 +1,14 @@
 """The throttled free-memory gauge."""
 
 from toma import free_memory
+from toma.memory import backends
 from toma.memory.free import FreeMemoryGauge
 
 
 def test_readings_are_throttled(monkeypatch):
     reads = []
-    monkeypatch.setattr(free_memory, "get_available_cpu_memory", lambda: reads.append(1) or 1000 + len(reads))
-    monkeypatch.setattr(free_memory, "get_cuda_free_memory_if_initialized", lambda device=None: None)
+    monkeypatch.setattr(backends.CPU, "free_memory", lambda device=None: reads.append(1) or 1000 + len(reads))
+    monkeypatch.setattr(backends.CUDA, "free_memory", lambda device=None: None)
     now = [100.0]
     monkeypatch.setattr(free_memory.time, "monotonic", lambda: now[0])
     gauge = FreeMemoryGauge(interval=0.5)
@@ -46,7 +47,7 @@ def test_reading_the_current_device_never_creates_its_context(monkeypatch):
     fake = FakeCuda(monkeypatch, current=0)
     fake.contexts.clear()  # a rank whose work is on cuda:1 and which never touched GPU 0, its current device
     fake.allocate(1, 1)
-    assert free_memory.get_cuda_free_memory_if_initialized() is None
+    assert FreeMemoryGauge().read()[1] is None
     assert 0 not in fake.contexts and ("mem_get_info", 0) not in fake.asked
     fake.contexts.add(0)
-    assert free_memory.get_cuda_free_memory_if_initialized() == fake.devices[0].capacity
+    assert FreeMemoryGauge().read()[1] == fake.devices[0].capacity

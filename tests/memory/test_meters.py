@@ -8,7 +8,8 @@ import os
 import pytest
 import torch
 
-from toma.memory.meters import CpuMeter, CudaMeter, Mark, MemoryMeter, default_meter
+from toma.memory.backends import default_meter
+from toma.memory.meters import CpuMeter, CudaMeter, Mark, MemoryMeter
 
 from fake_cuda_memory import FakeCuda, GiB, MiB
 from helpers import requires_cuda, run_python

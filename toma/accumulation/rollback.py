@@ -14,6 +14,8 @@ from typing import Any, Dict, Iterable, List, Optional, Protocol, Set, Tuple, ru
 
 import torch
 
+from toma.memory.backends import DeviceBackend, accelerators_in_use, backend_for
+
 __all__ = ["BufferStash", "RandomState", "PendingState", "PendingStash"]
 
 
@@ -107,15 +109,8 @@ class BufferStash:
                 module._buffers[name] = buffer
 
 
-def _accelerator_in_use() -> bool:
-    if torch.cuda.is_initialized():
-        return True
-    xpu = getattr(torch, "xpu", None)
-    return bool(xpu is not None and xpu.is_available() and xpu.is_initialized())
-
-
 def _accelerator_devices(tensors: Iterable[torch.Tensor]) -> List[torch.device]:
-    if not _accelerator_in_use():  # a CPU-only process: nothing to look at
+    if not accelerators_in_use():  # a CPU-only process: nothing to look at
         return []
     devices: Set[torch.device] = {tensor.device for tensor in tensors}
     return sorted((device for device in devices if device.type not in ("cpu", "meta")), key=str)
@@ -128,14 +123,14 @@ class RandomState:
 
     def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
         self.cpu = torch.get_rng_state()
-        self.devices: List[Tuple[torch.device, torch.Tensor]] = []
+        self.devices: List[Tuple[DeviceBackend, torch.device, torch.Tensor]] = []
         for device in _accelerator_devices(tensors):
-            backend = getattr(torch, device.type, None)
-            get_state = getattr(backend, "get_rng_state", None)
-            if get_state is not None:
-                self.devices.append((device, get_state(device)))
+            backend = backend_for(device)
+            state = backend.rng_state(device)
+            if state is not None:
+                self.devices.append((backend, device, state))
 
     def restore(self) -> None:
         torch.set_rng_state(self.cpu)
-        for device, state in self.devices:
-            getattr(torch, device.type).set_rng_state(state, device)
+        for backend, device, state in self.devices:
+            backend.set_rng_state(state, device)

@@ -31,6 +31,7 @@ from toma.batching.staging import (
     stageable,
     view_in,
 )
+from toma.memory.backends import CUDA, backend_for
 
 __all__ = [
     "Transfers",
@@ -50,32 +51,26 @@ def check_device(device: Any, name: str) -> torch.device:
     """A device that exists here: a `torch.device`, a string like "cuda:0", or a CUDA index; None: the current
     CUDA device if CUDA is available, else the CPU."""
     if device is None:
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        return CUDA.current() if CUDA.available() else torch.device("cpu")
     try:
         resolved = torch.device(device)
     except (RuntimeError, TypeError, ValueError) as error:
         raise ValueError(f"{name} must be a device such as 'cuda:0' or 'cpu', got {device!r} ({error})") from None
-    if resolved.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"{name} is {device!r}, but CUDA is not available on this machine")
-        index = torch.cuda.current_device() if resolved.index is None else resolved.index
-        if index >= torch.cuda.device_count():
-            raise ValueError(f"{name} is {device!r}, but this machine has {torch.cuda.device_count()} CUDA device(s)")
-        return torch.device("cuda", index)
-    if resolved.type not in ("cpu", "meta") and not _backend_available(resolved.type):
-        raise ValueError(f"{name} is {device!r}, but no {resolved.type} device is available on this machine")
+    if resolved.type in ("cpu", "meta"):
+        return resolved
+    backend = backend_for(resolved)
+    if not backend.available():
+        what = "CUDA is" if resolved.type == "cuda" else f"no {resolved.type} device is"
+        raise ValueError(f"{name} is {device!r}, but {what} available on this machine")
+    resolved, count = backend.resolve(resolved), backend.device_count()
+    if resolved.index is not None and count is not None and resolved.index >= count:
+        raise ValueError(f"{name} is {device!r}, but this machine has {count} {backend.kind.upper()} device(s)")
     return resolved
 
 
-def _backend_available(kind: str) -> bool:
-    backend = getattr(torch, kind, None) or getattr(torch.backends, kind, None)
-    available = getattr(backend, "is_available", None)
-    return bool(available()) if callable(available) else False
-
-
 def uses_cuda(device: torch.device) -> bool:
-    """Whether moves to `device` go through CUDA streams, events and pinned staging."""
-    return device.type == "cuda"
+    """Whether moves to `device` go through (CUDA) streams, events and pinned staging."""
+    return backend_for(device).pins_host_memory
 
 
 def _tensors(obj: Any) -> List[torch.Tensor]:

@@ -7,8 +7,7 @@ from typing import Callable, List, Optional, Tuple, Type
 import torch
 import torch.distributed
 
-from toma.memory.cpu import is_out_of_cpu_memory
-from toma.memory.cuda import is_cuda_out_of_memory, is_cudnn_snafu
+from toma.memory.backends import backends
 
 __all__ = [
     "ControlException",
@@ -85,12 +84,7 @@ def _is_out_of_memory(exception: BaseException) -> bool:
     if isinstance(exception, (torch.OutOfMemoryError, MemoryError)):
         return True
     if isinstance(exception, RuntimeError):  # torch.AcceleratorError included
-        if (
-            _GENERIC_MARKER in str(exception).lower()
-            or is_cuda_out_of_memory(exception)
-            or is_cudnn_snafu(exception)
-            or is_out_of_cpu_memory(exception)
-        ):
+        if _GENERIC_MARKER in str(exception).lower() or any(b.is_out_of_memory(exception) for b in backends()):
             return True
     return any(predicate(exception) for predicate in _extra_predicates)
 
@@ -113,17 +107,6 @@ def unregister_oom_predicate(predicate: OomPredicate) -> None:
         _extra_predicates = tuple(p for p in _extra_predicates if p is not predicate)
 
 
-def _empty_accelerator_caches() -> None:
-    if torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
-    xpu = getattr(torch, "xpu", None)
-    if xpu is not None and xpu.is_available() and xpu.is_initialized():
-        xpu.empty_cache()
-    mps = getattr(torch.backends, "mps", None)
-    if mps is not None and mps.is_available():
-        torch.mps.empty_cache()
-
-
 def release_memory() -> None:
     """Collect garbage, then return cached accelerator blocks to the device.
 
@@ -131,4 +114,5 @@ def release_memory() -> None:
     frames and tensors are still reachable and nothing can be freed.
     """
     gc.collect()
-    _empty_accelerator_caches()
+    for backend in backends():
+        backend.empty_cache()

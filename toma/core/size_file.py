@@ -16,7 +16,10 @@ import threading
 import time
 from typing import Any, List, Optional, Tuple
 
+import torch.distributed
+
 from toma.core.caches import LearnedState
+from toma.memory.backends import backend_for, default_device
 
 __all__ = ["SizeStore", "remember_sizes", "active_store", "device_key", "describe_model", "ENVIRONMENT_VARIABLE"]
 
@@ -126,28 +129,15 @@ def active_store() -> Optional[SizeStore]:
 
 
 def device_key(device: Any = None) -> str:
-    """The device a size was learned on: for work on a CUDA device, that device's name and memory; for
-    CPU work the CPU (with the address-space limit, which decides what fits); and the world size.
-    `device` None (not known): the current CUDA device in a process that uses CUDA, else the CPU."""
-    import torch  # a module-level import would be one more import floor for nothing
-
+    """The device a size was learned on, as its backend names it (for a CUDA device its name and memory, for
+    the CPU its address-space limit: what decides which sizes fit), and the world size. `device` None (not
+    known): `toma.memory.backends.default_device()`, the current CUDA device in a process that uses CUDA."""
     world = 1
-    distributed = getattr(torch, "distributed", None)
-    if distributed is not None and distributed.is_available() and distributed.is_initialized():
-        world = distributed.get_world_size()
-    if device is None and torch.cuda.is_available() and torch.cuda.is_initialized():
-        device = torch.device("cuda", torch.cuda.current_device())
-    kind = "cpu" if device is None else device.type
-    if kind == "cuda":
-        index = torch.cuda.current_device() if device.index is None else device.index
-        properties = torch.cuda.get_device_properties(index)
-        return f"cuda:{properties.name}:{properties.total_memory}:world={world}"
-    if kind != "cpu":
-        return f"{kind}:world={world}"
-    from toma.memory.cpu import address_space_limit
-
-    limit = address_space_limit()  # in 64 MiB steps: a cap set from the settled address space moves a little
-    return f"cpu:limit={'none' if limit is None else f'{limit >> 26} x 64MiB'}:world={world}"
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        world = torch.distributed.get_world_size()
+    if device is None:
+        device = default_device()
+    return f"{backend_for(device).identity(device)}:world={world}"
 
 
 def describe_model(learned: Optional[LearnedState]) -> Optional[str]:

@@ -8,8 +8,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from toma.memory.cpu import get_available_cpu_memory
-from toma.memory.cuda import get_cuda_free_memory_if_initialized
+from toma.memory.backends import CPU, accelerator_free_memory
 
 __all__ = ["FreeMemoryGauge", "GAUGE"]
 
@@ -31,13 +30,13 @@ class FreeMemoryGauge:
         now = time.monotonic()
         if device is None:
             if now >= self._expires:
-                self._reading = (get_available_cpu_memory(), get_cuda_free_memory_if_initialized())
+                self._reading = (CPU.free_memory(), accelerator_free_memory())
                 self._expires = now + self.interval
             return self._reading
         cached = self._readings.get(device)
         if cached is not None and now < cached[1]:
             return cached[0]
-        reading = (get_available_cpu_memory(), get_cuda_free_memory_if_initialized(device))
+        reading = (CPU.free_memory(), accelerator_free_memory(device))
         self._readings[device] = (reading, now + self.interval)
         return reading
 

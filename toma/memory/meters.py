@@ -18,7 +18,7 @@ import torch
 
 from toma.memory.cpu import get_available_cpu_memory
 
-__all__ = ["Mark", "MemoryMeter", "CpuMeter", "CudaMeter", "default_meter", "failed_bytes"]
+__all__ = ["Mark", "MemoryMeter", "NoMeter", "CpuMeter", "CudaMeter", "failed_bytes"]
 
 _UNITS = {"B": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "BYTES": 1}
 # CUDA: "Tried to allocate 2.00 GiB"; CPU: "you tried to allocate 123456 bytes"
@@ -80,7 +80,7 @@ class MemoryMeter:
         return max(peak, failed + (self.held(mark) or 0))
 
 
-class _NoMeter(MemoryMeter):
+class NoMeter(MemoryMeter):
     """A device no meter knows how to read: nothing is measured (a learning policy then halves)."""
 
     def begin(self) -> Optional[Mark]:
@@ -257,30 +257,3 @@ class CudaMeter(MemoryMeter):
 
     def held(self, mark: Mark) -> int:
         return max(0, int(torch.cuda.memory_stats(self.device).get("allocated_bytes.all.current", 0)) - mark.start)
-
-
-_CPU = CpuMeter()
-_NOTHING = _NoMeter()
-_CUDA: Dict[int, CudaMeter] = {}
-
-
-def _cuda_meter(index: int) -> CudaMeter:
-    meter = _CUDA.get(index)
-    if meter is None:
-        meter = _CUDA[index] = CudaMeter(index)
-    return meter
-
-
-def default_meter(device: Optional[torch.device] = None) -> MemoryMeter:
-    """The meter of the device the work runs on: that CUDA device's, the CPU's for CPU work (also in a
-    process that uses CUDA: CPU work is never measured on a GPU), none for other kinds. `device` None
-    (not known): the current CUDA device in a process that uses CUDA, else the CPU."""
-    if device is None:
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            return _cuda_meter(torch.cuda.current_device())
-        return _CPU
-    if device.type == "cpu":
-        return _CPU
-    if device.type == "cuda":
-        return _cuda_meter(torch.cuda.current_device() if device.index is None else device.index)
-    return _NOTHING

@@ -7,13 +7,14 @@ import contextlib
 import csv
 import dataclasses
 import json
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Union
 
 import psutil
+import torch
 
+from toma.memory.backends import CUDA
 from toma.memory.cpu import get_available_cpu_memory
 
 __all__ = ["MemorySnapshot", "snapshot", "History"]
@@ -41,15 +42,14 @@ class MemorySnapshot:
         return dataclasses.asdict(self)
 
 
-def _cuda_device(device: Device) -> Any:
+def _cuda_device(device: Device) -> Optional[torch.device]:
     """The CUDA device to read, or None when CUDA is not in use (or `device` is not a CUDA device)."""
-    torch = sys.modules.get("torch")
-    if torch is None or not torch.cuda.is_initialized():
+    if not CUDA.in_use():
         return None
     if device is None:
-        return torch.cuda.current_device()
+        return CUDA.current()
     resolved = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
-    return resolved if resolved.type == "cuda" else None
+    return CUDA.resolve(resolved) if resolved.type == "cuda" else None
 
 
 def snapshot(device: Device = None, label: str = "") -> MemorySnapshot:
@@ -60,16 +60,7 @@ def snapshot(device: Device = None, label: str = "") -> MemorySnapshot:
     cuda: Dict[str, int] = {}
     cuda_device = _cuda_device(device)
     if cuda_device is not None:
-        import torch
-
-        free, total = torch.cuda.mem_get_info(cuda_device)
-        cuda = dict(
-            cuda_allocated=torch.cuda.memory_allocated(cuda_device),
-            cuda_reserved=torch.cuda.memory_reserved(cuda_device),
-            cuda_peak=torch.cuda.max_memory_allocated(cuda_device),
-            cuda_free=free,
-            cuda_total=total,
-        )
+        cuda = {f"cuda_{name}": value for name, value in CUDA.figures(cuda_device).items()}
     return MemorySnapshot(
         time=time.time(),
         rss=_process.memory_info().rss,

@@ -16,6 +16,7 @@ from toma.batching.transfer import Pending, Transfers, check_device
 from toma.core import engine
 from toma.core.arguments import check_size
 from toma.core.caches import GlobalBatchsizeCache
+from toma.memory.backends import backend_for
 from toma.offload import pinned
 from toma.offload.row_optimizer import RowState, clone, initial_state, probe, step_rows
 from toma.sizing.policies import SizePolicy, check_policy, get_default_policy
@@ -117,8 +118,9 @@ class HostedEmbedding(nn.Module):
 
     @property
     def _pin(self) -> bool:
-        """Whether tables are page-locked: only for rows used on a CUDA device (a CPU table never touches CUDA)."""
-        return self.device.type == "cuda"
+        """Whether tables are page-locked: only for rows used on a device whose copies from the host go through
+        page-locked memory, CUDA's (a CPU table never touches CUDA)."""
+        return backend_for(self.device).pins_host_memory
 
     def _host_empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised host tensor for a table: page-locked for copies to a CUDA device (`toma.offload.pinned`:

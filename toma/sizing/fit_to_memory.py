@@ -25,8 +25,9 @@ import torch
 
 from toma.core.caches import Batchsize
 from toma.core.policy import LearningPolicy, shrink_below
+from toma.memory.backends import default_meter
 from toma.memory.free import GAUGE, FreeMemoryGauge
-from toma.memory.meters import Mark, MemoryMeter, default_meter
+from toma.memory.meters import Mark, MemoryMeter
 from toma.sizing.bracket import KEPT, SAME_BUDGET, Bracket
 from toma.sizing.learned import Learned, bracket_text, describe_remembered, read_remembered
 from toma.sizing.need import Need, format_bytes
@@ -71,7 +72,7 @@ class FitToMemory(LearningPolicy):
     """Size from measurements: `(1 - margin)` of the largest size predicted to fit, safeguarded by the
     bracket of sizes that fit and failed, never more out-of-memory errors than halving.
 
-    `meter` measures attempts (None: the meter of the device the work runs on, `toma.memory.meters.default_meter`);
+    `meter` measures attempts (None: the meter of the device the work runs on, `toma.memory.backends.default_meter`);
     once a call site's size has settled, a call is measured when free memory moves and otherwise every
     `measure_every`-th call, half as often each time a measurement keeps the size (to one in 64 of those).
     """

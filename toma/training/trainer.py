@@ -22,6 +22,7 @@ from toma.core import engine
 from toma.core.arguments import check_size
 from toma.core.caches import GlobalBatchsizeCache
 from toma.memory import History as MemoryHistory
+from toma.memory.backends import backend_for
 from toma.sizing.policies import SizePolicy, check_policy
 from toma.training.callbacks import Callback, StopTraining
 from toma.training.data import WHOLE_BATCHES, EvaluationChunks, known_length, rows_per_epoch
@@ -408,10 +409,7 @@ class Trainer:
     # --- memory --------------------------------------------------------------------------------------
 
     def _reset_cuda_peak(self) -> None:
-        if self.device.type == "cuda" and torch.cuda.is_initialized():
-            torch.cuda.reset_peak_memory_stats(self.device)
+        backend_for(self.device).reset_peak(self.device)
 
     def _cuda_peak(self) -> Optional[int]:
-        if self.device.type == "cuda" and torch.cuda.is_initialized():
-            return int(torch.cuda.max_memory_allocated(self.device))
-        return None
+        return backend_for(self.device).peak_allocated(self.device)
