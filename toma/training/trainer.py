@@ -21,7 +21,7 @@ from toma.batching.splitting import BatchSplit, Parts
 from toma.core import engine
 from toma.core.arguments import check_size
 from toma.core.caches import GlobalBatchsizeCache
-from toma.memory import History as MemoryHistory
+from toma.memory import MemoryHistory
 from toma.sizing.policies import SizePolicy, check_policy
 from toma.training.callbacks import Callback, StopTraining
 from toma.training.data import WHOLE_BATCHES, EvaluationChunks, known_length, rows_per_epoch
