@@ -16,7 +16,7 @@ from toma.batching.splitting import ArgumentBatch, is_row_sequence_candidate, ma
 __all__ = ["rows", "take", "concatenate", "to_device", "logical_batches", "Pieces"]
 
 
-class Pieces(List[Any]):
+class Pieces(list[Any]):
     """A logical batch in pieces: batches that cannot be joined (tensors of different widths, as dynamic
     padding makes them). Each piece is trained as it is, micro-batches never spanning two
     (`toma.batching.splitting.ArgumentPieces` is the same logical batch as a function's arguments)."""
