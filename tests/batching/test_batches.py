@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from toma.batching.batches import Segments, concatenate, logical_batches, rows, take, to_device
+from toma.batching.batches import Pieces, concatenate, logical_batches, rows, take, to_device
 
 
 def batch(start, n):
@@ -58,13 +58,13 @@ def test_what_cannot_be_split_with_the_rows_is_refused_when_batches_are_recut():
     assert concatenate([(torch.arange(2), "train"), (torch.arange(1), "train")])[1] == "train"
 
 
-def test_batches_of_different_widths_become_segments_not_one_tensor():
+def test_batches_of_different_widths_become_pieces_not_one_tensor():
     narrow, wide, narrow_too = torch.zeros(2, 3), torch.ones(2, 5), torch.zeros(2, 3)
     (logical,) = list(logical_batches([(narrow, narrow[:, 0]), (wide, wide[:, 0]), (narrow_too, narrow_too[:, 0])], 6))
-    assert isinstance(logical, Segments) and [s[0].shape[1] for s in logical] == [3, 5, 3]
+    assert isinstance(logical, Pieces) and [s[0].shape[1] for s in logical] == [3, 5, 3]
     assert rows(logical) == 6
     (joined,) = list(logical_batches([(narrow, narrow[:, 0]), (narrow_too, narrow_too[:, 0])], 4))
-    assert not isinstance(joined, Segments) and joined[0].shape == (4, 3)
+    assert not isinstance(joined, Pieces) and joined[0].shape == (4, 3)
 
 
 def test_zero_dim_tensors_are_values_joined_only_when_equal_and_lists_of_them_are_per_row():

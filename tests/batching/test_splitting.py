@@ -5,14 +5,14 @@ from collections import OrderedDict, namedtuple
 import pytest
 import torch
 
-from toma.batching.splitting import BatchSplit, whole
+from toma.batching.splitting import ArgumentBatch, whole
 
 Pair = namedtuple("Pair", "left right")
 
 
 def test_every_batch_tensor_is_split_also_when_nested():
     x, y, z = torch.arange(10), torch.arange(20).view(10, 2), torch.arange(30).view(10, 3)
-    split = BatchSplit((x, [y, (z, "label")]), {"extra": {"mask": x > 4}, "scale": 2.0})
+    split = ArgumentBatch((x, [y, (z, "label")]), {"extra": {"mask": x > 4}, "scale": 2.0})
     assert split.size == 10
     args, kwargs = split.micro_batch(4, 7)
     assert torch.equal(args[0], x[4:7])
@@ -24,20 +24,20 @@ def test_every_batch_tensor_is_split_also_when_nested():
 
 def test_micro_batches_are_views_not_copies():
     x = torch.zeros(8, 3)
-    args, _ = BatchSplit((x,), {}).micro_batch(2, 5)
+    args, _ = ArgumentBatch((x,), {}).micro_batch(2, 5)
     assert args[0].data_ptr() == x[2].data_ptr()
 
 
 def test_the_full_range_hands_over_the_original_arguments():
     x = torch.zeros(8)
     args, kwargs = (x,), {"k": x}
-    got_args, got_kwargs = BatchSplit(args, kwargs).micro_batch(0, 8)
+    got_args, got_kwargs = ArgumentBatch(args, kwargs).micro_batch(0, 8)
     assert got_args is args and got_kwargs is kwargs
 
 
 def test_zero_dim_tensors_non_tensors_and_whole_go_unsplit():
     x, weights, temperature = torch.zeros(6, 2), torch.ones(3), torch.tensor(0.5)
-    split = BatchSplit((x, whole(weights), temperature, "text"), {})
+    split = ArgumentBatch((x, whole(weights), temperature, "text"), {})
     args, _ = split.micro_batch(0, 6)  # `whole` is unwrapped even when nothing is split
     assert args[1] is weights and args[2] is temperature and args[3] == "text"
     args, _ = split.micro_batch(2, 4)
@@ -46,53 +46,57 @@ def test_zero_dim_tensors_non_tensors_and_whole_go_unsplit():
 
 def test_container_types_are_kept():
     x = torch.arange(6)
-    args, _ = BatchSplit((Pair(x, x * 2), OrderedDict(a=x)), {}).micro_batch(1, 3)
+    args, _ = ArgumentBatch((Pair(x, x * 2), OrderedDict(a=x)), {}).micro_batch(1, 3)
     assert isinstance(args[0], Pair) and torch.equal(args[0].right, torch.tensor([2, 4]))
     assert isinstance(args[1], OrderedDict) and torch.equal(args[1]["a"], torch.tensor([1, 2]))
 
 
 def test_disagreeing_batch_sizes_are_named():
     with pytest.raises(ValueError, match=r"args\[0\] has 8 rows, kwargs\['mask'\] has 4.*toma.whole"):
-        BatchSplit((torch.zeros(8),), {"mask": torch.zeros(4)})
+        ArgumentBatch((torch.zeros(8),), {"mask": torch.zeros(4)})
 
 
 def test_an_empty_logical_batch_is_refused():
     with pytest.raises(ValueError, match=r"empty: args\[0\] has 0 rows"):
-        BatchSplit((torch.zeros(0, 3),), {})
+        ArgumentBatch((torch.zeros(0, 3),), {})
 
 
 def test_a_call_without_batch_tensors_is_refused():
     with pytest.raises(ValueError, match="no tensor argument with a batch dimension"):
-        BatchSplit((1, "x", torch.tensor(2.0), whole(torch.zeros(3))), {})
+        ArgumentBatch((1, "x", torch.tensor(2.0), whole(torch.zeros(3))), {})
 
 
 def test_lists_of_one_plain_value_per_row_are_split_with_the_rows():
     x = torch.arange(4)
     names, classes, tags = ["a", "b", "c", "d"], ["cat", "dog"], ("t0", "t1", "t2", "t3")
-    split = BatchSplit((x, names), {"meta": {"tags": tags, "classes": classes}, "record": Pair("l", "r")})
+    split = ArgumentBatch((x, names), {"meta": {"tags": tags, "classes": classes}, "record": Pair("l", "r")})
     args, kwargs = split.micro_batch(1, 3)
     assert args[1] == ["b", "c"] and kwargs["meta"]["tags"] == ("t1", "t2")
     assert kwargs["meta"]["classes"] is classes, "a list of another length reaches every micro-batch whole"
     assert kwargs["record"] == Pair("l", "r")
-    untouched = BatchSplit((x, classes), {})
+    untouched = ArgumentBatch((x, classes), {})
     assert untouched.micro_batch(0, 2)[0][1] is classes
 
 
-def test_windows_cover_the_batch_and_parts_never_share_a_window():
-    from toma.batching.splitting import Parts
+def test_micro_batches_cover_the_batch_and_never_span_two_pieces():
+    from toma.batching.splitting import ArgumentPieces
 
-    first, second = BatchSplit((torch.zeros(5, 2),), {}), BatchSplit((torch.zeros(3, 7),), {})
-    assert [(s, e) for _, s, e in first.windows(2)] == [(0, 2), (2, 4), (4, 5)]
-    parts = Parts([first, second])
-    assert parts.size == 8 and parts.largest == 5
-    assert [(split is first, s, e) for split, s, e in parts.windows(4)] == [(True, 0, 4), (True, 4, 5), (False, 0, 3)]
+    first, second = ArgumentBatch((torch.zeros(5, 2),), {}), ArgumentBatch((torch.zeros(3, 7),), {})
+    assert [(s, e) for _, s, e in first.micro_batches(2)] == [(0, 2), (2, 4), (4, 5)]
+    pieces = ArgumentPieces([first, second])
+    assert pieces.size == 8 and pieces.largest == 5
+    assert [(piece is first, s, e) for piece, s, e in pieces.micro_batches(4)] == [
+        (True, 0, 4),
+        (True, 4, 5),
+        (False, 0, 3),
+    ]
 
 
 def test_per_row_data_is_found_inside_sequences_and_a_shape_can_be_kept_whole():
     x = torch.arange(4)
     names, ids = ["a", "b", "c", "d"], [10, 11, 12, 13]
     scores = [torch.tensor(float(i)) for i in range(4)]
-    split = BatchSplit((x, (names, ids), scores), {"size": whole((16, 16, 16, 16))})
+    split = ArgumentBatch((x, (names, ids), scores), {"size": whole((16, 16, 16, 16))})
     args, kwargs = split.micro_batch(1, 3)
     assert args[1] == (["b", "c"], [11, 12]), "as inside a dict: a tuple of per-row lists is looked into"
     assert [float(s) for s in args[2]] == [1.0, 2.0], "0-dim tensors are values: a list of them is per row"
@@ -103,11 +107,11 @@ def test_cutting_a_long_per_row_list_does_not_walk_it_again_for_every_micro_batc
     import toma.batching.splitting as splitting
 
     rows_ = 4096
-    split = BatchSplit((torch.zeros(rows_), [str(i) for i in range(rows_)]), {})
+    split = ArgumentBatch((torch.zeros(rows_), [str(i) for i in range(rows_)]), {})
     walked = []
     real = splitting._holds_batch_tensors
     monkeypatch.setattr(splitting, "_holds_batch_tensors", lambda obj: walked.append(1) or real(obj))
-    for _, start, stop in split.windows(1):
+    for _, start, stop in split.micro_batches(1):
         assert split.micro_batch(start, stop)[0][1] == [str(start)]
     assert not walked, "what is per-row was decided once, when the batch was scanned"
 
@@ -119,20 +123,20 @@ def _ids(tensors):
 @pytest.mark.parametrize("start, stop", [(2, 5), (0, 6)])
 def test_rows_names_the_split_tensors_of_a_micro_batch_and_nothing_else(start, stop):
     x, y, weights, temperature = torch.zeros(6, 2), torch.arange(6), torch.ones(3), torch.tensor(0.5)
-    split = BatchSplit((x, {"y": y, "w": whole(weights)}, temperature, ["a", "b", "c", "d", "e", "f"]), {"k": x})
+    split = ArgumentBatch((x, {"y": y, "w": whole(weights)}, temperature, ["a", "b", "c", "d", "e", "f"]), {"k": x})
     rows = []
     args, kwargs = split.micro_batch(start, stop, rows)
     assert _ids(rows) == _ids([args[0], args[1]["y"], kwargs["k"]])  # not the whole value, not the 0-dim tensor
     assert args[1]["w"] is weights and args[2] is temperature and args[3] == ["a", "b", "c", "d", "e", "f"][start:stop]
     plain_rows = []
-    plain = BatchSplit((x, y), {})
+    plain = ArgumentBatch((x, y), {})
     plain_args, _ = plain.micro_batch(start, stop, plain_rows)
     assert _ids(plain_rows) == _ids(plain_args)
 
 
 def test_placed_moves_what_is_in_whole_once_and_leaves_the_rest():
     x, weights, temperature, shape = torch.zeros(6, 2), torch.ones(3), torch.tensor(0.5), torch.Size([4, 4])
-    split = BatchSplit((x, whole({"w": weights, "shape": shape}), temperature, whole(shape)), {"v": whole(weights)})
+    split = ArgumentBatch((x, whole({"w": weights, "shape": shape}), temperature, whole(shape)), {"v": whole(weights)})
     moves = []
 
     def move(tensor):
@@ -149,5 +153,15 @@ def test_placed_moves_what_is_in_whole_once_and_leaves_the_rest():
 
 
 def test_placed_is_the_split_itself_when_nothing_moves():
-    split = BatchSplit((torch.zeros(6, 2), whole(torch.ones(3)), whole((224, 224))), {})
+    split = ArgumentBatch((torch.zeros(6, 2), whole(torch.ones(3)), whole((224, 224))), {})
     assert split.placed(lambda tensor: tensor) is split
+
+
+def test_the_earlier_names_of_a_batchs_pieces_are_the_same_objects():
+    """`BatchSplit`, `Parts`, `Window` and `Segments` were renamed; imports of the old names keep working."""
+    from toma.batches import Segments
+    from toma.batching.batches import Pieces
+    from toma.batching.splitting import ArgumentPieces, MicroBatch
+    from toma.splitting import BatchSplit, Parts, Window
+
+    assert BatchSplit is ArgumentBatch and Parts is ArgumentPieces and Window is MicroBatch and Segments is Pieces

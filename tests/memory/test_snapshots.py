@@ -22,7 +22,7 @@ def test_a_snapshot_never_initialises_cuda():
         """
         import torch
         from toma import memory
-        memory.snapshot(); memory.snapshot("cuda"); memory.History().record()
+        memory.snapshot(); memory.snapshot("cuda"); memory.MemoryHistory().record()
         print(torch.cuda.is_initialized())
         """
     )
@@ -30,7 +30,7 @@ def test_a_snapshot_never_initialises_cuda():
 
 
 def test_history_records_around_a_block_keeps_the_last_and_finds_the_peak(tmp_path):
-    history = memory.History(max_length=3)
+    history = memory.MemoryHistory(max_length=3)
     with history.around("step"):
         block = torch.ones(2**22)  # 16 MiB, touched
     assert [s.label for s in history.snapshots] == ["step start", "step end"]
@@ -47,6 +47,14 @@ def test_history_records_around_a_block_keeps_the_last_and_finds_the_peak(tmp_pa
     history.clear()
     assert len(history) == 0
     del block
+
+
+def test_toma_memory_history_is_the_earlier_name_of_memory_history():
+    """`toma.memory.History`, documented before the rename, is the same class (not a copy or a subclass)."""
+    from toma.memory import History
+    from toma.memory.snapshots import History as in_module
+
+    assert History is memory.MemoryHistory and in_module is memory.MemoryHistory
 
 
 def test_a_snapshot_never_initialises_cuda_where_it_is_available(monkeypatch):
@@ -66,7 +74,7 @@ def test_a_snapshot_never_initialises_cuda_where_it_is_available(monkeypatch):
     )
     for name, value in readings.items():
         monkeypatch.setattr(torch.cuda, name, record(name, value))
-    taken = [memory.snapshot(), memory.snapshot("cuda"), memory.snapshot(0), memory.History("cuda:0").record()]
+    taken = [memory.snapshot(), memory.snapshot("cuda"), memory.snapshot(0), memory.MemoryHistory("cuda:0").record()]
     assert calls == [] and all(s.cuda_allocated is None and s.cuda_total is None for s in taken)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     in_use = memory.snapshot("cuda:0").as_dict()

@@ -16,7 +16,7 @@ import logging
 import re
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -27,7 +27,7 @@ from toma.accumulation.options import REDUCTIONS, check_model, check_reduction, 
 from toma.accumulation.rollback import BufferStash, PendingStash, RandomState
 from toma.accumulation.sync import DDPNoSync, model_device, sync_for
 from toma.batching import transfer
-from toma.batching.splitting import BatchSplit, Parts, Window
+from toma.batching.splitting import ArgumentBatch, LogicalBatch, MicroBatch
 from toma.batching.transfer import MicroBatchTransfers, Pending, shared_transfers
 from toma.core import engine
 from toma.core.caches import BatchsizeCache
@@ -110,14 +110,14 @@ def _counts(values: List[Any], weight: Callable[..., Any]) -> List[float]:
     return floats
 
 
-def _hint_whole(error: BaseException, split: BatchSplit, rows: int) -> None:
+def _hint_whole(error: BaseException, piece: ArgumentBatch, rows: int) -> None:
     """An error that names the micro-batch's row count while the batch was split may come from a tensor
     that is not part of the batch but happened to have as many rows: say what was split."""
     if re.search(rf"(?<![\d.]){rows}(?![\d.])", str(error)) is None:
         return
     note = (
-        f"toma: the logical batch of {split.size} rows was split into micro-batches of {rows} along dim 0 of "
-        f"every tensor with {split.size} rows: {split.describe()}. A tensor that is not part of the batch "
+        f"toma: the logical batch of {piece.size} rows was split into micro-batches of {rows} along dim 0 of "
+        f"every tensor with {piece.size} rows: {piece.describe()}. A tensor that is not part of the batch "
         "(class weights, say) goes to every micro-batch whole when wrapped in toma.whole(...)"
     )
     engine.add_note(error, note)
@@ -139,18 +139,14 @@ class AccumulationStats:
     model: Any = None
 
 
-Batch = Union[BatchSplit, Parts]
-
-
-def _pipeline_for(params: List[torch.Tensor], batch: Batch) -> Optional[MicroBatchTransfers]:
+def _pipeline_for(params: List[torch.Tensor], batch: LogicalBatch) -> Optional[MicroBatchTransfers]:
     """The moves of this call's micro-batches to the model's CUDA device when the logical batch lives on the
     host: each micro-batch's split tensors move while the previous one computes, `toma.whole` values once per
     call. None when there is nothing to move (a CPU model, a batch already on the device)."""
     device = next((p.device for p in params if transfer.uses_cuda(p.device)), None)
     if device is None:
         return None
-    parts = batch.parts if isinstance(batch, Parts) else [batch]
-    if not any(t.device.type == "cpu" for part in parts for _, t in part.tensors):
+    if not any(t.device.type == "cpu" for piece in batch.pieces for _, t in piece.tensors):
         return None
     return MicroBatchTransfers(shared_transfers(device))
 
@@ -165,7 +161,7 @@ class AccumulateStep(Step):
         self,
         func: Callable[..., Any],
         model: torch.nn.Module,
-        batch: Batch,
+        batch: LogicalBatch,
         reduction: str,
         weight: Optional[Callable[..., Any]],
         scaler: Any,
@@ -190,10 +186,9 @@ class AccumulateStep(Step):
 
     @property
     def row_items(self) -> float:
-        """The elements a row of the batch's widest part holds, summed over its tensors: a learning policy
+        """The elements a row of the batch's widest piece holds, summed over its tensors: a learning policy
         sizes by elements, so batches padded to other widths need no new search."""
-        parts = self.batch.parts if isinstance(self.batch, Parts) else [self.batch]
-        return float(max(sum(t.numel() for _, t in part.tensors) / part.size for part in parts))
+        return float(max(sum(t.numel() for _, t in piece.tensors) / piece.size for piece in self.batch.pieces))
 
     @property
     def device(self) -> Optional[torch.device]:
@@ -201,12 +196,11 @@ class AccumulateStep(Step):
         return model_device(self.params)
 
     def effective(self, size: int) -> int:
-        """A micro-batch never holds more rows than the largest part of the logical batch."""
+        """A micro-batch never holds more rows than the largest piece of the logical batch."""
         return min(size, self.batch.largest)
 
     def _devices_in_use(self) -> List[torch.Tensor]:
-        parts = self.batch.parts if isinstance(self.batch, Parts) else [self.batch]
-        return self.params + [tensor for part in parts for _, tensor in part.tensors[:1]]
+        return self.params + [tensor for piece in self.batch.pieces for _, tensor in piece.tensors[:1]]
 
     def __call__(self, size: int) -> bool:
         self.attempts += 1
@@ -218,14 +212,14 @@ class AccumulateStep(Step):
         self.pending.save()
         asked, size = size, self.effective(size)
         self.size = size
-        windows = self.batch.windows(size)
-        if len(windows) > 1:
+        micro_batches = self.batch.micro_batches(size)
+        if len(micro_batches) > 1:
             _warn_once_about_batchnorm(self.model)
         agreement = self.sync.agreement
         try:
             with GradientStash(self.params, copy=self.sync.copy_grads):
                 try:
-                    result = self._micro_batches(windows)
+                    result = self._micro_batches(micro_batches)
                 except Exception as error:
                     if agreement is not None:  # tell the other ranks, inside the stash: a retry restores all
                         agreement.after_attempt(asked, error, self.policy, size)
@@ -242,40 +236,40 @@ class AccumulateStep(Step):
             raise
         return True
 
-    def _factors(self, windows: Sequence[Window], arguments: List[Any]) -> List[Optional[float]]:
+    def _factors(self, micro_batches: Sequence[MicroBatch], arguments: List[Any]) -> List[Optional[float]]:
         """What each micro-loss is multiplied by (None: the micro-batch has nothing to average over)."""
         total_rows = self.batch.size
         if not self.mean:
             self.total_weight = float(total_rows)
-            return [1.0] * len(windows)
+            return [1.0] * len(micro_batches)
         if self.weight is None:
             self.total_weight = float(total_rows)
-            return [(stop - start) / total_rows for _, start, stop in windows]
+            return [(stop - start) / total_rows for _, start, stop in micro_batches]
         counts = _counts([self.weight(*args, **kwargs) for args, kwargs in arguments], self.weight)
         total = sum(counts)
         self.total_weight = total
         return [count / total if count > 0 else None for count in counts]
 
-    def _micro_batches(self, windows: Sequence[Window]) -> torch.Tensor:
+    def _micro_batches(self, micro_batches: Sequence[MicroBatch]) -> torch.Tensor:
         autocast = _enabled_autocast()
-        arguments = [split.micro_batch(start, stop) for split, start, stop in windows]
-        factors = self._factors(windows, arguments)
+        arguments = [piece.micro_batch(start, stop) for piece, start, stop in micro_batches]
+        factors = self._factors(micro_batches, arguments)
         running = [index for index, factor in enumerate(factors) if factor is not None]
         last = running[-1] if running else -1
         total: Optional[torch.Tensor] = None
         moving = self.transfers
         ahead: Optional[Pending] = None
         if moving is not None and running:
-            ahead = moving.prefetch(*windows[running[0]])
+            ahead = moving.prefetch(*micro_batches[running[0]])
         with self.watch:
             for position, index in enumerate(running):
-                split, start, stop = windows[index]
+                piece, start, stop = micro_batches[index]
                 if moving is None or ahead is None:
                     args, kwargs = arguments[index]
                 else:  # this micro-batch is on the device; the next one's copy overlaps its compute
                     args, kwargs = ahead.take()
                     following = running[position + 1] if position + 1 < len(running) else None
-                    ahead = None if following is None else moving.prefetch(*windows[following])
+                    ahead = None if following is None else moving.prefetch(*micro_batches[following])
                 factor = factors[index] or 0.0
                 with self.sync.micro_batch(last=index == last):
                     try:
@@ -283,8 +277,8 @@ class AccumulateStep(Step):
                     except AccumulationMisuse:
                         raise
                     except Exception as error:
-                        if 1 < stop - start < split.size and not should_reduce_batch_size(error):
-                            _hint_whole(error, split, stop - start)
+                        if 1 < stop - start < piece.size and not should_reduce_batch_size(error):
+                            _hint_whole(error, piece, stop - start)
                         raise
                     self.watch.loss_done()
                     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -309,7 +303,7 @@ def accumulate(
     func: Callable[..., Any],
     model: torch.nn.Module,
     initial_micro_batch: int,
-    batch: Batch,
+    batch: LogicalBatch,
     *,
     reduction: str,
     scaler: Any,
@@ -319,8 +313,8 @@ def accumulate(
     stats: Optional[AccumulationStats] = None,
     name: Optional[str] = None,
 ) -> torch.Tensor:
-    """Forward and backward `func(*micro_args, **micro_kwargs)` over the logical batch (a `BatchSplit` of a
-    call's arguments, or `Parts` of several) in micro-batches; returns the logical batch's loss, detached.
+    """Forward and backward `func(*micro_args, **micro_kwargs)` over the logical batch (an `ArgumentBatch` of
+    a call's arguments, or `ArgumentPieces` of several) in micro-batches; returns the logical batch's loss, detached.
     Arguments are checked by the caller (`toma.forms`, `toma.training.trainer`). The cached size is the one asked
     for, not capped by this batch's rows: a short batch never shrinks it, only an out-of-memory error does.
     `policy` None: `ACCUMULATION_POLICY`, a `FitToMemory`."""

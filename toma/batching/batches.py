@@ -11,26 +11,31 @@ from typing import Any, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
-from toma.batching.splitting import BatchSplit, is_row_sequence_candidate, map_tensors
+from toma.batching.splitting import ArgumentBatch, is_row_sequence_candidate, map_tensors
 
-__all__ = ["rows", "take", "concatenate", "to_device", "logical_batches", "Segments"]
+__all__ = ["rows", "take", "concatenate", "to_device", "logical_batches", "Pieces"]
 
 
-class Segments(list):  # type: ignore[type-arg]
-    """A logical batch made of batches that cannot be joined (tensors of different widths, as dynamic padding
-    makes them): each is trained as it is, micro-batches never spanning two."""
+class Pieces(list[Any]):
+    """A logical batch in pieces: batches that cannot be joined (tensors of different widths, as dynamic
+    padding makes them). Each piece is trained as it is, micro-batches never spanning two
+    (`toma.batching.splitting.ArgumentPieces` is the same logical batch as a function's arguments)."""
+
+
+Segments = Pieces
+"""The earlier name of `Pieces` (the same class), kept so that code importing it keeps working."""
 
 
 def rows(batch: Any) -> int:
     """The number of rows in `batch` (ValueError if its tensors disagree or it has none)."""
-    if isinstance(batch, Segments):
-        return sum(rows(segment) for segment in batch)
-    return BatchSplit((batch,), {}).size
+    if isinstance(batch, Pieces):
+        return sum(rows(piece) for piece in batch)
+    return ArgumentBatch((batch,), {}).size
 
 
 def take(batch: Any, start: int, stop: int) -> Any:
     """Rows `[start, stop)` of `batch`, as views (lists of one item per row are sliced)."""
-    (part,), _ = BatchSplit((batch,), {}).micro_batch(start, stop)
+    (part,), _ = ArgumentBatch((batch,), {}).micro_batch(start, stop)
     return part
 
 
@@ -135,8 +140,8 @@ def _layout(batch: Any) -> Any:
 
 
 def _logical(pieces: List[Tuple[Any, int]]) -> Any:
-    """One logical batch from consecutive pieces: runs of pieces that can be joined are joined, and where
-    shapes differ the result is `Segments`."""
+    """One logical batch from consecutive loader batches (or cuts of them): runs that can be joined are
+    joined, and where shapes differ the runs are kept apart, as `Pieces`."""
     runs: List[List[Any]] = []
     layout: Optional[Any] = None
     for piece, _ in pieces:
@@ -147,7 +152,7 @@ def _logical(pieces: List[Tuple[Any, int]]) -> Any:
             runs.append([piece])
             layout = current
     joined = [concatenate(run) if len(run) > 1 else run[0] for run in runs]
-    return joined[0] if len(joined) == 1 else Segments(joined)
+    return joined[0] if len(joined) == 1 else Pieces(joined)
 
 
 def logical_batches(data: Iterable[Any], batch_size: int) -> Iterator[Any]:
@@ -155,7 +160,7 @@ def logical_batches(data: Iterable[Any], batch_size: int) -> Iterator[Any]:
 
     Batches that already have `batch_size` rows pass through untouched; smaller ones (a DataLoader with a
     small `batch_size` for cheap loading) are joined, larger ones cut. Batches whose tensors differ in shape
-    beyond dim 0 are not joined: their logical batch is `Segments` of them.
+    beyond dim 0 are not joined: their logical batch is `Pieces` of them.
     """
     pending: List[Tuple[Any, int]] = []
     pending_rows = 0

@@ -1,4 +1,4 @@
-"""Splitting a call's arguments into micro-batches along the batch dimension (dim 0).
+"""A call's arguments as a logical batch, cut into micro-batches along the batch dimension (dim 0).
 
 Every tensor with at least one dimension is part of the batch, also inside tuples, lists and dicts, and
 all of them must agree on its size. A list or tuple of plain values (strings, ids, lists of tokens, 0-dim
@@ -8,17 +8,28 @@ other lists, modules, 0-dim tensors, and values wrapped in `whole`, such as a sh
 happens to have as many items as the batch has rows) goes to every micro-batch as it is. Micro-batches
 are views: no copies.
 
-A logical batch may also be made of several parts that cannot be joined (loader batches padded to
-different widths): `Parts` cuts its micro-batches within each part.
+The words, here and elsewhere in toma: a *logical batch* (`ArgumentBatch`) is cut into *micro-batches*
+(`MicroBatch`: rows `[start, stop)`), each run on its own. A logical batch may also be made of *pieces* that
+cannot be joined (loader batches padded to different widths, `toma.batching.batches.Pieces`):
+`ArgumentPieces` cuts its micro-batches within each piece, never across two.
 """
 
 import copy
 from collections.abc import Mapping
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 
-__all__ = ["whole", "BatchSplit", "Parts", "Window", "map_tensors", "leaves", "is_row_sequence_candidate"]
+__all__ = [
+    "whole",
+    "ArgumentBatch",
+    "ArgumentPieces",
+    "MicroBatch",
+    "LogicalBatch",
+    "map_tensors",
+    "leaves",
+    "is_row_sequence_candidate",
+]
 
 
 class whole:
@@ -171,8 +182,8 @@ def _mark_per_row(parents: List[Any], sequence: Any, size: int, changing: Set[in
             _mark_per_row(inner, item, size, changing, per_row)
 
 
-class BatchSplit:
-    """A call's `(args, kwargs)`, split into micro-batches `[start, stop)` of the logical batch."""
+class ArgumentBatch:
+    """A call's `(args, kwargs)` as a logical batch of `size` rows, cut into micro-batches `[start, stop)`."""
 
     __slots__ = (
         "args",
@@ -226,7 +237,13 @@ class BatchSplit:
 
     @property
     def largest(self) -> int:
+        """The rows of its largest piece: all of them (it is its only piece)."""
         return int(self.size)
+
+    @property
+    def pieces(self) -> List["ArgumentBatch"]:
+        """Its pieces: itself alone (as `ArgumentPieces.pieces` lists several)."""
+        return [self]
 
     def _cut(self, obj: Any, start: int, stop: int, rows: Optional[List[torch.Tensor]]) -> Any:
         if isinstance(obj, torch.Tensor):
@@ -284,8 +301,8 @@ class BatchSplit:
             kwargs = self._fill(dict(kwargs), self._kwarg_slots, start, stop, full, rows)
         return args, kwargs
 
-    def placed(self, move: Callable[[torch.Tensor], torch.Tensor]) -> "BatchSplit":
-        """This split with every tensor inside a `whole` replaced by `move(tensor)`, so that a caller moving
+    def placed(self, move: Callable[[torch.Tensor], torch.Tensor]) -> "ArgumentBatch":
+        """This batch with every tensor inside a `whole` replaced by `move(tensor)`, so that a caller moving
         micro-batches to a device moves what they all share once; itself when nothing changes."""
         args = tuple(_place_whole(arg, move, False) for arg in self.args)
         kwargs = {key: _place_whole(value, move, False) for key, value in self.kwargs.items()}
@@ -293,10 +310,10 @@ class BatchSplit:
             kwargs[key] is value for key, value in self.kwargs.items()
         ):
             return self
-        return BatchSplit(args, kwargs, self.name)
+        return ArgumentBatch(args, kwargs, self.name)
 
-    def windows(self, size: int) -> List["Window"]:
-        """The micro-batches `(split, start, stop)` of at most `size` rows that cover the batch."""
+    def micro_batches(self, size: int) -> List["MicroBatch"]:
+        """The micro-batches `(self, start, stop)` of at most `size` rows that cover the batch."""
         return [(self, start, min(start + size, self.size)) for start in range(0, self.size, size)]
 
     def describe(self, limit: int = 4) -> str:
@@ -305,24 +322,35 @@ class BatchSplit:
         return shown + (", ..." if len(self.tensors) > limit else "")
 
 
-Window = Tuple[BatchSplit, int, int]
+MicroBatch = Tuple[ArgumentBatch, int, int]
+"""One micro-batch: rows `[start, stop)` of an `ArgumentBatch` (the logical batch, or one of its pieces)."""
 
 
-class Parts:
-    """A logical batch of several `BatchSplit`s (loader batches of different shapes): micro-batches are cut
-    within each part and never span two, so no part needs padding to another's shape."""
+class ArgumentPieces:
+    """A logical batch in pieces, an `ArgumentBatch` each (loader batches of different shapes): micro-batches
+    are cut within each piece and never span two, so no piece needs padding to another's shape."""
 
-    __slots__ = ("parts", "size", "largest")
+    __slots__ = ("pieces", "size", "largest")
 
-    def __init__(self, parts: Sequence[BatchSplit]) -> None:
-        if not parts:
-            raise ValueError("a logical batch needs at least one part")
-        self.parts = list(parts)
-        self.size = sum(part.size for part in self.parts)
-        self.largest = max(part.size for part in self.parts)
+    def __init__(self, pieces: Sequence[ArgumentBatch]) -> None:
+        if not pieces:
+            raise ValueError("a logical batch needs at least one piece")
+        self.pieces = list(pieces)
+        self.size = sum(piece.size for piece in self.pieces)
+        self.largest = max(piece.size for piece in self.pieces)
 
-    def windows(self, size: int) -> List[Window]:
-        return [window for part in self.parts for window in part.windows(size)]
+    def micro_batches(self, size: int) -> List[MicroBatch]:
+        """The micro-batches of at most `size` rows that cover every piece, piece by piece."""
+        return [micro for piece in self.pieces for micro in piece.micro_batches(size)]
 
     def describe(self, limit: int = 4) -> str:
-        return self.parts[0].describe(limit)
+        return self.pieces[0].describe(limit)
+
+
+LogicalBatch = Union[ArgumentBatch, ArgumentPieces]
+"""What `toma.accumulate` works through: a call's arguments, or several loader batches' in pieces."""
+
+# Earlier names, the same objects, so that code importing them keeps working.
+BatchSplit = ArgumentBatch
+Parts = ArgumentPieces
+Window = MicroBatch

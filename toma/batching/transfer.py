@@ -22,7 +22,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-from toma.batching.splitting import BatchSplit, map_tensors
+from toma.batching.splitting import ArgumentBatch, map_tensors
 from toma.batching.staging import (
     ALIGNMENT,
     StagingSlot,
@@ -340,9 +340,9 @@ class MicroBatchTransfers:
 
     def __init__(self, transfers: Transfers) -> None:
         self.transfers = transfers
-        self._placed: Dict[int, Tuple[BatchSplit, BatchSplit]] = {}  # id(split): (split, its placed copy)
+        self._placed: Dict[int, Tuple[ArgumentBatch, ArgumentBatch]] = {}  # id(split): (split, its placed copy)
 
-    def prefetch(self, split: BatchSplit, start: int, stop: int) -> Pending:
+    def prefetch(self, split: ArgumentBatch, start: int, stop: int) -> Pending:
         """Start moving the arguments for rows `[start, stop)` of `split`; `take()` gives `(args, kwargs)`."""
         entry = self._placed.get(id(split))
         if entry is None:

@@ -7,7 +7,7 @@ import torch
 
 from toma.accumulation.accumulate import AccumulationStats, accumulate
 from toma.accumulation.options import AccumulationOptions
-from toma.batching.splitting import BatchSplit, leaves
+from toma.batching.splitting import ArgumentBatch, leaves
 from toma.batching.transfer import Transfers
 from toma.core.steps import BatchStep, ChunkStep, RangeStep
 from toma.forms.options import CallOptions
@@ -74,7 +74,7 @@ def run_accumulate(
         func,
         accumulation.model,
         initial,
-        BatchSplit(args, kwargs),
+        ArgumentBatch(args, kwargs),
         reduction=accumulation.reduction,
         weight=accumulation.weight,
         scaler=accumulation.scaler,
@@ -98,7 +98,7 @@ def run_map(
             "toma.map needs inputs: tensors (also inside tuples, lists or dicts) whose dim 0 holds the rows "
             f"to map over; got {len(inputs)} input(s) with none"
         )
-    split = BatchSplit(inputs, {}, name="inputs")
+    split = ArgumentBatch(inputs, {}, name="inputs")
     initial = split.size if initial_step is None else initial_step
     transfers = Transfers(device)
     split = split.placed(transfers.place)  # toma.whole values move once per call, not once per chunk

@@ -17,7 +17,7 @@ import torch
 from toma.memory.backends import CUDA
 from toma.memory.cpu import get_available_cpu_memory
 
-__all__ = ["MemorySnapshot", "snapshot", "History"]
+__all__ = ["MemorySnapshot", "snapshot", "MemoryHistory"]
 
 Device = Union[None, int, str, Any]
 
@@ -70,8 +70,10 @@ def snapshot(device: Device = None, label: str = "") -> MemorySnapshot:
     )
 
 
-class History:
-    """Snapshots in the order they were taken: `record()` one, or `with history.around("step"):`."""
+class MemoryHistory:
+    """Memory snapshots in the order they were taken: `record()` one, or `with history.around("step"):`.
+    Not to be confused with `TrainingHistory`, the Trainer's record of losses. Its earlier name,
+    `toma.memory.History`, is this same class."""
 
     def __init__(self, device: Device = None, max_length: Optional[int] = None) -> None:
         self.device = device
@@ -115,3 +117,7 @@ class History:
                 writer.writerows(rows)
             else:
                 json.dump(rows, file, indent=1)
+
+
+History = MemoryHistory
+"""The earlier name of `MemoryHistory` (the same class), kept so that `toma.memory.History` keeps working."""

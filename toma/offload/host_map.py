@@ -10,7 +10,7 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
-from toma.batching.splitting import BatchSplit, map_tensors
+from toma.batching.splitting import ArgumentBatch, map_tensors
 from toma.batching.splitting import leaves as leaf_values
 from toma.batching.transfer import Pending, Transfers
 from toma.core.engine import RangeStep
@@ -80,7 +80,7 @@ class MapStep(RangeStep):
     def __init__(
         self,
         func: Callable[..., Any],
-        split: BatchSplit,
+        split: ArgumentBatch,
         transfers: Transfers,
         output_device: torch.device,
         name: Optional[str] = None,
@@ -96,7 +96,7 @@ class MapStep(RangeStep):
         self.returns_none: Optional[bool] = None  # whether the chunks return None (known after the first)
 
     def _send(self, start: int, stop: int) -> Pending:
-        """Start moving the chunk's split tensors; `toma.whole` values were moved once (`BatchSplit.placed`)."""
+        """Start moving the chunk's split tensors; `toma.whole` values were moved once (`ArgumentBatch.placed`)."""
         rows: List[torch.Tensor] = []
         args, _ = self.split.micro_batch(start, stop, rows)
         return self.transfers.prefetch(args, stage=rows)

@@ -16,12 +16,12 @@ import torch
 
 from toma.accumulation.accumulate import ACCUMULATION_POLICY, AccumulationStats, accumulate
 from toma.accumulation.options import AccumulationOptions
-from toma.batching.batches import Segments, logical_batches, rows, take, to_device
-from toma.batching.splitting import BatchSplit, Parts
+from toma.batching.batches import Pieces, logical_batches, rows, take, to_device
+from toma.batching.splitting import ArgumentBatch, ArgumentPieces, LogicalBatch
 from toma.core import engine
 from toma.core.arguments import check_size
 from toma.core.caches import GlobalBatchsizeCache
-from toma.memory import History as MemoryHistory
+from toma.memory import MemoryHistory
 from toma.memory.backends import backend_for
 from toma.sizing.policies import SizePolicy, check_policy
 from toma.training.callbacks import Callback, StopTraining
@@ -146,7 +146,7 @@ class Trainer:
         inputs, targets = batch
         return check_scalar(self.loss_fn(self.model(inputs), targets), "loss_fn(model(inputs), targets)")  # type: ignore[misc]
 
-    def _parts(self, batch: Any) -> tuple:
+    def _arguments(self, batch: Any) -> tuple:
         """The arguments a micro-batch function takes for one data batch."""
         if self.forward is not None:
             return (batch,)
@@ -157,10 +157,10 @@ class Trainer:
             )
         return tuple(batch)
 
-    def _logical_batch(self, batch: Any) -> Union[BatchSplit, Parts]:
-        if isinstance(batch, Segments):
-            return Parts([BatchSplit(self._parts(segment), {}) for segment in batch])
-        return BatchSplit(self._parts(batch), {})
+    def _logical_batch(self, batch: Any) -> LogicalBatch:
+        if isinstance(batch, Pieces):
+            return ArgumentPieces([ArgumentBatch(self._arguments(piece), {}) for piece in batch])
+        return ArgumentBatch(self._arguments(batch), {})
 
     def step(self, *batch: Any) -> torch.Tensor:
         """One logical batch: zero_grad, forward and backward in micro-batches, optimizer step. Returns the
@@ -386,7 +386,7 @@ class Trainer:
                     if self.forward is not None:
                         self._chunks(self._forward_rows, rows(batch), batch, named, totals)
                         continue
-                    inputs, targets = self._parts(batch)
+                    inputs, targets = self._arguments(batch)
                     n = rows(inputs)
                     count = self._count(inputs, targets) if self.weight is not None else float(n)
                     outputs: List[torch.Tensor] = []
