@@ -101,14 +101,14 @@ def _decorator(
     return staticmethod(wrap(func.__func__)) if isinstance(func, staticmethod) else wrap(func)
 
 
-def _sized(form: _Form, default: Optional[int], run: Callable[[int, Args, Kwargs, Any], Any]) -> Callable[..., Any]:
+def _sized(form: _Form, default: Optional[int], call: Callable[[int, Args, Kwargs, Any], Any]) -> Callable[..., Any]:
     """The wrapper of a form called with the function's own arguments (`toma.batch`, `toma.accumulate`): it
-    takes out the size override (`toma_initial_*=`) and `toma_context=`, and passes the rest to `run`."""
+    takes out the size override (`toma_initial_*=`) and `toma_context=`, and passes the rest to `call`."""
     size, override = form.size, f"toma_{form.size}"
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         initial = initial_size(default, kwargs.pop(override, None), size, override)
-        return run(initial, args, kwargs, kwargs.pop("toma_context", None))
+        return call(initial, args, kwargs, kwargs.pop("toma_context", None))
 
     return wrapped
 
@@ -160,10 +160,10 @@ class toma(metaclass=SettingsNamespace):
         options = CallOptions(cache_type, context, policy, distributed)
 
         def bind(func: Callable[..., Any]) -> Bound:
-            def run(initial: int, args: Args, kwargs: Kwargs, context: Optional[Hashable]) -> Any:
+            def call(initial: int, args: Args, kwargs: Kwargs, context: Optional[Hashable]) -> Any:
                 return options.perform(BatchStep(func, args, kwargs), initial, context).result
 
-            return _sized(_BATCH, default, run), {}
+            return _sized(_BATCH, default, call), {}
 
         return _decorator(_BATCH, func, options, bind, toma.batch, initial_batchsize=default)
 
@@ -290,10 +290,10 @@ class toma(metaclass=SettingsNamespace):
         def bind(func: Callable[..., Any]) -> Bound:
             stats = AccumulationStats()
 
-            def run(initial: int, args: Args, kwargs: Kwargs, context: Optional[Hashable]) -> torch.Tensor:
+            def call(initial: int, args: Args, kwargs: Kwargs, context: Optional[Hashable]) -> torch.Tensor:
                 return run_accumulate(func, accumulation, options, initial, args, kwargs, context, stats)
 
-            return _sized(_ACCUMULATE, default, run), {"stats": stats}
+            return _sized(_ACCUMULATE, default, call), {"stats": stats}
 
         again = dict(initial_micro_batch=default, **accumulation.as_kwargs())
         return _decorator(_ACCUMULATE, func, options, bind, toma.accumulate, **again)
