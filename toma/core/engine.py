@@ -152,12 +152,30 @@ def _shrunk(
     failed: int,
     error: BaseException,
 ) -> Tuple[Optional[int], str]:
-    """The size after an out-of-memory error at `size` (`failed` rows), and why (for the log line)."""
+    """The size after an out-of-memory error at `size` (`failed` rows), and why (for the log line). A broken
+    policy's ValueError propagates with the OOM as its context, not its cause: no outer layer takes it for an OOM."""
     if learner is None:
         return shrink_below(policy, size, failed), ""
     proposal = proposal or _Proposal(learner, entry, token)
     smaller = proposal(size, failed, error)
     return smaller, proposal.detail
+
+
+def _note_smallest(exception: BaseException, step: Step, failed: int) -> None:
+    """Say on an out-of-memory error that the engine re-raises why: the size was already the smallest."""
+    add_note(
+        exception,
+        f"toma: {step.label()} ran out of memory at the smallest {step.size_name} ({failed}); "
+        f"there is nothing left to reduce. Called from {call_sites.describe_call_site()}.",
+    )
+
+
+def _agreed_start(agreement: Agreement, entry: Batchsize, size: int, device: Optional[torch.device]) -> int:
+    """The size the ranks agree to start at from this rank's `size`, on `device`; the entry shrinks to it."""
+    agreement.work_on(device)
+    size = agreement.start(size)
+    entry.shrink_to(size)
+    return size
 
 
 def _retrying(
@@ -169,9 +187,9 @@ def _retrying(
     own_failure: Optional[int],
     reason: str,
     detail: str,
-) -> None:
+) -> int:
     """After a failed attempt, its traceback gone: the entry's new size, the size file, the log line, and the
-    memory the attempt left."""
+    memory the attempt left; returns the size to retry at (`next_size`)."""
     entry.shrink_to(next_size)
     if own_failure is not None:
         entry.record_failure(own_failure)
@@ -189,6 +207,7 @@ def _retrying(
     )
     release_memory()
     GAUGE.invalidate()
+    return next_size
 
 
 def _agreed(
@@ -198,7 +217,6 @@ def _agreed(
     entry: Batchsize,
     token: Optional[Token],
     ran: int,
-    detail: str,
 ) -> Tuple[str, str]:
     """An agreed retry's reason and detail for the log line; an attempt that fit here is evidence all the same.
     Returns strings only: no name may keep the cause (this rank's OOM, its frames and tensors) past the block."""
@@ -207,7 +225,7 @@ def _agreed(
         return reason, proposal.detail
     if learner is not None and token is not None and ran:
         learner.observed(entry, token, ran)
-    return reason, detail
+    return reason, ""
 
 
 def run(
@@ -215,10 +233,9 @@ def run(
 ) -> None:
     """Run `step` to completion, shrinking its size on out-of-memory errors.
 
-    Errors that are not out-of-memory pass through untouched; KeyboardInterrupt is never caught. An
-    out-of-memory error at the smallest size the policy allows is re-raised with a note saying so. With an
-    `agreement` the ranks of a process group start at the same size, and a step that raises AgreedRetry
-    (see `toma.core.agreement`) is retried at the size they agreed on.
+    Errors other than out-of-memory pass through untouched; KeyboardInterrupt is never caught. An out-of-memory
+    error at the smallest size the policy allows is re-raised with a note saying so. With an `agreement` the
+    ranks of a process group start at the same size, and a step raising AgreedRetry is retried at the agreed size.
     """
     learner = policy if isinstance(policy, LearningPolicy) else None
     store = active_store()
@@ -233,38 +250,27 @@ def run(
     if learner is not None and not quick:
         size = _starting_size(step, entry, size, initial_size, learner, scale, device, recalled)
     if agreement is not None:  # the ranks start at the same size
-        agreement.work_on(device)
-        size = agreement.start(size)
-        entry.shrink_to(size)
-    detail = ""
+        size = _agreed_start(agreement, entry, size, device)
     while True:
         token = learner.begin(entry, size, scale, device) if learner is not None and not quick else None
         proposal = None
         if agreement is not None:  # each rank proposes its policy's next size; the smallest is agreed
             proposal = agreement.propose = _Proposal(learner, entry, token) if learner is not None else None
-        fitted = entry.fitted
-        # The first chunk of this attempt, worth reading only when it may be news to the entry.
+        fitted = entry.fitted  # the attempt's first chunk is worth reading only when it may be news to the entry
         ran = step.effective(size) if token is not None or fitted is None or size > fitted else 0
         try:
             while not step(size):
                 pass
         except AgreedRetry as retry:
             next_size, own_failure = retry.size, None
-            reason, detail = _agreed(retry, proposal, learner, entry, token, ran, detail)
+            reason, detail = _agreed(retry, proposal, learner, entry, token, ran)
         except Exception as exception:
             if not should_reduce_batch_size(exception):
                 raise
             failed = step.effective(size)
-            try:
-                smaller, detail = _shrunk(policy, learner, proposal, entry, token, size, failed, exception)
-            except ValueError:
-                raise  # the OOM stays its context, not its cause: no outer layer takes this for an OOM
+            smaller, detail = _shrunk(policy, learner, proposal, entry, token, size, failed, exception)
             if smaller is None:
-                add_note(
-                    exception,
-                    f"toma: {step.label()} ran out of memory at the smallest {step.size_name} ({failed}); "
-                    f"there is nothing left to reduce. Called from {call_sites.describe_call_site()}.",
-                )
+                _note_smallest(exception, step, failed)
                 raise
             size = own_failure = failed
             reason = _first_line(exception)
@@ -274,11 +280,9 @@ def run(
             return
         # Only here, with the except block left, is the failed attempt's traceback (and so its frames
         # and tensors) unreachable; collecting inside the block would free nothing.
-        _retrying(step, entry, store, size, next_size, own_failure, reason, detail)
-        detail = ""
+        size = _retrying(step, entry, store, size, next_size, own_failure, reason, detail)
         if quick:  # the retry is measured, where its work runs
             quick, device = False, step.device
-        size = next_size
 
 
 S = TypeVar("S", bound=Step)

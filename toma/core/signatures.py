@@ -1,19 +1,104 @@
-"""What the decorators return, as types a checker can use: the wrapped function's remaining parameters and
-its return type, plus the `toma_*` call-time overrides.
+"""What the decorators take and return, as types a checker can use: each decorator's options (a TypedDict
+per form, shared keys in a base), the wrapped function's remaining parameters and its return type, plus the
+`toma_*` call-time overrides.
 
-A ParamSpec cannot gain keyword parameters, so each type's `__call__` is overloaded: the first overload is
-the function's own signature, checked argument by argument; the others accept a call that passes one of
-the overrides (its arguments are then not checked, its return type still is).
+A decorator is used bare (`@toma.batch`) or given its options first (`@toma.batch(initial_batchsize=512)`);
+its two overloads take the options as `**options: Unpack[...Options]`, so each list is written once here.
+A ParamSpec cannot gain keyword parameters, so each decorated function's `__call__` is overloaded: the first
+overload is the function's own signature, checked argument by argument; the others accept a call that passes
+one of the overrides (its arguments are then not checked, its return type still is).
 """
 
-from typing import Any, Callable, Hashable, Optional, ParamSpec, Protocol, TypeVar, overload
+import sys
+from typing import (
+    Any,
+    Callable,
+    Concatenate,
+    Hashable,
+    Optional,
+    ParamSpec,
+    Protocol,
+    Type,
+    TypedDict,
+    TypeVar,
+    overload,
+)
 
 import torch
 
-__all__ = ["BatchFunction", "RangeFunction", "ChunkedFunction", "AccumulateFunction"]
+from toma.core.caches import BatchsizeCache
+from toma.core.policy import SizePolicy
+
+if sys.version_info >= (3, 11):
+    from typing import Required, Unpack
+else:  # Python 3.10: from typing_extensions, which torch requires
+    from typing_extensions import Required, Unpack
+
+__all__ = [
+    "BatchFunction",
+    "RangeFunction",
+    "ChunkedFunction",
+    "AccumulateFunction",
+    "BatchOptions",
+    "RangeOptions",
+    "ChunkedOptions",
+    "AccumulateOptions",
+    "Batchable",
+    "Rangeable",
+    "Chunkable",
+    "Unpack",
+]
 
 P = ParamSpec("P")
+R = TypeVar("R")
 R_co = TypeVar("R_co", covariant=True)
+
+# The functions each decorator takes: f(batchsize, ...), f(start, end, ...), f(chunk, start, end, ...).
+Batchable = Callable[Concatenate[int, P], R]
+Rangeable = Callable[Concatenate[int, int, P], Any]
+Chunkable = Callable[Concatenate[torch.Tensor, int, int, P], Any]
+
+
+class _CachedOptions(TypedDict, total=False):
+    """The options of every decorator with a cache: which cache, keyed by what, and the sizing policy."""
+
+    cache_type: Optional[Type[BatchsizeCache]]
+    context: Optional[Hashable]
+    policy: Optional[SizePolicy]
+
+
+class _AgreedOptions(_CachedOptions, total=False):
+    """The options of a decorator whose ranks may agree on every size (`distributed=`)."""
+
+    distributed: Any
+
+
+class BatchOptions(_AgreedOptions, total=False):
+    """`toma.batch`'s options."""
+
+    initial_batchsize: Optional[int]
+
+
+class RangeOptions(_AgreedOptions, total=False):
+    """`toma.range`'s options."""
+
+    initial_step: Optional[int]
+
+
+class ChunkedOptions(RangeOptions, total=False):
+    """`toma.chunked`'s options: `toma.range`'s and the dimension to chunk along."""
+
+    dimension: Optional[int]
+
+
+class AccumulateOptions(_CachedOptions, total=False):
+    """`toma.accumulate`'s options: the model is required."""
+
+    model: Required[torch.nn.Module]
+    initial_micro_batch: Optional[int]
+    reduction: str
+    weight: Optional[Callable[..., Any]]
+    scaler: Any
 
 
 class _Wrapper(Protocol):

@@ -1,4 +1,5 @@
-"""The public forms, thin drivers of the one engine: one runner per form (`runners`), shared by
+"""The public forms, thin drivers of the one engine: each form's step (`toma.core.steps`), run with the call's
+options (`options.CallOptions.perform`; `runners` for the runs that are more than that), shared by
 
 - `toma.batch` / `toma.range` / `toma.chunked` / `toma.accumulate`: decorators with a per-function cache
   (`namespace`), and `toma.map`;
@@ -6,7 +7,7 @@
 - `explicit.*`: the same as plain calls, with `toma_*` keyword options; `simple.*`: plain calls without a
   cache (`plain`).
 
-A new form is a new step (`toma.core.steps`) and a runner here, not a new loop.
+A new form is a new step (`toma.core.steps`) and its calls here, not a new loop.
 """
 
 from toma.forms.namespace import toma

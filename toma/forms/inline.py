@@ -8,8 +8,8 @@ import torch
 from toma.core.arguments import check_dimension, check_function, check_index, check_size, check_tensor_dimension
 from toma.core.call_sites import call_site_key
 from toma.core.policy import SizePolicy
+from toma.core.steps import BatchStep, ChunkStep, RangeStep
 from toma.forms.options import CacheType, CallOptions
-from toma.forms.runners import run_batch, run_chunked, run_range
 
 __all__ = ["execute"]
 
@@ -36,7 +36,7 @@ class execute:
 
         def execute_batch(func: Callable[[int], R]) -> R:
             check_function(func, "toma.execute.batch")
-            return cast(R, run_batch(func, options, initial, (), {}))
+            return cast(R, options.perform(BatchStep(func, (), {}), initial).result)
 
         return execute_batch
 
@@ -56,7 +56,7 @@ class execute:
 
         def execute_range(func: Callable[[int, int], Any]) -> None:
             check_function(func, "toma.execute.range")
-            run_range(func, options, start, end, initial, (), {})
+            options.perform(RangeStep(func, start, end, (), {}), initial)
 
         return execute_range
 
@@ -76,6 +76,6 @@ class execute:
 
         def execute_chunked(func: Callable[[torch.Tensor, int, int], Any]) -> None:
             check_function(func, "toma.execute.chunked")
-            run_chunked(func, options, tensor, dim, initial, (), {})
+            options.perform(ChunkStep(func, tensor, dim, (), {}), initial)
 
         return execute_chunked

@@ -1,12 +1,11 @@
 """The `toma` namespace: the decorators `toma.batch`, `toma.range`, `toma.chunked`, `toma.accumulate`, the call
-`toma.map`, and `toma.execute`, `toma.explicit`, `toma.simple`. Each decorator is one `_decorator` call around
-its form's runner (`toma.forms.runners`)."""
+`toma.map`, and `toma.execute`, `toma.explicit`, `toma.simple`. Each decorator is two overloads (bare, and
+given its options: `toma.core.signatures`) and one `_decorator` call around its form's step."""
 
 import functools
 from typing import (
     Any,
     Callable,
-    Concatenate,
     Dict,
     Hashable,
     NamedTuple,
@@ -34,11 +33,25 @@ from toma.core.caches import (
 )
 from toma.core.call_sites import call_site_key
 from toma.core.policy import SizePolicy
-from toma.core.signatures import AccumulateFunction, BatchFunction, ChunkedFunction, RangeFunction
+from toma.core.signatures import (
+    AccumulateFunction,
+    AccumulateOptions,
+    Batchable,
+    BatchFunction,
+    BatchOptions,
+    Chunkable,
+    ChunkedFunction,
+    ChunkedOptions,
+    Rangeable,
+    RangeFunction,
+    RangeOptions,
+    Unpack,
+)
+from toma.core.steps import BatchStep, ChunkStep, RangeStep
 from toma.forms.inline import execute
 from toma.forms.options import CacheType, CallOptions, initial_size
 from toma.forms.plain import explicit, simple
-from toma.forms.runners import run_accumulate, run_batch, run_chunked, run_map, run_range
+from toma.forms.runners import Args, Kwargs, run_accumulate, run_map
 from toma.forms.settings import SettingsNamespace
 from toma.offload.hosted_embedding import HostedEmbedding
 
@@ -51,18 +64,29 @@ Bound = Tuple[Callable[..., Any], Dict[str, Any]]  # a decorated function's wrap
 
 class _Form(NamedTuple):
     name: str  # "toma.batch"
-    size: str  # the decorator's size argument
+    size: str  # the decorator's size argument; its override per call is `toma_` and this name
     extra: str  # the keywords the wrapper adds, for its docstring
+    agreed: bool = True  # whether the decorator takes `distributed=`
+
+    def default(self, size: Optional[int]) -> Optional[int]:
+        """The decorator's size argument, checked; None when the calls must give it."""
+        return None if size is None else check_size(size, self.size)
 
 
 def _decorator(
-    form: _Form, func: Any, options: CallOptions, again: Callable[[], Any], bind: Callable[[Any], Bound]
+    form: _Form,
+    func: Any,
+    options: CallOptions,
+    bind: Callable[[Any], Bound],
+    decorator: Callable[..., Any],
+    **again: Any,
 ) -> Any:
-    """The skeleton every decorator shares: `@form(...)` without a function returns `again` (the decorator
-    with its options); with one, checks it and wraps it with its own caches (`bind(func)`: the wrapper and
-    attributes to set on it). A staticmethod stays one, so the result works through a class and an instance."""
+    """The skeleton every decorator shares: `@form(...)` without a function returns the decorator with its
+    options (`again`, the form's own, and `options`); with one, checks it and wraps it with its own caches
+    (`bind(func)`: the wrapper and attributes to set on it). A staticmethod stays one, so the result works
+    through a class and an instance."""
     if func is None:
-        return again
+        return functools.partial(decorator, **again, **options.as_kwargs(form.agreed))
     check_function(func, form.name, form.size)
 
     def wrap(target: Callable[..., Any]) -> Callable[..., Any]:
@@ -77,10 +101,24 @@ def _decorator(
     return staticmethod(wrap(func.__func__)) if isinstance(func, staticmethod) else wrap(func)
 
 
+def _sized(form: _Form, default: Optional[int], call: Callable[[int, Args, Kwargs, Any], Any]) -> Callable[..., Any]:
+    """The wrapper of a form called with the function's own arguments (`toma.batch`, `toma.accumulate`): it
+    takes out the size override (`toma_initial_*=`) and `toma_context=`, and passes the rest to `call`."""
+    size, override = form.size, f"toma_{form.size}"
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        initial = initial_size(default, kwargs.pop(override, None), size, override)
+        return call(initial, args, kwargs, kwargs.pop("toma_context", None))
+
+    return wrapped
+
+
 _BATCH = _Form("toma.batch", "initial_batchsize", "toma_initial_batchsize= and toma_context=")
 _RANGE = _Form("toma.range", "initial_step", "toma_initial_step= and toma_context=")
 _CHUNKED = _Form("toma.chunked", "initial_step", "toma_initial_step=, toma_dimension= and toma_context=")
-_ACCUMULATE = _Form("toma.accumulate", "initial_micro_batch", "toma_initial_micro_batch= and toma_context=")
+_ACCUMULATE = _Form(
+    "toma.accumulate", "initial_micro_batch", "toma_initial_micro_batch= and toma_context=", agreed=False
+)
 
 
 class toma(metaclass=SettingsNamespace):
@@ -99,27 +137,13 @@ class toma(metaclass=SettingsNamespace):
 
     @overload
     @staticmethod
-    def batch(
-        func: Callable[Concatenate[int, P], R],
-        *,
-        initial_batchsize: Optional[int] = None,
-        cache_type: CacheType = None,
-        context: Optional[Hashable] = None,
-        policy: Optional[SizePolicy] = None,
-        distributed: Any = False,
-    ) -> BatchFunction[P, R]: ...
+    def batch(func: Batchable[P, R], **options: Unpack[BatchOptions]) -> BatchFunction[P, R]: ...
 
     @overload
     @staticmethod
     def batch(
-        func: None = None,
-        *,
-        initial_batchsize: Optional[int] = None,
-        cache_type: CacheType = None,
-        context: Optional[Hashable] = None,
-        policy: Optional[SizePolicy] = None,
-        distributed: Any = False,
-    ) -> Callable[[Callable[Concatenate[int, P], R]], BatchFunction[P, R]]: ...
+        func: None = None, **options: Unpack[BatchOptions]
+    ) -> Callable[[Batchable[P, R]], BatchFunction[P, R]]: ...
 
     @staticmethod
     def batch(
@@ -132,48 +156,24 @@ class toma(metaclass=SettingsNamespace):
         distributed: Any = False,
     ) -> Any:
         """`@toma.batch(initial_batchsize=512)`: the function's first argument becomes the batch size."""
-        default = None if initial_batchsize is None else check_size(initial_batchsize, "initial_batchsize")
+        default = _BATCH.default(initial_batchsize)
         options = CallOptions(cache_type, context, policy, distributed)
 
         def bind(func: Callable[..., Any]) -> Bound:
-            def wrapped(
-                *args: Any,
-                toma_initial_batchsize: Optional[int] = None,
-                toma_context: Optional[Hashable] = None,
-                **kwargs: Any,
-            ) -> Any:
-                initial = initial_size(default, toma_initial_batchsize, "initial_batchsize", "toma_initial_batchsize")
-                return run_batch(func, options, initial, args, kwargs, toma_context)
+            def call(initial: int, args: Args, kwargs: Kwargs, context: Optional[Hashable]) -> Any:
+                return options.perform(BatchStep(func, args, kwargs), initial, context).result
 
-            return wrapped, {}
+            return _sized(_BATCH, default, call), {}
 
-        return _decorator(
-            _BATCH, func, options, functools.partial(toma.batch, initial_batchsize=default, **options.as_kwargs()), bind
-        )
+        return _decorator(_BATCH, func, options, bind, toma.batch, initial_batchsize=default)
 
     @overload
     @staticmethod
-    def range(
-        func: Callable[Concatenate[int, int, P], Any],
-        *,
-        initial_step: Optional[int] = None,
-        cache_type: CacheType = None,
-        context: Optional[Hashable] = None,
-        policy: Optional[SizePolicy] = None,
-        distributed: Any = False,
-    ) -> RangeFunction[P]: ...
+    def range(func: Rangeable[P], **options: Unpack[RangeOptions]) -> RangeFunction[P]: ...
 
     @overload
     @staticmethod
-    def range(
-        func: None = None,
-        *,
-        initial_step: Optional[int] = None,
-        cache_type: CacheType = None,
-        context: Optional[Hashable] = None,
-        policy: Optional[SizePolicy] = None,
-        distributed: Any = False,
-    ) -> Callable[[Callable[Concatenate[int, int, P], Any]], RangeFunction[P]]: ...
+    def range(func: None = None, **options: Unpack[RangeOptions]) -> Callable[[Rangeable[P]], RangeFunction[P]]: ...
 
     @staticmethod
     def range(
@@ -186,7 +186,7 @@ class toma(metaclass=SettingsNamespace):
         distributed: Any = False,
     ) -> Any:
         """`@toma.range(initial_step=32)`: `f(start, end, ...)` runs over `[start, end)` chunk by chunk."""
-        default = None if initial_step is None else check_size(initial_step, "initial_step")
+        default = _RANGE.default(initial_step)
         options = CallOptions(cache_type, context, policy, distributed)
 
         def bind(func: Callable[..., Any]) -> Bound:
@@ -200,39 +200,21 @@ class toma(metaclass=SettingsNamespace):
             ) -> None:
                 start, end = check_index(start, "start"), check_index(end, "end")
                 initial = initial_size(default, toma_initial_step, "initial_step", "toma_initial_step")
-                run_range(func, options, start, end, initial, args, kwargs, toma_context)
+                options.perform(RangeStep(func, start, end, args, kwargs), initial, toma_context)
 
             return wrapped, {}
 
-        return _decorator(
-            _RANGE, func, options, functools.partial(toma.range, initial_step=default, **options.as_kwargs()), bind
-        )
+        return _decorator(_RANGE, func, options, bind, toma.range, initial_step=default)
+
+    @overload
+    @staticmethod
+    def chunked(func: Chunkable[P], **options: Unpack[ChunkedOptions]) -> ChunkedFunction[P]: ...
 
     @overload
     @staticmethod
     def chunked(
-        func: Callable[Concatenate[torch.Tensor, int, int, P], Any],
-        *,
-        initial_step: Optional[int] = None,
-        dimension: Optional[int] = None,
-        cache_type: CacheType = None,
-        context: Optional[Hashable] = None,
-        policy: Optional[SizePolicy] = None,
-        distributed: Any = False,
-    ) -> ChunkedFunction[P]: ...
-
-    @overload
-    @staticmethod
-    def chunked(
-        func: None = None,
-        *,
-        initial_step: Optional[int] = None,
-        dimension: Optional[int] = None,
-        cache_type: CacheType = None,
-        context: Optional[Hashable] = None,
-        policy: Optional[SizePolicy] = None,
-        distributed: Any = False,
-    ) -> Callable[[Callable[Concatenate[torch.Tensor, int, int, P], Any]], ChunkedFunction[P]]: ...
+        func: None = None, **options: Unpack[ChunkedOptions]
+    ) -> Callable[[Chunkable[P]], ChunkedFunction[P]]: ...
 
     @staticmethod
     def chunked(
@@ -246,7 +228,7 @@ class toma(metaclass=SettingsNamespace):
         distributed: Any = False,
     ) -> Any:
         """`@toma.chunked(initial_step=512)`: `f(chunk, start, end, ...)` runs over chunks of a tensor."""
-        default = None if initial_step is None else check_size(initial_step, "initial_step")
+        default = _CHUNKED.default(initial_step)
         default_dimension = check_dimension(dimension, "dimension")
         options = CallOptions(cache_type, context, policy, distributed)
 
@@ -266,46 +248,22 @@ class toma(metaclass=SettingsNamespace):
                     dim = check_tensor_dimension(
                         tensor, check_index(toma_dimension, "toma_dimension"), "tensor", "toma_dimension"
                     )
-                run_chunked(func, options, tensor, dim, initial, args, kwargs, toma_context)
+                options.perform(ChunkStep(func, tensor, dim, args, kwargs), initial, toma_context)
 
             return wrapped, {}
 
         return _decorator(
-            _CHUNKED,
-            func,
-            options,
-            functools.partial(toma.chunked, initial_step=default, dimension=default_dimension, **options.as_kwargs()),
-            bind,
+            _CHUNKED, func, options, bind, toma.chunked, initial_step=default, dimension=default_dimension
         )
 
     @overload
     @staticmethod
-    def accumulate(
-        func: Callable[P, torch.Tensor],
-        *,
-        model: torch.nn.Module,
-        initial_micro_batch: Optional[int] = None,
-        reduction: str = "mean",
-        weight: Optional[Callable[..., Any]] = None,
-        scaler: Any = None,
-        cache_type: CacheType = None,
-        context: Optional[Hashable] = None,
-        policy: Optional[SizePolicy] = None,
-    ) -> AccumulateFunction[P]: ...
+    def accumulate(func: Callable[P, torch.Tensor], **options: Unpack[AccumulateOptions]) -> AccumulateFunction[P]: ...
 
     @overload
     @staticmethod
     def accumulate(
-        func: None = None,
-        *,
-        model: torch.nn.Module,
-        initial_micro_batch: Optional[int] = None,
-        reduction: str = "mean",
-        weight: Optional[Callable[..., Any]] = None,
-        scaler: Any = None,
-        cache_type: CacheType = None,
-        context: Optional[Hashable] = None,
-        policy: Optional[SizePolicy] = None,
+        func: None = None, **options: Unpack[AccumulateOptions]
     ) -> Callable[[Callable[P, torch.Tensor]], AccumulateFunction[P]]: ...
 
     @staticmethod
@@ -326,29 +284,19 @@ class toma(metaclass=SettingsNamespace):
         `weight(*args, **kwargs)` gives the number of items a micro-batch's mean loss averages over (label
         tokens, say) when that is not its rows."""
         accumulation = AccumulationOptions.checked(model, reduction, weight, scaler)
-        default = None if initial_micro_batch is None else check_size(initial_micro_batch, "initial_micro_batch")
+        default = _ACCUMULATE.default(initial_micro_batch)
         options = CallOptions(cache_type, context, policy, False)
 
         def bind(func: Callable[..., Any]) -> Bound:
             stats = AccumulationStats()
 
-            def wrapped(
-                *args: Any,
-                toma_initial_micro_batch: Optional[int] = None,
-                toma_context: Optional[Hashable] = None,
-                **kwargs: Any,
-            ) -> torch.Tensor:
-                initial = initial_size(
-                    default, toma_initial_micro_batch, "initial_micro_batch", "toma_initial_micro_batch"
-                )
-                return run_accumulate(func, accumulation, options, initial, args, kwargs, toma_context, stats)
+            def call(initial: int, args: Args, kwargs: Kwargs, context: Optional[Hashable]) -> torch.Tensor:
+                return run_accumulate(func, accumulation, options, initial, args, kwargs, context, stats)
 
-            return wrapped, {"stats": stats}
+            return _sized(_ACCUMULATE, default, call), {"stats": stats}
 
-        again = functools.partial(
-            toma.accumulate, initial_micro_batch=default, **accumulation.as_kwargs(), **options.as_kwargs(agreed=False)
-        )
-        return _decorator(_ACCUMULATE, func, options, again, bind)
+        again = dict(initial_micro_batch=default, **accumulation.as_kwargs())
+        return _decorator(_ACCUMULATE, func, options, bind, toma.accumulate, **again)
 
     @staticmethod
     def map(

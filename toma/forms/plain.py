@@ -7,8 +7,9 @@ import torch
 from toma.accumulation.options import AccumulationOptions
 from toma.core.arguments import check_dimension, check_function, check_index, check_size, check_tensor_dimension
 from toma.core.policy import SizePolicy
+from toma.core.steps import BatchStep, ChunkStep, RangeStep
 from toma.forms.options import PLAIN, CacheType, CallOptions
-from toma.forms.runners import run_accumulate, run_batch, run_chunked, run_range
+from toma.forms.runners import run_accumulate
 
 __all__ = ["explicit", "simple"]
 
@@ -23,7 +24,8 @@ class simple:
     def batch(func: Callable[Concatenate[int, P], R], initial_batchsize: int, *args: P.args, **kwargs: P.kwargs) -> R:
         """`func(batchsize, *args, **kwargs)`, halving `batchsize` on out-of-memory errors; returns its result."""
         check_function(func, "simple.batch")
-        return cast(R, run_batch(func, PLAIN, check_size(initial_batchsize, "initial_batchsize"), args, kwargs))
+        initial = check_size(initial_batchsize, "initial_batchsize")
+        return cast(R, PLAIN.perform(BatchStep(func, args, kwargs), initial).result)
 
     @staticmethod
     def range(
@@ -37,7 +39,8 @@ class simple:
         """`func(chunk_start, chunk_end, *args, **kwargs)` over `[start, end)`, halving the step on OOM."""
         check_function(func, "simple.range")
         start, end = check_index(start, "start"), check_index(end, "end")
-        run_range(func, PLAIN, start, end, check_size(initial_step, "initial_step"), args, kwargs)
+        initial = check_size(initial_step, "initial_step")
+        PLAIN.perform(RangeStep(func, start, end, args, kwargs), initial)
 
     @staticmethod
     def chunked(
@@ -47,7 +50,7 @@ class simple:
         check_function(func, "simple.chunked")
         initial = check_size(initial_step, "initial_step")
         dim = check_tensor_dimension(tensor, check_dimension(dimension, "dimension"), "tensor", "dimension")
-        run_chunked(func, PLAIN, tensor, dim, initial, (), {})
+        PLAIN.perform(ChunkStep(func, tensor, dim, (), {}), initial)
 
 
 class explicit:
@@ -68,7 +71,7 @@ class explicit:
         check_function(func, "explicit.batch")
         initial = check_size(initial_batchsize, "initial_batchsize")
         options = CallOptions(toma_cache_type, toma_context, toma_policy, toma_distributed, prefix="toma_")
-        return cast(R, run_batch(func, options, initial, args, kwargs))
+        return cast(R, options.perform(BatchStep(func, args, kwargs), initial).result)
 
     @staticmethod
     def range(
@@ -88,7 +91,7 @@ class explicit:
         start, end = check_index(start, "start"), check_index(end, "end")
         initial = check_size(initial_step, "initial_step")
         options = CallOptions(toma_cache_type, toma_context, toma_policy, toma_distributed, prefix="toma_")
-        run_range(func, options, start, end, initial, args, kwargs)
+        options.perform(RangeStep(func, start, end, args, kwargs), initial)
 
     @staticmethod
     def chunked(
@@ -110,7 +113,7 @@ class explicit:
             tensor, check_dimension(toma_dimension, "toma_dimension"), "tensor", "toma_dimension"
         )
         options = CallOptions(toma_cache_type, toma_context, toma_policy, toma_distributed, prefix="toma_")
-        run_chunked(func, options, tensor, dim, initial, args, kwargs)
+        options.perform(ChunkStep(func, tensor, dim, args, kwargs), initial)
 
     @staticmethod
     def accumulate(

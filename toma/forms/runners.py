@@ -1,5 +1,7 @@
-"""One runner per form, shared by the decorator (`toma.X`), the plain calls (`explicit.X`, `simple.X`) and
-the inline form (`toma.execute.X`): each builds the form's step and runs it with the call's options."""
+"""The runs of the forms that are more than a step and the engine, shared by all kinds of call: `toma.accumulate`
+(and `explicit.accumulate`), `toma.map`. The other forms run their step (`toma.core.steps`) with the call's
+options, `options.perform(step, initial, context)`, the same in `toma.X`, `explicit.X`, `simple.X` and
+`toma.execute.X`."""
 
 from typing import Any, Callable, Dict, Hashable, Optional, Tuple
 
@@ -9,54 +11,13 @@ from toma.accumulation.accumulate import AccumulationStats, accumulate
 from toma.accumulation.options import AccumulationOptions
 from toma.batching.splitting import ArgumentBatch, leaves
 from toma.batching.transfer import Transfers
-from toma.core.steps import BatchStep, ChunkStep, RangeStep
 from toma.forms.options import CallOptions
 from toma.offload.host_map import MapStep
 
-__all__ = ["run_batch", "run_range", "run_chunked", "run_accumulate", "run_map"]
+__all__ = ["Args", "Kwargs", "run_accumulate", "run_map"]
 
 Args = Tuple[Any, ...]
 Kwargs = Dict[str, Any]
-
-
-def run_batch(
-    func: Callable[..., Any],
-    options: CallOptions,
-    initial: int,
-    args: Args,
-    kwargs: Kwargs,
-    context: Optional[Hashable] = None,
-) -> Any:
-    """`func(batchsize, *args, **kwargs)` once, at a size that fits; its result."""
-    return options.perform(BatchStep(func, args, kwargs), initial, context).result
-
-
-def run_range(
-    func: Callable[..., Any],
-    options: CallOptions,
-    start: int,
-    end: int,
-    initial: int,
-    args: Args,
-    kwargs: Kwargs,
-    context: Optional[Hashable] = None,
-) -> None:
-    """`func(chunk_start, chunk_end, *args, **kwargs)` over `[start, end)`."""
-    options.perform(RangeStep(func, start, end, args, kwargs), initial, context)
-
-
-def run_chunked(
-    func: Callable[..., Any],
-    options: CallOptions,
-    tensor: torch.Tensor,
-    dimension: int,
-    initial: int,
-    args: Args,
-    kwargs: Kwargs,
-    context: Optional[Hashable] = None,
-) -> None:
-    """`func(chunk, chunk_start, chunk_end, *args, **kwargs)` over chunks of `tensor` along `dimension`."""
-    options.perform(ChunkStep(func, tensor, dimension, args, kwargs), initial, context)
 
 
 def run_accumulate(

@@ -151,30 +151,56 @@ def _check_rows(
     start = torch.randn(_ROWS, width, generator=generator, dtype=exact).to(device)
     grads = [torch.randn(_ROWS, width, generator=generator, dtype=exact).to(device) for _ in _PARTS]
 
-    def probing(params: List[torch.Tensor]) -> torch.optim.Optimizer:
-        optimizer = build(params)
-        for group in optimizer.param_groups:
-            if isinstance(group.get("lr"), (int, float)):
-                group["lr"] = _RATE
-        return optimizer
-
-    def dense(rows: int) -> Tuple[torch.Tensor, Dict[str, Any]]:
-        weight = start[:rows].clone()
-        optimizer = probing([weight])
-        for grad in grads:
-            weight.grad = grad[:rows].clone()
-            _run(optimizer.step, f"on {rows} rows with a dense gradient")
-        return weight, dict(optimizer.state[weight])
-
-    together, state = dense(_ROWS)
-    _, fewer = dense(_ROWS - 1)
+    together, state = _dense(build, start, grads, _ROWS)
+    _, fewer = _dense(build, start, grads, _ROWS - 1)
     per_row = frozenset(
         key for key, value in state.items() if _follows(value, _ROWS) and _follows(fewer.get(key), _ROWS - 1)
     )
 
     placeholder = torch.zeros(1, width, dtype=exact, device=device)
-    optimizer = probing([placeholder])
+    optimizer = _probing(build, [placeholder])
     built = dict(optimizer.state.pop(placeholder, {}))
+    weight, tables, shared = _in_parts(optimizer, placeholder, start, grads, built, per_row, state)
+    _compare(state, per_row, start, together, weight, tables, shared)
+    empty = torch.zeros(0, width, dtype=exact, device=device)
+    carried = {key: clone(value) for key, value in shared.items()}
+    carried.update({key: table[:0].clone() for key, table in tables.items()})
+    _run(lambda: step_rows(optimizer, empty, torch.zeros_like(empty), carried, placeholder), "on a step of no rows")
+    return per_row, (frozenset(built) | frozenset(state)) - per_row
+
+
+def _probing(build: Build, params: List[torch.Tensor]) -> torch.optim.Optimizer:
+    """`build(params)` at the probe's learning rate, so that its updates stand well above rounding."""
+    optimizer = build(params)
+    for group in optimizer.param_groups:
+        if isinstance(group.get("lr"), (int, float)):
+            group["lr"] = _RATE
+    return optimizer
+
+
+def _dense(
+    build: Build, start: torch.Tensor, grads: List[torch.Tensor], rows: int
+) -> Tuple[torch.Tensor, Dict[str, Any]]:
+    """The first `rows` probe rows updated together over the probe's steps (the reference): weight and state."""
+    weight = start[:rows].clone()
+    optimizer = _probing(build, [weight])
+    for grad in grads:
+        weight.grad = grad[:rows].clone()
+        _run(optimizer.step, f"on {rows} rows with a dense gradient")
+    return weight, dict(optimizer.state[weight])
+
+
+def _in_parts(
+    optimizer: torch.optim.Optimizer,
+    placeholder: torch.Tensor,
+    start: torch.Tensor,
+    grads: List[torch.Tensor],
+    built: Dict[str, Any],
+    per_row: FrozenSet[str],
+    state: Dict[str, Any],
+) -> Tuple[torch.Tensor, Dict[str, torch.Tensor], Dict[str, Any]]:
+    """The probe rows updated in the parts `_PARTS` cuts, each part's state carried per row as a hosted table
+    carries it: the weight, the per-row state tables and the shared state after the last step."""
     weight = start.clone()
     tables: Dict[str, torch.Tensor] = {}
     shared: Dict[str, Any] = {}
@@ -198,7 +224,19 @@ def _check_rows(
                 tables.setdefault(key, torch.empty_like(state[key]))[low:high] = new[key]
             after = {key: value for key, value in new.items() if key not in per_row}
         shared = after
+    return weight, tables, shared
 
+
+def _compare(
+    state: Dict[str, Any],
+    per_row: FrozenSet[str],
+    start: torch.Tensor,
+    together: torch.Tensor,
+    weight: torch.Tensor,
+    tables: Dict[str, torch.Tensor],
+    shared: Dict[str, Any],
+) -> None:
+    """Refuse an optimizer whose rows updated in parts do not end as the rows updated together (weight and state)."""
     differing = sorted(key for key, value in state.items() if key not in per_row and not _close(shared.get(key), value))
     if differing:
         raise _Refused(
@@ -210,11 +248,6 @@ def _check_rows(
             "it does not update rows independently: rows updated together do not end as the same rows updated "
             "in parts do, so its update of the rows a batch touched would differ from its update of the whole table"
         )
-    empty = torch.zeros(0, width, dtype=exact, device=device)
-    carried = {key: clone(value) for key, value in shared.items()}
-    carried.update({key: table[:0].clone() for key, table in tables.items()})
-    _run(lambda: step_rows(optimizer, empty, torch.zeros_like(empty), carried, placeholder), "on a step of no rows")
-    return per_row, (frozenset(built) | frozenset(state)) - per_row
 
 
 def _fresh(

@@ -43,6 +43,8 @@ def rows_per_epoch(data: Any) -> Optional[int]:
     return count
 
 
+# The evaluation cache's starting size: every batch whole (chunks are capped at its rows) until one runs
+# out of memory; not the first batch's rows, which a short first batch would turn into a limit for all.
 WHOLE_BATCHES = 2**30
 
 
