@@ -555,3 +555,66 @@ def test_the_causal_lm_example_finds_a_micro_batch_under_its_cap(tmp_path):
     assert 0 < int(found["micro-batch size found"]) < 64, result.stdout
     assert int(found["out-of-memory retries"]) >= 1, result.stdout
     assert "can't allocate memory" in found["plain Trainer"], result.stdout
+
+
+# --- DDP through accelerate, two CPU ranks -------------------------------------------------------------------
+
+# Each rank trains the plain Trainer and then TomaTrainer (rank 0's forward passes refusing more than 3 rows) as
+# accelerate's DDP runs them, gradient accumulation over padded batches included; prints its parameters' sums.
+DDP_RUN = """
+import json, os, torch
+torch.set_num_threads(1)
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments, logging as hf_logging
+from toma.integrations.transformers import TomaTrainer
+hf_logging.set_verbosity_error()
+rank = int(os.environ["RANK"])
+
+def make():
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=100, n_positions=32, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0)
+    config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
+    return GPT2LMHeadModel(config)
+
+generator = torch.Generator().manual_seed(1)
+rows = [torch.randint(1, 100, (n,), generator=generator) for n in torch.randint(2, 20, (64,), generator=generator)]
+def pad(batch):
+    labels = torch.nn.utils.rnn.pad_sequence(batch, batch_first=True, padding_value=-100)
+    return {"input_ids": labels.clamp(min=0), "attention_mask": (labels != -100).long(), "labels": labels}
+
+def refuse(module, args, kwargs):
+    if kwargs["input_ids"].shape[0] > 3:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+def run(cls, oom):
+    model = make()
+    if oom:
+        model.register_forward_pre_hook(refuse, with_kwargs=True)
+    args = TrainingArguments(output_dir="out", per_device_train_batch_size=8, gradient_accumulation_steps=2,
+                             max_steps=2, optim="sgd", learning_rate=0.5, report_to="none", use_cpu=True,
+                             save_strategy="no", disable_tqdm=True, seed=0)
+    trainer = cls(model=model, args=args, train_dataset=rows, data_collator=pad)
+    trainer.train()
+    return trainer, [p.detach().clone() for p in model.parameters()]
+
+plain, reference = run(Trainer, False)
+toma, params = run(TomaTrainer, rank == 0)
+close = all(bool(torch.allclose(p, r, rtol=1e-5, atol=1e-7)) for p, r in zip(params, reference))
+ddp = type(toma.model_wrapped).__name__
+print(json.dumps(dict(rank=rank, close=close, micro=toma.toma_stats.micro_batch, ddp=ddp,
+                      retries=toma.toma_stats.oom_retries)), flush=True)
+toma.accelerator.wait_for_everyone()
+os._exit(0)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_ddp_through_accelerate_ranks_agree_on_the_micro_batch_and_match_the_plain_trainer(tmp_path):
+    from helpers import run_ranks
+
+    outputs = run_ranks(f"import os; os.chdir({str(tmp_path)!r})\n" + DDP_RUN, 2, timeout=240)
+    results = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
+    assert [r["ddp"] for r in results] == ["DistributedDataParallel"] * 2
+    assert [r["micro"] for r in results] == [results[0]["micro"]] * 2 and results[0]["micro"] <= 3, results
+    assert results[1]["retries"] >= 1, "rank 1 never ran out of memory, yet retried with rank 0"
+    assert all(r["close"] for r in results), results
