@@ -166,6 +166,15 @@ def plain_run(cls=Trainer, make=None, **overrides):
     return [p.detach().clone() for p in model.parameters()], training_losses(trainer)
 
 
+def reference_model(parameters, make):
+    """A model holding the plain run's parameters."""
+    model = make()
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), parameters, strict=True):
+            p.copy_(q)
+    return model
+
+
 def assert_same_parameters(model, reference):
     reference = reference if isinstance(reference, list) else list(reference.parameters())
     for (name, p), q in zip(model.named_parameters(), reference, strict=True):
@@ -246,6 +255,15 @@ def sequence_mean_loss(self, model, inputs, return_outputs=False, num_items_in_b
     return (loss, outputs) if return_outputs else loss
 
 
+def fixed_scale_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+    """Token losses summed and scaled by a constant: normalised by compute_loss itself, so batches add up."""
+    labels = inputs.pop("labels")
+    outputs = model(**inputs)
+    logits, targets = outputs.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()
+    loss = F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum") / 200
+    return (loss, outputs) if return_outputs else loss
+
+
 class PlainTokenSum(Trainer):
     compute_loss = token_sum_loss
 
@@ -264,22 +282,42 @@ class TomaSequenceMean(TomaTrainer):
     loss_is_scaled_for_ga = False
 
 
+class PlainFixedScale(Trainer):
+    compute_loss = fixed_scale_loss
+    loss_is_scaled_for_ga = True  # normalised already: the Trainer adds the batches' losses
+
+
+class TomaFixedScale(TomaTrainer):
+    compute_loss = fixed_scale_loss
+    loss_is_scaled_for_ga = True
+
+
 def rows_of(batch):
     return batch["input_ids"].shape[0]
 
 
 @pytest.mark.parametrize(
     "plain_class, toma_class, options",
-    [(PlainTokenSum, TomaTokenSum, {}), (PlainSequenceMean, TomaSequenceMean, dict(toma_weight=rows_of))],
-    ids=["token sum over num_items_in_batch", "mean over rows with toma_weight"],
+    [
+        (PlainTokenSum, TomaTokenSum, {}),
+        (PlainSequenceMean, TomaSequenceMean, dict(toma_weight=rows_of)),
+        (PlainFixedScale, TomaFixedScale, {}),
+    ],
+    ids=["token sum over num_items_in_batch", "mean over rows with toma_weight", "declared scaled: a sum"],
 )
 def test_a_compute_loss_override_is_called_per_micro_batch_and_weighted_as_its_mean(
     tmp_path, plain_class, toma_class, options
 ):
-    reference, _ = plain_run(plain_class, gradient_accumulation_steps=2)
-    model, trainer, _ = train(toma_class, tmp_path, oom_rows=3, options=options, gradient_accumulation_steps=2)
+    make = no_loss_kwargs if plain_class is PlainFixedScale else gpt2  # no num_items_in_batch: its own scale
+    reference, _ = plain_run(plain_class, make=make, gradient_accumulation_steps=2)
+    model, trainer, _ = train(
+        toma_class, tmp_path, make=make, oom_rows=3, options=options, gradient_accumulation_steps=2
+    )
     assert trainer.toma_stats.micro_batch <= 3
     assert_same_parameters(model, reference)
+    data = texts(16, seed=4)
+    expected = plain_class(model=reference_model(reference, make), args=arguments(tmp_path), data_collator=pad)
+    assert trainer.evaluate(data)["eval_loss"] == pytest.approx(expected.evaluate(data)["eval_loss"], rel=1e-5)
 
 
 class Tagging(Trainer):

@@ -231,8 +231,8 @@ class TomaTrainerMixin(_Trainer):
         self, model: torch.nn.Module, inputs: Any, num_items_in_batch: Optional[Any] = None
     ) -> torch.Tensor:
         """The loader batch as one logical batch, in micro-batches that fit: each through `self.compute_loss` and
-        `self.accelerator.backward`, all but the last DDP rank-local. Returns the batch's loss as the plain
-        Trainer does (detached)."""
+        `self.accelerator.backward`, the gradients reduced across DDP ranks once per batch. Returns the batch's
+        loss as the plain Trainer does (detached)."""
         model.train()
         optimizer: Any = self.optimizer
         if hasattr(optimizer, "train") and callable(optimizer.train):  # schedule-free optimizers
@@ -289,10 +289,12 @@ class TomaTrainerMixin(_Trainer):
             split = BatchSplit((inputs,), {}, name="inputs")
         except ValueError:  # no rows to cut
             return predict(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
-        # Each chunk's loss is the Trainer's, normalised by the Trainer's count when it passes one.
+        # Each chunk's loss is the Trainer's, normalised by the Trainer's count when it passes one; a loss declared
+        # normalised by compute_loss itself adds up.
         passes_count = self.model_accepts_loss_kwargs or self.compute_loss_func is not None
         count = self._toma_count_for(inputs, as_the_trainer_counts=passes_count)
-        chunks = _PredictionChunks(predict, split, model, prediction_loss_only, ignore_keys, count)
+        summed = self.loss_is_scaled_for_ga is True and not passes_count
+        chunks = _PredictionChunks(predict, split, model, prediction_loss_only, ignore_keys, count, summed)
         agreement = agreement_for(True)  # per-chunk collectives (the Trainer's token count): ranks chunk alike
         if agreement is None:
             engine.drive(chunks, self._toma_evaluation_cache, WHOLE_BATCHES, self.toma_policy)
@@ -315,9 +317,10 @@ class _PredictionChunks(RangeStep):
         prediction_loss_only: bool,
         ignore_keys: Optional[List[str]],
         count: Optional[Count],
+        summed: bool,
     ) -> None:
         super().__init__(self._chunk, 0, split.size, (), {}, name="TomaTrainer.prediction_step")
-        self.predict, self.split, self.model, self.count = predict, split, model, count
+        self.predict, self.split, self.model, self.count, self.summed = predict, split, model, count, summed
         self.loss_only, self.ignore_keys = prediction_loss_only, ignore_keys
         self.pieces: List[Tuple[int, Any, Any, Any, Any]] = []  # (start, loss, logits, labels, weight) per chunk
 
@@ -340,11 +343,12 @@ class _PredictionChunks(RangeStep):
         return self._loss(), self._concatenated(2), self._concatenated(3)
 
     def _loss(self) -> Optional[torch.Tensor]:
-        """The chunks' losses weighted by their items; chunks with none (a mean over nothing) left out."""
-        losses = [(piece[1], float(piece[4])) for piece in self.pieces if piece[1] is not None]
+        """The chunks' losses weighted by their items (chunks with none, a mean over nothing, left out), or
+        added up."""
+        losses = [(piece[1], 1.0 if self.summed else float(piece[4])) for piece in self.pieces if piece[1] is not None]
         if not losses:
             return None
-        total = sum(weight for _, weight in losses)
+        total = 1.0 if self.summed else sum(weight for _, weight in losses)
         if total == 0:  # nothing to average over: the plain Trainer's mean over nothing
             return losses[0][0]
         kept = [loss.float() * (weight / total) for loss, weight in losses if weight > 0]
