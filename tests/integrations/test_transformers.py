@@ -490,13 +490,26 @@ def test_bf16_autocast_on_the_cpu_stays_within_bf16s_rounding_of_the_plain_train
 
 @requires_cuda
 @pytest.mark.cuda
-def test_fp16_under_injected_out_of_memory_follows_the_plain_trainer_on_a_gpu(tmp_path):
-    settings = dict(use_cpu=False, fp16=True, max_steps=3)
-    reference, _ = plain_run(**settings)
-    model, trainer, _ = train(TomaTrainer, tmp_path, oom_rows=3, **settings)
-    assert trainer.toma_stats.micro_batch <= 3
-    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-4)  # fp16 sums micro-batches in another order
+def test_fp16_with_the_accelerators_grad_scaler_follows_the_plain_trainer_on_a_gpu(tmp_path):
+    """fp16: every micro-batch's backward goes through accelerate's GradScaler. Both scalers start at 2**8, where
+    no gradient overflows, so neither run skips a step; what differs is fp16's rounding of the split."""
+    runs = []
+    for cls, oom_rows in ((Trainer, None), (TomaTrainer, 3)):
+        model = gpt2()
+        if oom_rows is not None:
+            oom_above(model, oom_rows)
+        args = arguments(tmp_path, use_cpu=False, fp16=True, gradient_accumulation_steps=2)
+        trainer = cls(model=model, args=args, train_dataset=texts(), data_collator=pad)
+        assert trainer.accelerator.scaler is not None
+        trainer.accelerator.scaler = torch.amp.GradScaler("cuda", init_scale=2.0**8)
+        trainer.train()
+        runs.append((model, trainer))
+    (reference, _), (model, trainer) = runs
+    assert trainer.toma_stats.micro_batch <= 3 and trainer.state.global_step == 3
+    start = [p.detach().cuda() for p in gpt2().parameters()]
+    distance = sum(float((p - q).detach().square().sum()) for p, q in zip(model.parameters(), reference.parameters()))
+    moved = sum(float((q.detach() - s).square().sum()) for q, s in zip(reference.parameters(), start))
+    assert distance**0.5 < 0.01 * moved**0.5, (distance, moved)
 
 
 # --- a real out-of-memory error, and auto_find_batch_size beside it ----------------------------------------
