@@ -36,6 +36,7 @@ LAYERS = [
         "stacktrace",
         "torch_cuda_memory",
     },
+    {"integrations"},  # the frameworks' adapters, on top of everything (imported only by those who use them)
 ]
 
 

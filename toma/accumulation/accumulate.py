@@ -167,10 +167,14 @@ class AccumulateStep(Step):
         scaler: Any,
         policy: SizePolicy,
         name: Optional[str] = None,
+        backward: Optional[Callable[[torch.Tensor], Any]] = None,
+        total: Any = None,
     ) -> None:
         self.func, self.model, self.batch, self.policy, self.name = func, model, batch, policy, name
         self.mean = reduction == "mean"
         self.weight, self.scaler = weight, scaler
+        self.backward: Callable[[torch.Tensor], Any] = backward or torch.Tensor.backward
+        self.total = total
         self.sync = sync_for(model)
         self.params: List[torch.Tensor] = [p for p in model.parameters() if p.requires_grad]
         self.buffers = BufferStash(model)
@@ -226,8 +230,10 @@ class AccumulateStep(Step):
                     raise
                 if agreement is not None:
                     agreement.after_attempt(asked, None, self.policy)
-                    # only this call's gradients: earlier ones are set aside
-                    self.sync.synchronise(self.params, self.total_weight if self.weight is not None else None)
+                    # only this call's gradients: earlier ones are set aside; with a `total` that spans the ranks
+                    # already, their gradients are averaged as DDP does
+                    rank_weight = self.total_weight if self.weight is not None and self.total is None else None
+                    self.sync.synchronise(self.params, rank_weight)
                 self.result = result
         except BaseException:
             self.sync.abort()
@@ -245,9 +251,15 @@ class AccumulateStep(Step):
         if self.weight is None:
             self.total_weight = float(total_rows)
             return [(stop - start) / total_rows for _, start, stop in micro_batches]
-        counts = _counts([self.weight(*args, **kwargs) for args, kwargs in arguments], self.weight)
-        total = sum(counts)
-        self.total_weight = total
+        values = [self.weight(*args, **kwargs) for args, kwargs in arguments]
+        if self.total is None:
+            counts = _counts(values, self.weight)
+            total = sum(counts)
+        else:  # the counts and the total in one device synchronisation
+            *counts, total = _counts(values + [self.total], self.weight)
+            if total == 0 and any(counts):
+                raise ValueError(f"total is 0, but the micro-batches count {sum(counts)} items")
+        self.total_weight = sum(counts)
         return [count / total if count > 0 else None for count in counts]
 
     def _micro_batches(self, micro_batches: Sequence[MicroBatch]) -> torch.Tensor:
@@ -288,9 +300,9 @@ class AccumulateStep(Step):
                     scaled = loss if self.scaler is None else self.scaler.scale(loss)
                     if autocast:
                         with _autocast_off(autocast):
-                            scaled.backward()
+                            self.backward(scaled)
                     else:
-                        scaled.backward()
+                        self.backward(scaled)
                 self.watch.backward_done()
                 loss = loss.detach()
                 total = loss if total is None else total + loss
@@ -312,14 +324,22 @@ def accumulate(
     weight: Optional[Callable[..., Any]] = None,
     stats: Optional[AccumulationStats] = None,
     name: Optional[str] = None,
+    backward: Optional[Callable[[torch.Tensor], Any]] = None,
+    total: Any = None,
 ) -> torch.Tensor:
     """Forward and backward `func(*micro_args, **micro_kwargs)` over the logical batch (an `ArgumentBatch` of
     a call's arguments, or `ArgumentPieces` of several) in micro-batches; returns the logical batch's loss, detached.
     Arguments are checked by the caller (`toma.forms`, `toma.training.trainer`). The cached size is the one asked
     for, not capped by this batch's rows: a short batch never shrinks it, only an out-of-memory error does.
-    `policy` None: `ACCUMULATION_POLICY`, a `FitToMemory`."""
+    `policy` None: `ACCUMULATION_POLICY`, a `FitToMemory`.
+
+    For frameworks that run the backward pass and count the items themselves (`toma.integrations`):
+    `backward(loss)` replaces `loss.backward()` (an accelerator's backward, which scales for mixed precision);
+    `total`, with `weight=`, is what the loss averages over in all when this logical batch is part of a larger
+    mean (a gradient-accumulation window, every rank's batches): each micro-loss is weighted count / total
+    instead of count / the batch's own count, and the ranks' gradients are averaged as DDP does."""
     policy = policy or ACCUMULATION_POLICY
-    step = AccumulateStep(func, model, batch, reduction, weight, scaler, policy, name)
+    step = AccumulateStep(func, model, batch, reduction, weight, scaler, policy, name, backward, total)
     entry = cache.get_batchsize(initial_micro_batch)
     try:
         engine.run(step, entry, initial_micro_batch, policy, step.sync.agreement)

@@ -1,0 +1,684 @@
+"""TomaTrainer and TomaTrainerMixin against the plain Hugging Face Trainer on the same batches.
+
+Models from configs in code (a 2-layer GPT-2, a 2-layer BERT classifier, hidden size 32, vocabulary 100), data
+made here, no downloads. The optimizer is SGD: its step is linear in the gradient, so parameters that agree to
+rtol 1e-5 after several steps mean gradients that agree (Adam's normalisation would blow rounding noise in
+near-zero gradients up to a full step).
+"""
+
+import functools
+import gc
+import json
+import logging
+import re
+import tempfile
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from transformers import (  # noqa: E402
+    BertConfig,
+    BertForSequenceClassification,
+    GPT2Config,
+    GPT2LMHeadModel,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
+
+from toma import Halving  # noqa: E402
+from toma.integrations.transformers import TomaTrainer, TomaTrainerMixin  # noqa: E402
+
+from helpers import COLLECT_TOMA_LOG, raise_fake_oom, requires_cuda, run_python  # noqa: E402
+
+RTOL, ATOL = 1e-5, 1e-7
+VOCAB, ROWS = 100, 48
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def frozen_imports():
+    """After an out-of-memory error toma collects garbage; with transformers imported that walks a million objects
+    (half a second). Those are the modules' own and never garbage: set aside, the tests run in a third the time."""
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()
+
+
+def gpt2() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0
+    )
+    config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
+    return GPT2LMHeadModel(config)
+
+
+def bert() -> BertForSequenceClassification:
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        num_labels=3,
+    )
+    return BertForSequenceClassification(config)
+
+
+def texts(count: int = ROWS, seed: int = 1, classes: int = 0) -> list:
+    """Token rows of 2 to 19 tokens (padded per batch to very different widths), with a class for BERT."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(2, 20, (count,), generator=generator).tolist()
+    rows = [{"input_ids": torch.randint(1, VOCAB, (n,), generator=generator)} for n in lengths]
+    if classes:
+        for row in rows:
+            row["labels"] = int(row["input_ids"].sum()) % classes
+    return rows
+
+
+def pad(rows: list) -> dict:
+    """A causal LM's collate function: padded per batch, labels -100 where padded."""
+    ids = [row["input_ids"] for row in rows]
+    labels = torch.nn.utils.rnn.pad_sequence(ids, batch_first=True, padding_value=-100)
+    return {
+        "input_ids": torch.nn.utils.rnn.pad_sequence(ids, batch_first=True),
+        "attention_mask": (labels != -100).long(),
+        "labels": labels,
+    }
+
+
+def pad_classes(rows: list) -> dict:
+    batch = pad(rows)
+    batch["labels"] = torch.tensor([row["labels"] for row in rows])
+    return batch
+
+
+def arguments(tmp_path, **overrides) -> TrainingArguments:
+    settings = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=8,
+        per_device_eval_batch_size=8,
+        max_steps=3,
+        learning_rate=0.5,
+        optim="sgd",
+        report_to="none",
+        use_cpu=True,
+        logging_steps=1,
+        save_strategy="no",
+        seed=0,
+        disable_tqdm=True,
+    )
+    settings.update(overrides)
+    return TrainingArguments(**settings)
+
+
+def oom_above(model: torch.nn.Module, rows: int) -> list:
+    """A forward pass of more than `rows` rows raises CUDA's out-of-memory error; returns the rows of each call."""
+    seen = []
+
+    def hook(module, args, kwargs):
+        n = kwargs["input_ids"].shape[0]
+        seen.append(n)
+        if n > rows:
+            raise_fake_oom()
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+    return seen
+
+
+def train(cls, tmp_path, make=gpt2, classes=0, oom_rows=None, options=None, **overrides):
+    """Train a fresh model for 3 steps on batches of 8 rows (`classes`: BERT's classes, else a causal LM's text)."""
+    model = make()
+    seen = oom_above(model, oom_rows) if oom_rows is not None else None
+    trainer = cls(
+        model=model,
+        args=arguments(tmp_path, **overrides),
+        train_dataset=texts(classes=classes),
+        data_collator=pad_classes if classes else pad,
+        **(options or {}),
+    )
+    trainer.train()
+    return model, trainer, seen
+
+
+@functools.lru_cache(maxsize=None)
+def plain_run(cls=Trainer, make=None, **overrides):
+    """The plain Trainer's parameters and training losses, once per setting."""
+    with tempfile.TemporaryDirectory() as output:
+        model, trainer, _ = train(cls, output, make=make or gpt2, **overrides)
+    return [p.detach().clone() for p in model.parameters()], training_losses(trainer)
+
+
+def reference_model(parameters, make):
+    """A model holding the plain run's parameters."""
+    model = make()
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), parameters, strict=True):
+            p.copy_(q)
+    return model
+
+
+def assert_same_parameters(model, reference):
+    reference = reference if isinstance(reference, list) else list(reference.parameters())
+    for (name, p), q in zip(model.named_parameters(), reference, strict=True):
+        torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
+
+
+def training_losses(trainer) -> list:
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+# --- training: the same parameters as the plain Trainer -----------------------------------------------
+
+
+def test_with_no_out_of_memory_each_batch_trains_whole_to_the_plain_trainers_parameters(tmp_path):
+    reference, losses = plain_run()
+    model, trainer, seen = train(TomaTrainer, tmp_path, oom_rows=10**6)
+    assert_same_parameters(model, reference)
+    assert set(seen) == {8} and trainer.toma_stats.oom_retries == 0
+    assert training_losses(trainer) == pytest.approx(losses, rel=1e-6)
+
+
+def test_injected_out_of_memory_errors_split_the_batch_and_give_the_plain_trainers_parameters(tmp_path):
+    reference, losses = plain_run()
+    model, trainer, seen = train(TomaTrainer, tmp_path, oom_rows=3, options=dict(toma_policy=Halving()))
+    assert seen[:3] == [8, 4, 2] and set(seen[3:]) == {2}, "8 and 4 run out of memory; 2 fits and is kept"
+    assert trainer.toma_stats.micro_batch == 2 and trainer.toma_stats.oom_retries == 2
+    assert_same_parameters(model, reference)
+    assert training_losses(trainer) == pytest.approx(losses, rel=1e-5)
+
+
+def test_a_bert_classifier_under_injected_out_of_memory_errors_matches_the_plain_trainer(tmp_path):
+    reference, _ = plain_run(make=bert, classes=3)
+    model, trainer, _ = train(TomaTrainer, tmp_path, make=bert, classes=3, oom_rows=3)
+    assert trainer.toma_stats.micro_batch <= 3 and trainer.toma_stats.oom_retries >= 1
+    assert_same_parameters(model, reference)
+
+
+def no_loss_kwargs() -> GPT2LMHeadModel:
+    """A causal LM whose loss the Trainer does not normalise by num_items_in_batch: a mean per batch."""
+    model = gpt2()
+    model.accepts_loss_kwargs = False
+    return model
+
+
+@pytest.mark.parametrize("make", [gpt2, no_loss_kwargs], ids=["num_items_in_batch", "per-batch mean"])
+def test_gradient_accumulation_over_padded_batches_counts_tokens_as_the_trainer_does(tmp_path, make):
+    """Batches of 8 rows padded to their own widths, 2 per optimizer step: with num_items_in_batch (the window's
+    label tokens) or without (a token mean per batch, divided by the accumulation steps)."""
+    reference, losses = plain_run(make=make, gradient_accumulation_steps=2)
+    model, trainer, _ = train(TomaTrainer, tmp_path, make=make, oom_rows=3, gradient_accumulation_steps=2)
+    assert trainer.toma_stats.micro_batch <= 3
+    assert_same_parameters(model, reference)
+    assert training_losses(trainer) == pytest.approx(losses, rel=1e-5)
+
+
+def token_sum_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+    """A compute_loss of one's own: cross-entropy plus a z-loss, summed over tokens, normalised by the window's
+    tokens (num_items_in_batch) as the Trainer's docs ask."""
+    labels = inputs.pop("labels")
+    outputs = model(**inputs)
+    logits, targets = outputs.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()
+    kept = targets != -100
+    tokens = F.cross_entropy(logits, targets, ignore_index=-100, reduction="none")
+    z = torch.logsumexp(logits, dim=-1).square() * kept
+    count = num_items_in_batch if num_items_in_batch is not None else kept.sum()
+    loss = (tokens.sum() + 1e-2 * z.sum()) / count
+    return (loss, outputs) if return_outputs else loss
+
+
+def sequence_mean_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+    """Each row's token mean, averaged over the rows: a mean over rows, not tokens."""
+    labels = inputs.pop("labels")
+    outputs = model(**inputs)
+    logits, targets = outputs.logits[:, :-1], labels[:, 1:]
+    tokens = F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=-100, reduction="none")
+    per_row = tokens.sum(1) / (targets != -100).sum(1).clamp(min=1)
+    loss = per_row.mean()
+    return (loss, outputs) if return_outputs else loss
+
+
+def fixed_scale_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+    """Token losses summed and scaled by a constant: normalised by compute_loss itself, so batches add up."""
+    labels = inputs.pop("labels")
+    outputs = model(**inputs)
+    logits, targets = outputs.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()
+    loss = F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum") / 200
+    return (loss, outputs) if return_outputs else loss
+
+
+class PlainTokenSum(Trainer):
+    compute_loss = token_sum_loss
+
+
+class TomaTokenSum(TomaTrainer):
+    compute_loss = token_sum_loss
+
+
+class PlainSequenceMean(Trainer):
+    compute_loss = sequence_mean_loss
+    loss_is_scaled_for_ga = False  # a mean per batch: the Trainer divides by the accumulation steps
+
+
+class TomaSequenceMean(TomaTrainer):
+    compute_loss = sequence_mean_loss
+    loss_is_scaled_for_ga = False
+
+
+class PlainFixedScale(Trainer):
+    compute_loss = fixed_scale_loss
+    loss_is_scaled_for_ga = True  # normalised already: the Trainer adds the batches' losses
+
+
+class TomaFixedScale(TomaTrainer):
+    compute_loss = fixed_scale_loss
+    loss_is_scaled_for_ga = True
+
+
+def rows_of(batch):
+    return batch["input_ids"].shape[0]
+
+
+@pytest.mark.parametrize(
+    "plain_class, toma_class, options",
+    [
+        (PlainTokenSum, TomaTokenSum, {}),
+        (PlainSequenceMean, TomaSequenceMean, dict(toma_weight=rows_of)),
+        (PlainFixedScale, TomaFixedScale, {}),
+    ],
+    ids=["token sum over num_items_in_batch", "mean over rows with toma_weight", "declared scaled: a sum"],
+)
+def test_a_compute_loss_override_is_called_per_micro_batch_and_weighted_as_its_mean(
+    tmp_path, plain_class, toma_class, options
+):
+    make = no_loss_kwargs if plain_class is PlainFixedScale else gpt2  # no num_items_in_batch: its own scale
+    reference, _ = plain_run(plain_class, make=make, gradient_accumulation_steps=2)
+    model, trainer, _ = train(
+        toma_class, tmp_path, make=make, oom_rows=3, options=options, gradient_accumulation_steps=2
+    )
+    assert trainer.toma_stats.micro_batch <= 3
+    assert_same_parameters(model, reference)
+    data = texts(16, seed=4)
+    expected = plain_class(model=reference_model(reference, make), args=arguments(tmp_path), data_collator=pad)
+    assert trainer.evaluate(data)["eval_loss"] == pytest.approx(expected.evaluate(data)["eval_loss"], rel=1e-5)
+
+
+class Tagging(Trainer):
+    """A Trainer subclass of one's own: counts its compute_loss calls and the rows they saw."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        self.rows_seen = getattr(self, "rows_seen", []) + [inputs["input_ids"].shape[0]]
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+
+class TomaTagging(TomaTrainerMixin, Tagging):
+    pass
+
+
+def test_the_mixin_on_a_trainer_subclass_keeps_its_hooks_and_gives_the_plain_parameters(tmp_path):
+    reference, _ = plain_run(gradient_accumulation_steps=2)
+    model, trainer, _ = train(TomaTagging, tmp_path, oom_rows=3, gradient_accumulation_steps=2)
+    assert_same_parameters(model, reference)
+    assert max(trainer.rows_seen) == 8 and trainer.rows_seen[-4:] == [2, 2, 2, 2], "its compute_loss per micro-batch"
+
+
+def test_the_training_logs_carry_the_micro_batch_size_and_the_retries(tmp_path):
+    _, trainer, _ = train(TomaTrainer, tmp_path, oom_rows=3, options=dict(toma_policy=Halving()))
+    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logged) == 3
+    assert [(entry["micro_batch"], entry["toma_oom_retries"]) for entry in logged] == [(2, 2)] * 3
+    assert all("micro_batch" not in entry for entry in trainer.state.log_history if "train_loss" in entry)
+
+
+class Recorder(TrainerCallback):
+    def __init__(self):
+        self.logs = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logs.append(dict(logs))
+
+
+def test_callbacks_get_the_micro_batch_size_in_their_logs(tmp_path):
+    recorder = Recorder()
+    train(TomaTrainer, tmp_path, options=dict(callbacks=[recorder]))
+    assert [entry["micro_batch"] for entry in recorder.logs if "loss" in entry] == [8, 8, 8]
+
+
+def test_backward_goes_through_the_accelerator_once_per_micro_batch(tmp_path, monkeypatch):
+    model = gpt2()
+    oom_above(model, 3)
+    trainer = TomaTrainer(model=model, args=arguments(tmp_path, max_steps=2), train_dataset=texts(), data_collator=pad)
+    calls = []
+    backward = trainer.accelerator.backward
+    monkeypatch.setattr(trainer.accelerator, "backward", lambda loss, **kw: calls.append(1) or backward(loss, **kw))
+    trainer.train()
+    assert len(calls) == 8, "8 rows in micro-batches of 2, two steps: the OOMed attempts never reach backward"
+
+
+# --- evaluation and prediction -------------------------------------------------------------------------
+
+
+def accuracy(prediction):
+    return {"accuracy": float((prediction.predictions.argmax(-1) == prediction.label_ids).mean())}
+
+
+def test_evaluate_and_predict_under_injected_out_of_memory_equal_the_plain_trainer(tmp_path):
+    data = texts(20, seed=3, classes=3)  # 8, 8 and 4 rows per evaluation batch
+    plain = Trainer(model=bert(), args=arguments(tmp_path), data_collator=pad_classes, compute_metrics=accuracy)
+    model = bert()
+    seen = oom_above(model, 3)
+    trainer = TomaTrainer(model=model, args=arguments(tmp_path), data_collator=pad_classes, compute_metrics=accuracy)
+    expected, got = plain.evaluate(data), trainer.evaluate(data)
+    assert max(seen) == 8 and seen[-1] <= 3, "the batches ran out of memory and were chunked"
+    assert got["eval_loss"] == pytest.approx(expected["eval_loss"], rel=1e-6)
+    assert got["eval_accuracy"] == expected["eval_accuracy"]
+    expected, got = plain.predict(data), trainer.predict(data)
+    torch.testing.assert_close(
+        torch.as_tensor(got.predictions), torch.as_tensor(expected.predictions), rtol=1e-5, atol=1e-6
+    )
+    assert (got.label_ids == expected.label_ids).all()
+    assert model.training is False and all(p.grad is None for p in model.parameters())
+
+
+def test_the_evaluation_loss_of_padded_batches_averages_over_tokens_across_chunks(tmp_path):
+    data = texts(16, seed=4)
+    plain = Trainer(model=gpt2(), args=arguments(tmp_path), data_collator=pad)
+    model = gpt2()
+    seen = oom_above(model, 3)
+    trainer = TomaTrainer(model=model, args=arguments(tmp_path), data_collator=pad)
+    expected, got = plain.evaluate(data), trainer.evaluate(data)
+    assert seen[-1] <= 3
+    assert got["eval_loss"] == pytest.approx(expected["eval_loss"], rel=1e-6)
+    expected, got = plain.predict(data), trainer.predict(data)
+    torch.testing.assert_close(
+        torch.as_tensor(got.predictions), torch.as_tensor(expected.predictions), rtol=1e-5, atol=1e-6
+    )
+
+
+# --- errors ----------------------------------------------------------------------------------------------
+
+
+def test_toma_options_are_checked_early_with_their_names(tmp_path):
+    settings = dict(model=gpt2(), args=arguments(tmp_path))
+    with pytest.raises(TypeError, match="toma_policy"):
+        TomaTrainer(**settings, toma_policy="fit")
+    with pytest.raises(ValueError, match="toma_initial_micro_batch"):
+        TomaTrainer(**settings, toma_initial_micro_batch=0)
+    with pytest.raises(TypeError, match="toma_weight"):
+        TomaTrainer(**settings, toma_weight=3)
+    with pytest.raises(TypeError, match="toma_polcy.*toma_policy="):
+        TomaTrainer(**settings, toma_polcy=Halving())
+
+
+def test_the_mixin_must_come_before_the_trainer_and_be_on_one():
+    with pytest.raises(TypeError, match="TomaTrainerMixin must come before transformers.Trainer"):
+
+        class Wrong(Trainer, TomaTrainerMixin):
+            pass
+
+    class Alone(TomaTrainerMixin):
+        pass
+
+    with pytest.raises(TypeError, match="without transformers.Trainer"):
+        Alone()
+
+
+def test_a_subclass_training_step_that_the_mixin_replaces_is_named_in_a_warning(caplog):
+    class Wrapping(Trainer):
+        def training_step(self, *args, **kwargs):
+            return super().training_step(*args, **kwargs)
+
+    with caplog.at_level(logging.WARNING, logger="toma"):
+
+        class Mixed(TomaTrainerMixin, Wrapping):
+            pass
+
+    assert any("training_step of Wrapping is replaced" in record.getMessage() for record in caplog.records)
+
+
+def test_setups_that_cannot_be_split_are_refused_naming_the_setting(tmp_path):
+    with pytest.raises(ValueError, match="optim='lomo'"):
+        TomaTrainer(model=gpt2(), args=arguments(tmp_path, optim="lomo"))
+
+
+def test_an_error_that_is_not_out_of_memory_passes_through_untouched(tmp_path):
+    model = gpt2()
+    problem = ValueError("a bug in the model")
+
+    def hook(module, args, kwargs):
+        raise problem
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+    trainer = TomaTrainer(model=model, args=arguments(tmp_path), train_dataset=texts(), data_collator=pad)
+    with pytest.raises(ValueError) as raised:
+        trainer.train()
+    assert raised.value is problem and all(p.grad is None for p in model.parameters())
+
+
+# --- mixed precision -------------------------------------------------------------------------------------
+
+
+def test_bf16_autocast_on_the_cpu_stays_within_bf16s_rounding_of_the_plain_trainer(tmp_path):
+    """bf16 rounds each micro-batch's matmuls on its own, so the split is not bit-exact: the parameters' distance
+    from the plain bf16 run must stay a small part of the training's own movement (0.2% here; the same run in
+    fp32 is 0.4% away, and micro-batches weighted by rows instead of tokens 75%)."""
+    reference, _ = plain_run(bf16=True, gradient_accumulation_steps=2)
+    model, trainer, _ = train(TomaTrainer, tmp_path, oom_rows=3, bf16=True, gradient_accumulation_steps=2)
+    assert trainer.accelerator.mixed_precision == "bf16" and trainer.toma_stats.micro_batch <= 3
+    start = [p.detach() for p in gpt2().parameters()]
+    distance = sum(float((p.detach() - q).square().sum()) for p, q in zip(model.parameters(), reference)) ** 0.5
+    moved = sum(float((q - s).square().sum()) for q, s in zip(reference, start)) ** 0.5
+    assert distance < 0.01 * moved, (distance, moved)
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_fp16_with_the_accelerators_grad_scaler_follows_the_plain_trainer_on_a_gpu(tmp_path):
+    """fp16: every micro-batch's backward goes through accelerate's GradScaler. Both scalers start at 2**8, where
+    no gradient overflows, so neither run skips a step; what differs is fp16's rounding of the split."""
+    runs = []
+    for cls, oom_rows in ((Trainer, None), (TomaTrainer, 3)):
+        model = gpt2()
+        if oom_rows is not None:
+            oom_above(model, oom_rows)
+        args = arguments(tmp_path, use_cpu=False, fp16=True, gradient_accumulation_steps=2)
+        trainer = cls(model=model, args=args, train_dataset=texts(), data_collator=pad)
+        assert trainer.accelerator.scaler is not None
+        trainer.accelerator.scaler = torch.amp.GradScaler("cuda", init_scale=2.0**8)
+        trainer.train()
+        runs.append((model, trainer))
+    (reference, _), (model, trainer) = runs
+    assert trainer.toma_stats.micro_batch <= 3 and trainer.state.global_step == 3
+    start = [p.detach().cuda() for p in gpt2().parameters()]
+    distance = sum(float((p - q).detach().square().sum()) for p, q in zip(model.parameters(), reference.parameters()))
+    moved = sum(float((q.detach() - s).square().sum()) for q, s in zip(reference.parameters(), start))
+    assert distance**0.5 < 0.01 * moved**0.5, (distance, moved)
+
+
+# --- a real out-of-memory error, and auto_find_batch_size beside it ----------------------------------------
+
+# A causal LM whose logits (32 rows x 64 tokens x 4096 words, 32 MiB, and their copies in the loss and its
+# gradient) cannot pass in one piece under a cap of 80 MiB above what the process holds; 8 rows fit. The
+# reference trains outside the cap; then, under it, the plain Trainer, TomaTrainer and auto_find_batch_size.
+UNDER_A_CAP = (
+    COLLECT_TOMA_LOG
+    + """
+import json, torch
+torch.set_num_threads(1)
+from toma.memory.cpu import predictable_heap, set_cpu_memory_headroom
+predictable_heap()
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments, logging as hf_logging
+from toma.integrations.transformers import TomaTrainer
+hf_logging.set_verbosity_error()
+
+def make():
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=4096, n_positions=64, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0)
+    config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
+    return GPT2LMHeadModel(config)
+
+generator = torch.Generator().manual_seed(0)
+data = [{"input_ids": row, "labels": row} for row in torch.randint(0, 4096, (96, 64), generator=generator)]
+
+def run(cls, **overrides):
+    settings = dict(output_dir="out", per_device_train_batch_size=32, num_train_epochs=1, learning_rate=0.5,
+                    optim="sgd", lr_scheduler_type="constant", report_to="none", use_cpu=True, logging_steps=1,
+                    save_strategy="no", seed=0, disable_tqdm=True, dataloader_drop_last=True)
+    settings.update(overrides)
+    model = make()
+    trainer = cls(model=model, args=TrainingArguments(**settings), train_dataset=data)
+    restarts = []
+    inner = trainer._inner_training_loop
+    def counted(*args, **kwargs):
+        restarts.append(kwargs.get("batch_size", args[0] if args else None))
+        return inner(*args, **kwargs)
+    trainer._inner_training_loop = counted
+    try:
+        trainer.train()
+    except RuntimeError as error:
+        return dict(error=str(error).splitlines()[0])
+    return dict(params=[p.detach().clone() for p in model.parameters()], steps=trainer.state.global_step,
+                batch=trainer._train_batch_size, loops=restarts, trainer=trainer)
+
+reference = run(Trainer)
+set_cpu_memory_headroom(80 / 1024)
+plain = run(Trainer)
+toma = run(TomaTrainer)
+auto = run(Trainer, auto_find_batch_size=True)
+close = all(bool(torch.allclose(p, r, rtol=1e-5, atol=1e-7)) for p, r in zip(toma["params"], reference["params"]))
+auto_close = all(bool(torch.allclose(p, r, rtol=1e-5, atol=1e-7)) for p, r in zip(auto["params"], reference["params"]))
+stats = toma["trainer"].toma_stats
+print(json.dumps(dict(
+    plain=plain.get("error"), reference_steps=reference["steps"], toma_close=close, toma_steps=toma["steps"],
+    micro_batch=stats.micro_batch, retries=stats.oom_retries, toma_batch=toma["batch"],
+    auto_steps=auto["steps"], auto_batch=auto["batch"], auto_loops=auto["loops"], auto_close=auto_close,
+    messages=messages)))
+"""
+)
+
+
+@pytest.mark.slow
+def test_under_a_real_cpu_cap_the_plain_trainer_fails_toma_trains_the_reference_and_auto_find_shrinks_the_batch(
+    tmp_path,
+):
+    out = run_python(f"import os; os.chdir({str(tmp_path)!r})\n" + UNDER_A_CAP, timeout=300)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["plain"] and "can't allocate memory" in result["plain"], "the plain Trainer must run out of memory"
+    ooms = [m for m in result["messages"] if "ran out of memory" in m]
+    assert ooms and all("can't allocate memory" in m for m in ooms)
+    assert 1 <= result["micro_batch"] < 32 and result["retries"] >= 1
+    assert result["toma_close"], "TomaTrainer under the cap must give the uncapped plain Trainer's parameters"
+    assert result["toma_steps"] == result["reference_steps"] == 3 and result["toma_batch"] == 32
+    # auto_find_batch_size: the batch halves and training starts over, with more, smaller optimizer steps.
+    assert result["auto_batch"] < 32 and len(result["auto_loops"]) >= 2
+    assert result["auto_steps"] == 96 // result["auto_batch"] and not result["auto_close"]
+    print(
+        f"\nTomaTrainer: micro-batch {result['micro_batch']}, {result['retries']} retries, batch 32, "
+        f"{result['toma_steps']} steps; auto_find_batch_size: batch sizes {result['auto_loops']}, "
+        f"{len(result['auto_loops']) - 1} restarts, {result['auto_steps']} steps of {result['auto_batch']} rows"
+    )
+
+
+@pytest.mark.slow
+def test_the_causal_lm_example_finds_a_micro_batch_under_its_cap(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from helpers import REPO
+
+    result = subprocess.run(
+        [sys.executable, os.path.join(REPO, "examples", "hf_causal_lm.py"), "--output-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=REPO),
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    found = dict(
+        re.findall(r"^(micro-batch size found|out-of-memory retries|plain Trainer): (.+)$", result.stdout, re.M)
+    )
+    assert 0 < int(found["micro-batch size found"]) < 64, result.stdout
+    assert int(found["out-of-memory retries"]) >= 1, result.stdout
+    assert "can't allocate memory" in found["plain Trainer"], result.stdout
+
+
+# --- DDP through accelerate, two CPU ranks -------------------------------------------------------------------
+
+# Each rank trains the plain Trainer and then TomaTrainer (rank 0's forward passes refusing more than 3 rows) as
+# accelerate's DDP runs them, gradient accumulation over padded batches included; prints its parameters' sums.
+DDP_RUN = """
+import json, os, torch
+torch.set_num_threads(1)
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments, logging as hf_logging
+from toma.integrations.transformers import TomaTrainer
+hf_logging.set_verbosity_error()
+rank = int(os.environ["RANK"])
+
+def make():
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=100, n_positions=32, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0)
+    config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
+    return GPT2LMHeadModel(config)
+
+generator = torch.Generator().manual_seed(1)
+rows = [torch.randint(1, 100, (n,), generator=generator) for n in torch.randint(2, 20, (64,), generator=generator)]
+def pad(batch):
+    labels = torch.nn.utils.rnn.pad_sequence(batch, batch_first=True, padding_value=-100)
+    return {"input_ids": labels.clamp(min=0), "attention_mask": (labels != -100).long(), "labels": labels}
+
+def refuse(module, args, kwargs):
+    if kwargs["input_ids"].shape[0] > 3:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+def run(cls, oom):
+    model = make()
+    if oom:
+        model.register_forward_pre_hook(refuse, with_kwargs=True)
+    args = TrainingArguments(output_dir="out", per_device_train_batch_size=8, gradient_accumulation_steps=2,
+                             max_steps=2, optim="sgd", learning_rate=0.5, report_to="none", use_cpu=True,
+                             save_strategy="no", disable_tqdm=True, seed=0)
+    trainer = cls(model=model, args=args, train_dataset=rows, data_collator=pad)
+    trainer.train()
+    return trainer, [p.detach().clone() for p in model.parameters()]
+
+plain, reference = run(Trainer, False)
+toma, params = run(TomaTrainer, rank == 0)
+close = all(bool(torch.allclose(p, r, rtol=1e-5, atol=1e-7)) for p, r in zip(params, reference))
+ddp = type(toma.model_wrapped).__name__
+print(json.dumps(dict(rank=rank, close=close, micro=toma.toma_stats.micro_batch, ddp=ddp,
+                      retries=toma.toma_stats.oom_retries)), flush=True)
+toma.accelerator.wait_for_everyone()
+os._exit(0)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_ddp_through_accelerate_ranks_agree_on_the_micro_batch_and_match_the_plain_trainer(tmp_path):
+    from helpers import run_ranks
+
+    outputs = run_ranks(f"import os; os.chdir({str(tmp_path)!r})\n" + DDP_RUN, 2, timeout=240)
+    results = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
+    assert [r["ddp"] for r in results] == ["DistributedDataParallel"] * 2
+    assert [r["micro"] for r in results] == [results[0]["micro"]] * 2 and results[0]["micro"] <= 3, results
+    assert results[1]["retries"] >= 1, "rank 1 never ran out of memory, yet retried with rank 0"
+    assert all(r["close"] for r in results), results

@@ -1,0 +1,367 @@
+"""The Hugging Face `Trainer` with the batch size you set, whatever the memory: `TomaTrainer` and
+`TomaTrainerMixin`.
+
+Every loader batch of `per_device_train_batch_size` rows is one logical batch, trained with `toma.accumulate`'s
+machinery in micro-batches that fit (shrinking on out-of-memory errors, `FitToMemory` by default, the size kept
+per trainer), with the gradients the plain Trainer gets for that batch. Two hooks change: `training_step` (the
+logical batch in micro-batches, each through `self.compute_loss` and `self.accelerator.backward`) and
+`prediction_step` (an evaluation batch in chunks that fit, results joined); `log` adds the micro-batch size.
+Everything else (the loop, schedulers, clipping, callbacks, checkpoints, accelerate's DDP and mixed precision)
+is the Trainer's own.
+
+How the micro-losses add up to the plain Trainer's loss: a micro-batch's loss is made a mean over its own items
+(label tokens, counted as the Trainer counts them, or `toma_weight=`'s count), by passing its own count as
+`num_items_in_batch`, and is weighted by count / total. The total is the Trainer's `num_items_in_batch` (the
+tokens of the whole gradient-accumulation window, over every rank) when the Trainer normalises by it, and the
+batch's own count otherwise, where the Trainer also divides by the accumulation steps, as it does.
+"""
+
+import copy
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
+
+import torch
+import transformers
+from accelerate.utils.memory import clear_device_cache  # type: ignore[import-untyped]
+from transformers.loss.loss_utils import ForCausalLMLoss
+from transformers.trainer_pt_utils import nested_concat
+from transformers.trainer_utils import unwrap_peft_model
+from transformers.training_args import OptimizerNames
+
+from toma.accumulation.accumulate import ACCUMULATION_POLICY, AccumulationStats, accumulate
+from toma.batching.splitting import ArgumentBatch
+from toma.core import engine
+from toma.core.agreement import AgreedStep, agreement_for
+from toma.core.arguments import check_size
+from toma.core.caches import GlobalBatchsizeCache
+from toma.core.policy import SizePolicy, check_policy
+from toma.core.steps import RangeStep
+from toma.training.data import WHOLE_BATCHES
+
+__all__ = ["TomaTrainerMixin", "TomaTrainer"]
+
+log = logging.getLogger("toma")
+
+OPTIONS = ("toma_policy", "toma_initial_micro_batch", "toma_weight")
+IGNORE_INDEX = -100  # the Trainer's label for a position that is not a target
+
+Count = Callable[[Any], Any]
+
+
+@dataclass(frozen=True)
+class _Scaling:
+    """How one logical batch's micro-losses add up to the plain Trainer's loss for it."""
+
+    reduction: str  # "mean": each micro-loss weighted count / total; "sum": added as they are
+    count: Optional[Count]  # what a micro-batch's mean loss averages over (None: its rows)
+    total: Any  # what the batch's loss averages over in all (None: its rows)
+    num_items: Any  # num_items_in_batch as the Trainer passes it (None: none)
+    pass_count: bool  # give compute_loss each micro-batch's own count as num_items_in_batch
+    divisor: int  # the plain Trainer's division by the gradient-accumulation steps (1: none)
+
+
+class _LabelCount:
+    """A batch's items: its labels other than -100, after the shift of a causal language model's loss (or its
+    `shift_labels` as given)."""
+
+    def __init__(self, shifted: bool) -> None:
+        self.shifted = shifted
+
+    def __call__(self, batch: Any) -> torch.Tensor:
+        if "shift_labels" in batch:
+            labels = batch["shift_labels"]
+        else:
+            labels = batch["labels"][..., 1:] if self.shifted else batch["labels"]
+        return labels.ne(IGNORE_INDEX).sum()
+
+
+def _loss_shifts_labels(model: Any) -> bool:
+    """Whether the model's own loss is a causal language model's (which shifts the labels): its loss function, not
+    its class name, which the Trainer's count goes by (GPT2LMHeadModel's names no loss type)."""
+    if not isinstance(model, transformers.PreTrainedModel) or model.config.is_encoder_decoder:
+        return False
+    return model.loss_function is ForCausalLMLoss
+
+
+def _check_weight(weight: Any) -> Optional[Count]:
+    if weight is not None and not callable(weight):
+        raise TypeError(
+            "toma_weight must be a function of a batch (the Trainer's inputs) that returns how many items its mean "
+            f"loss averages over, e.g. lambda batch: (batch['labels'] != -100).sum(); got {weight!r}"
+        )
+    return weight
+
+
+# Type checkers see the mixin as the Trainer it is mixed into; at run time it is a plain class.
+if TYPE_CHECKING:
+    _Trainer = transformers.Trainer
+else:
+    _Trainer = object
+
+
+class TomaTrainerMixin(_Trainer):
+    """Put it first among the bases of a `transformers.Trainer` subclass, `class MyTrainer(TomaTrainerMixin,
+    SFTTrainer)`: its loader batches train in micro-batches that fit, with the plain Trainer's gradients.
+
+    Options (keywords of the constructor): `toma_policy=` (a toma sizing policy; `FitToMemory` by default),
+    `toma_initial_micro_batch=` (where the search starts; the whole batch by default), `toma_weight=` (a function of
+    a batch returning what its mean loss averages over, for a `compute_loss` whose mean is neither over label tokens
+    nor over rows). `trainer.toma_stats` holds the micro-batch size and the out-of-memory retries, which the
+    training logs also carry (`micro_batch`, `toma_oom_retries`).
+    """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        mro = cls.__mro__
+        trainer = transformers.Trainer
+        if trainer in mro and mro.index(trainer) < mro.index(TomaTrainerMixin):
+            raise TypeError(
+                f"{cls.__name__}: TomaTrainerMixin must come before transformers.Trainer among the bases, "
+                f"as in class {cls.__name__}(TomaTrainerMixin, {mro[1].__name__}), or its hooks are never called"
+            )
+        after = mro[mro.index(TomaTrainerMixin) + 1 :]
+        replaced = [base.__name__ for base in after if base is not trainer and "training_step" in vars(base)]
+        if replaced:
+            log.warning(
+                "%s: the training_step of %s is replaced by TomaTrainerMixin's (which calls self.compute_loss per "
+                "micro-batch); what it adds around the step does not run",
+                cls.__name__,
+                ", ".join(replaced),
+            )
+
+    def __init__(
+        self,
+        *args: Any,
+        toma_policy: Optional[SizePolicy] = None,
+        toma_initial_micro_batch: Optional[int] = None,
+        toma_weight: Optional[Count] = None,
+        **kwargs: Any,
+    ) -> None:
+        unknown = sorted(name for name in kwargs if name.startswith("toma_"))
+        if unknown:
+            raise TypeError(
+                f"{type(self).__name__} got unknown toma option(s) {', '.join(unknown)}; "
+                f"the options are {', '.join(name + '=' for name in OPTIONS)}"
+            )
+        if not isinstance(self, transformers.Trainer):
+            raise TypeError(
+                f"{type(self).__name__} uses TomaTrainerMixin without transformers.Trainer: "
+                "class MyTrainer(TomaTrainerMixin, transformers.Trainer)"
+            )
+        self.toma_policy: SizePolicy = check_policy(toma_policy, "toma_policy") or ACCUMULATION_POLICY
+        self.toma_initial_micro_batch = (
+            WHOLE_BATCHES
+            if toma_initial_micro_batch is None
+            else check_size(toma_initial_micro_batch, "toma_initial_micro_batch")
+        )
+        self.toma_weight = _check_weight(toma_weight)
+        self.toma_stats = AccumulationStats()
+        # One size per trainer, for training and for evaluation: set once found, whatever the batch's length.
+        self._toma_training_cache = GlobalBatchsizeCache()
+        self._toma_evaluation_cache = GlobalBatchsizeCache()
+        super().__init__(*args, **kwargs)
+        self._toma_check_setup()
+        self._toma_trainer_count = _LabelCount(self._loss_shifts_labels)
+        model = unwrap_peft_model(self.model)
+        self._toma_model_count = _LabelCount(self._loss_shifts_labels or _loss_shifts_labels(model))
+
+    def _toma_check_setup(self) -> None:
+        """Setups whose collectives or optimizers run inside a step cannot be split into micro-batches."""
+        refused = [
+            (self.is_deepspeed_enabled, "DeepSpeed (args.deepspeed), which runs its own accumulation"),
+            (self.is_fsdp_enabled, "FSDP (args.fsdp), whose collectives run inside each forward pass"),
+            (
+                self.args.n_gpu > 1,
+                f"DataParallel over {self.args.n_gpu} GPUs in one process; launch one process per GPU (torchrun)",
+            ),
+            (
+                self.args.optim in (OptimizerNames.LOMO, OptimizerNames.ADALOMO),
+                f"args.optim={OptimizerNames(self.args.optim).value!r}, which updates the weights inside each backward pass",
+            ),
+            (self.get_tp_size() > 1, "tensor parallelism, whose collectives run inside each forward pass"),
+            (self.get_cp_size() > 1, "context parallelism, whose collectives run inside each forward pass"),
+            (self.get_sp_size() > 1, "sequence parallelism, whose collectives run inside each forward pass"),
+        ]
+        for refuse, what in refused:
+            if refuse:
+                raise ValueError(f"{type(self).__name__} cannot split batches into micro-batches under {what}")
+        if self.args.auto_find_batch_size:
+            log.warning(
+                "%s with auto_find_batch_size=True: toma handles out-of-memory errors inside each step, so the "
+                "batch size never shrinks; leave auto_find_batch_size off",
+                type(self).__name__,
+            )
+
+    # --- training ------------------------------------------------------------------------------------
+
+    def _toma_count_for(self, inputs: Any, as_the_trainer_counts: bool = False) -> Optional[Count]:
+        """What a batch's mean loss averages over: `toma_weight=`, else its label tokens (None: its rows). The
+        count of the model's own mean, unless `as_the_trainer_counts` (the count the Trainer passes on as
+        num_items_in_batch, which a loss normalised by it divides by)."""
+        if self.toma_weight is not None:
+            return self.toma_weight
+        if not (isinstance(inputs, Mapping) and isinstance(inputs.get("labels"), torch.Tensor)):
+            return None
+        return self._toma_trainer_count if as_the_trainer_counts else self._toma_model_count
+
+    def _toma_scaling(self, inputs: Any, num_items_in_batch: Any) -> _Scaling:
+        declared = self.loss_is_scaled_for_ga
+        if declared is not None:
+            scaled = bool(declared)
+        else:  # the Trainer's own rule: normalised by num_items_in_batch, by the model or compute_loss_func
+            scaled = (
+                self.model_accepts_loss_kwargs and num_items_in_batch is not None
+            ) or self.compute_loss_func is not None
+        divisor = 1 if scaled else int(self.current_gradient_accumulation_steps)
+        count = self._toma_count_for(inputs)
+        if count is not None and num_items_in_batch is not None and scaled:
+            # A mean over the window's items: each micro-batch a mean over its own, weighted by its share.
+            return _Scaling("mean", count, num_items_in_batch, num_items_in_batch, True, 1)
+        if declared is True and num_items_in_batch is None:
+            # Normalised over the window by compute_loss itself: the micro-losses add up.
+            return _Scaling("sum", None, None, None, False, 1)
+        # A mean over this batch (its items, or rows), divided by the accumulation steps unless scaled. The total is
+        # this batch's own, given explicitly so that ranks are averaged as DDP does.
+        total = None if count is None else count(inputs)
+        return _Scaling("mean", count, total, num_items_in_batch, num_items_in_batch is not None, divisor)
+
+    def training_step(
+        self, model: torch.nn.Module, inputs: Any, num_items_in_batch: Optional[Any] = None
+    ) -> torch.Tensor:
+        """The loader batch as one logical batch, in micro-batches that fit: each through `self.compute_loss` and
+        `self.accelerator.backward`, the gradients reduced across DDP ranks once per batch. Returns the batch's
+        loss as the plain Trainer does (detached)."""
+        model.train()
+        optimizer: Any = self.optimizer
+        if hasattr(optimizer, "train") and callable(optimizer.train):  # schedule-free optimizers
+            optimizer.train()
+        inputs = self._prepare_inputs(inputs)
+        scaling = self._toma_scaling(inputs, num_items_in_batch)
+
+        def micro_loss(micro: Any) -> torch.Tensor:
+            micro = copy.copy(micro)  # compute_loss may pop the labels; a retry needs them
+            items = scaling.count(micro) if scaling.pass_count and scaling.count is not None else scaling.num_items
+            with self.compute_loss_context_manager():
+                loss = self.compute_loss(model, micro, num_items_in_batch=items)
+            if not isinstance(loss, torch.Tensor):
+                raise TypeError(f"compute_loss must return the loss as a tensor, got {type(loss).__name__}")
+            return loss if scaling.divisor == 1 else loss / scaling.divisor
+
+        loss = accumulate(
+            micro_loss,
+            model,
+            self.toma_initial_micro_batch,
+            ArgumentBatch((inputs,), {}, name="inputs"),
+            reduction=scaling.reduction,
+            weight=scaling.count if scaling.reduction == "mean" else None,
+            scaler=None,
+            cache=self._toma_training_cache,
+            policy=self.toma_policy,
+            stats=self.toma_stats,
+            name="TomaTrainer.training_step",
+            backward=self.accelerator.backward,
+            total=scaling.total,
+        )
+        del inputs
+        steps = self.args.torch_empty_cache_steps
+        if steps is not None and self.state.global_step % steps == 0:
+            clear_device_cache()
+        return loss
+
+    def log(self, logs: dict, *args: Any, **kwargs: Any) -> None:
+        """The Trainer's log, with the micro-batch size and the out-of-memory retries so far in training logs."""
+        stats = self.toma_stats
+        if "loss" in logs and stats.micro_batch is not None:
+            logs = {**logs, "micro_batch": stats.micro_batch, "toma_oom_retries": stats.oom_retries}
+        super().log(logs, *args, **kwargs)
+
+    # --- evaluation ----------------------------------------------------------------------------------
+
+    def prediction_step(
+        self, model: torch.nn.Module, inputs: Any, prediction_loss_only: bool, ignore_keys: Optional[List[str]] = None
+    ) -> Tuple[Optional[torch.Tensor], Any, Any]:
+        """The Trainer's prediction step (a subclass's included) over chunks of the batch's rows that fit; the
+        chunks' losses averaged over their items (or rows), their logits and labels joined."""
+        predict = super().prediction_step
+        try:
+            split = ArgumentBatch((inputs,), {}, name="inputs")
+        except ValueError:  # no rows to cut
+            return predict(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        # Each chunk's loss is the Trainer's, normalised by the Trainer's count when it passes one; a loss declared
+        # normalised by compute_loss itself adds up.
+        passes_count = self.model_accepts_loss_kwargs or self.compute_loss_func is not None
+        count = self._toma_count_for(inputs, as_the_trainer_counts=passes_count)
+        summed = self.loss_is_scaled_for_ga is True and not passes_count
+        chunks = _PredictionChunks(predict, split, model, prediction_loss_only, ignore_keys, count, summed)
+        agreement = agreement_for(True)  # per-chunk collectives (the Trainer's token count): ranks chunk alike
+        if agreement is None:
+            engine.drive(chunks, self._toma_evaluation_cache, WHOLE_BATCHES, self.toma_policy)
+        else:
+            step = AgreedStep(chunks, agreement, self.toma_policy)
+            engine.drive(step, self._toma_evaluation_cache, WHOLE_BATCHES, self.toma_policy, agreement)
+        return chunks.joined()
+
+
+class _PredictionChunks(RangeStep):
+    """The rows of one evaluation batch in chunks, each through the Trainer's `prediction_step`."""
+
+    size_name = "evaluation chunk size"
+
+    def __init__(
+        self,
+        predict: Callable[..., Tuple[Any, Any, Any]],
+        split: ArgumentBatch,
+        model: torch.nn.Module,
+        prediction_loss_only: bool,
+        ignore_keys: Optional[List[str]],
+        count: Optional[Count],
+        summed: bool,
+    ) -> None:
+        super().__init__(self._chunk, 0, split.size, (), {}, name="TomaTrainer.prediction_step")
+        self.predict, self.split, self.model, self.count, self.summed = predict, split, model, count, summed
+        self.loss_only, self.ignore_keys = prediction_loss_only, ignore_keys
+        self.pieces: List[Tuple[int, Any, Any, Any, Any]] = []  # (start, loss, logits, labels, weight) per chunk
+
+    @property
+    def device(self) -> Optional[torch.device]:
+        return next((p.device for p in self.model.parameters()), None)
+
+    def _chunk(self, start: int, stop: int) -> None:
+        while self.pieces and self.pieces[-1][0] >= start:  # chunks of an attempt the ranks agreed to redo
+            self.pieces.pop()
+        ((part,), _) = self.split.micro_batch(start, stop)
+        weight = self.count(part) if self.count is not None else stop - start
+        loss, logits, labels = self.predict(self.model, part, self.loss_only, ignore_keys=self.ignore_keys)
+        self.pieces.append((start, loss, logits, labels, weight))
+
+    def joined(self) -> Tuple[Optional[torch.Tensor], Any, Any]:
+        if len(self.pieces) == 1:
+            _, loss, logits, labels, _ = self.pieces[0]
+            return loss, logits, labels
+        return self._loss(), self._concatenated(2), self._concatenated(3)
+
+    def _loss(self) -> Optional[torch.Tensor]:
+        """The chunks' losses weighted by their items (chunks with none, a mean over nothing, left out), or
+        added up."""
+        losses = [(piece[1], 1.0 if self.summed else float(piece[4])) for piece in self.pieces if piece[1] is not None]
+        if not losses:
+            return None
+        total = 1.0 if self.summed else sum(weight for _, weight in losses)
+        if total == 0:  # nothing to average over: the plain Trainer's mean over nothing
+            return losses[0][0]
+        kept = [loss.float() * (weight / total) for loss, weight in losses if weight > 0]
+        return torch.stack(kept).sum().to(losses[0][0].dtype)
+
+    def _concatenated(self, index: int) -> Any:
+        joined = None
+        for piece in self.pieces:
+            if piece[index] is not None:
+                joined = piece[index] if joined is None else nested_concat(joined, piece[index], padding_index=-100)
+        return joined
+
+
+class TomaTrainer(TomaTrainerMixin, transformers.Trainer):
+    """`transformers.Trainer` whose loader batches train in micro-batches that fit, with the plain Trainer's
+    gradients: change the import, keep the rest (see `TomaTrainerMixin` for the options)."""
