@@ -36,6 +36,7 @@ LAYERS = [
         "stacktrace",
         "torch_cuda_memory",
     },
+    {"integrations"},  # each imports its framework, which nothing below may
 ]
 
 

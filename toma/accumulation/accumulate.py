@@ -171,11 +171,12 @@ class AccumulateStep(Step):
         scaler: Any,
         policy: SizePolicy,
         name: Optional[str] = None,
+        sync: Any = None,
     ) -> None:
         self.func, self.model, self.batch, self.policy, self.name = func, model, batch, policy, name
         self.mean = reduction == "mean"
         self.weight, self.scaler = weight, scaler
-        self.sync = sync_for(model)
+        self.sync = sync_for(model) if sync is None else sync
         self.params: List[torch.Tensor] = [p for p in model.parameters() if p.requires_grad]
         self.buffers = BufferStash(model)
         self.pending = PendingStash(model)
@@ -318,14 +319,16 @@ def accumulate(
     weight: Optional[Callable[..., Any]] = None,
     stats: Optional[AccumulationStats] = None,
     name: Optional[str] = None,
+    sync: Any = None,
 ) -> torch.Tensor:
     """Forward and backward `func(*micro_args, **micro_kwargs)` over the logical batch (a `BatchSplit` of a
     call's arguments, or `Parts` of several) in micro-batches; returns the logical batch's loss, detached.
     Arguments are checked by the caller (`toma.forms`, `toma.training.trainer`). The cached size is the one asked
     for, not capped by this batch's rows: a short batch never shrinks it, only an out-of-memory error does.
-    `policy` None: `ACCUMULATION_POLICY`, a `FitToMemory`."""
+    `policy` None: `ACCUMULATION_POLICY`, a `FitToMemory`. `sync`: how the gradients meet other ranks' (one of
+    `toma.accumulation.sync`'s); None: the one `model` calls for (`sync_for`)."""
     policy = policy or ACCUMULATION_POLICY
-    step = AccumulateStep(func, model, batch, reduction, weight, scaler, policy, name)
+    step = AccumulateStep(func, model, batch, reduction, weight, scaler, policy, name, sync)
     entry = cache.get_batchsize(initial_micro_batch)
     try:
         engine.run(step, entry, initial_micro_batch, policy, step.sync.agreement)
