@@ -98,16 +98,17 @@ def logged_rows(trainer):
 # --- parameters and losses equal a plain run ------------------------------------------------------------
 
 
-def test_without_an_out_of_memory_error_each_batch_runs_whole_and_trains_as_a_plain_run():
+def test_without_an_out_of_memory_error_each_batch_runs_whole_and_trains_as_a_plain_run(tmp_path):
+    """The micro-batch size is logged on the steps Lightning writes to its loggers, beside the module's values."""
     plain = Classifier()
-    plain_trainer = fit(plain)
+    plain_rows = logged_rows(fit(plain, logger=CSVLogger(tmp_path / "plain"), log_every_n_steps=3))
     module, callback = Classifier(), MicroBatching()
-    trainer = fit(module, [callback])
+    rows = logged_rows(fit(module, [callback], logger=CSVLogger(tmp_path / "micro"), log_every_n_steps=3))
     assert module.rows == [BATCH] * 4
     assert_same_parameters(module, plain)
-    assert float(trainer.callback_metrics["train_loss"]) == pytest.approx(
-        float(plain_trainer.callback_metrics["train_loss"]), rel=RTOL
-    )
+    assert [row["step"] for row in rows] == [row["step"] for row in plain_rows] == ["2"]
+    assert float(rows[0]["train_loss"]) == pytest.approx(float(plain_rows[0]["train_loss"]), rel=RTOL)
+    assert float(rows[0]["micro_batch"]) == BATCH
     assert callback.stats.micro_batch == BATCH and callback.stats.oom_retries == 0
     assert "training_step" not in module.__dict__, "the module's own training_step is back after the fit"
 
@@ -115,15 +116,15 @@ def test_without_an_out_of_memory_error_each_batch_runs_whole_and_trains_as_a_pl
 def test_out_of_memory_in_backward_shrinks_the_micro_batch_and_logs_what_a_plain_run_logs(tmp_path):
     """An OOM in the backward pass after the micro-batch's forward already logged its loss: the failed attempt's
     values are dropped, and each logged loss is the logical batch's (micro-batch means weighted by rows)."""
-    plain_trainer = fit(Classifier(), logger=CSVLogger(tmp_path / "plain"), log_every_n_steps=2)
+    plain_trainer = fit(Classifier(), logger=CSVLogger(tmp_path / "plain"), log_every_n_steps=1)
     plain_rows = logged_rows(plain_trainer)
     module, callback = Classifier(backward_oom_above=8), MicroBatching(policy=Halving())
-    trainer = fit(module, [callback], logger=CSVLogger(tmp_path / "micro"), log_every_n_steps=2)
+    trainer = fit(module, [callback], logger=CSVLogger(tmp_path / "micro"), log_every_n_steps=1)
     # 32 rows, then 16 (out of memory in the backward pass), then 8 for the rest
     assert module.rows == [32, 16] + [8] * 16, module.rows
     assert callback.stats.micro_batch == 8 and callback.stats.oom_retries == 2
     rows = logged_rows(trainer)
-    assert [row["step"] for row in rows] == [row["step"] for row in plain_rows] == ["1", "3"]
+    assert [row["step"] for row in rows] == [row["step"] for row in plain_rows] == ["0", "1", "2", "3"]
     for row, plain_row in zip(rows, plain_rows, strict=True):
         assert float(row["train_loss"]) == pytest.approx(float(plain_row["train_loss"]), rel=RTOL)
         assert float(row["micro_batch"]) == 8
