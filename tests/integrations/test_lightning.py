@@ -17,7 +17,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 from toma import Halving  # noqa: E402
 from toma.integrations.lightning import MicroBatching  # noqa: E402
 
-from helpers import WIDE_MLP_UNDER_A_CAP, raise_fake_oom, run_python  # noqa: E402
+from helpers import WIDE_MLP_UNDER_A_CAP, raise_fake_oom, requires_cuda, run_python  # noqa: E402
 
 RTOL, ATOL = 1e-5, 1e-7
 ROWS, BATCH = 128, 32
@@ -72,8 +72,8 @@ def loader(batch_size=BATCH):
 
 def fit(module, callbacks=(), batch_size=BATCH, steps=4, **options):
     options.setdefault("logger", False)
+    options.setdefault("accelerator", "cpu")
     trainer = pl.Trainer(
-        accelerator="cpu",
         max_steps=steps,
         callbacks=list(callbacks),
         enable_progress_bar=False,
@@ -180,6 +180,72 @@ def test_fp16_mixed_precision_scales_every_micro_batch_backward_pass_with_lightn
     assert_same_parameters(module, hand_split_reference(plugins=[MixedPrecision("16-mixed", "cpu")]))
 
 
+class TokenMean(pl.LightningModule):
+    """A causal-LM-like step on a dict batch whose loss averages over the label tokens that are not padding."""
+
+    def __init__(self, oom_above=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.head = nn.Embedding(20, 16), nn.Linear(16, 20)
+        self.oom_above = oom_above
+
+    def training_step(self, batch, batch_idx):
+        if self.oom_above is not None and len(batch["input_ids"]) > self.oom_above:
+            raise_fake_oom()
+        logits = self.head(self.embed(batch["input_ids"]))
+        loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+class Padded(torch.utils.data.Dataset):
+    """Rows of 12 tokens whose labels are padded after a length of 1 to 12: token counts far apart."""
+
+    def __init__(self):
+        generator = torch.Generator().manual_seed(2)
+        self.ids = torch.randint(0, 20, (64, 12), generator=generator)
+        lengths = torch.randint(1, 13, (64, 1), generator=generator)
+        self.labels = self.ids.masked_fill(torch.arange(12) >= lengths, -100)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, index):
+        return {"input_ids": self.ids[index], "labels": self.labels[index]}
+
+
+def label_tokens(batch):
+    return (batch["labels"] != -100).sum()
+
+
+def test_weight_gives_a_token_mean_loss_the_plain_runs_gradients_and_logged_loss(tmp_path):
+    def run(module, callbacks, name):
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            max_steps=3,
+            callbacks=callbacks,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            logger=CSVLogger(tmp_path / name),
+            log_every_n_steps=1,
+        )
+        trainer.fit(module, torch.utils.data.DataLoader(Padded(), batch_size=16))
+        return logged_rows(trainer)
+
+    plain = TokenMean()
+    plain_rows = run(plain, [], "plain")
+    module = TokenMean(oom_above=4)
+    rows = run(module, [MicroBatching(weight=label_tokens, policy=Halving())], "micro")
+    assert [float(row["micro_batch"]) for row in rows] == [4.0] * 3
+    for row, plain_row in zip(rows, plain_rows, strict=True):
+        assert float(row["train_loss"]) == pytest.approx(float(plain_row["train_loss"]), rel=RTOL)
+    assert_same_parameters(module, plain)
+
+
 # --- the training step's contract ---------------------------------------------------------------------------
 
 
@@ -245,6 +311,15 @@ def test_bad_options_are_refused_early_naming_the_argument():
         MicroBatching(policy="halving")
     with pytest.raises(ValueError, match="weight"):
         MicroBatching(weight=len, reduction="sum")
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_fp16_mixed_precision_on_a_gpu_trains_as_lightning_does_with_the_same_micro_batches():
+    module = Classifier()
+    fit(module, [MicroBatching(initial_micro_batch=8)], steps=2, accelerator="gpu", devices=1, precision="16-mixed")
+    reference = hand_split_reference(accelerator="gpu", devices=1, precision="16-mixed")
+    assert_same_parameters(module, reference)
 
 
 # --- a real out-of-memory error -------------------------------------------------------------------------
