@@ -181,9 +181,12 @@ def _scaler_of(precision: Precision) -> Any:
 
 def _writes_logs(trainer: "pl.Trainer") -> bool:
     """Whether Lightning writes this step's logged values to its loggers (every `log_every_n_steps` optimizer
-    steps, and the last): `self.log` costs about as much as a small model's step, so the micro-batch size is logged
-    on those steps only."""
-    every: int = trainer.log_every_n_steps  # type: ignore[attr-defined]  # set by Lightning's logger connector
+    steps, the last, every step of a `fast_dev_run`): `self.log` costs a fair share of a small model's step, so the
+    micro-batch size is logged on those steps only."""
+    # both set on the Trainer at its start, by Lightning's logger connector and debugging setup
+    every: int = trainer.log_every_n_steps  # type: ignore[attr-defined]
+    if trainer.fast_dev_run:  # type: ignore[attr-defined]
+        return True
     return bool(every) and ((trainer.global_step + 1) % every == 0 or trainer.should_stop)
 
 
