@@ -169,13 +169,14 @@ class AccumulateStep(Step):
         name: Optional[str] = None,
         backward: Optional[Callable[[torch.Tensor], Any]] = None,
         total: Any = None,
+        sync: Any = None,
     ) -> None:
         self.func, self.model, self.batch, self.policy, self.name = func, model, batch, policy, name
         self.mean = reduction == "mean"
         self.weight, self.scaler = weight, scaler
         self.backward: Callable[[torch.Tensor], Any] = backward or torch.Tensor.backward
         self.total = total
-        self.sync = sync_for(model)
+        self.sync = sync_for(model) if sync is None else sync
         self.params: List[torch.Tensor] = [p for p in model.parameters() if p.requires_grad]
         self.buffers = BufferStash(model)
         self.pending = PendingStash(model)
@@ -326,6 +327,7 @@ def accumulate(
     name: Optional[str] = None,
     backward: Optional[Callable[[torch.Tensor], Any]] = None,
     total: Any = None,
+    sync: Any = None,
 ) -> torch.Tensor:
     """Forward and backward `func(*micro_args, **micro_kwargs)` over the logical batch (an `ArgumentBatch` of
     a call's arguments, or `ArgumentPieces` of several) in micro-batches; returns the logical batch's loss, detached.
@@ -337,9 +339,11 @@ def accumulate(
     `backward(loss)` replaces `loss.backward()` (an accelerator's backward, which scales for mixed precision);
     `total`, with `weight=`, is what the loss averages over in all when this logical batch is part of a larger
     mean (a gradient-accumulation window, every rank's batches): each micro-loss is weighted count / total
-    instead of count / the batch's own count, and the ranks' gradients are averaged as DDP does."""
+    instead of count / the batch's own count, and the ranks' gradients are averaged as DDP does. `sync`: how the
+    gradients meet other ranks' (one of `toma.accumulation.sync`'s); None: the one `model` calls for
+    (`sync_for`)."""
     policy = policy or ACCUMULATION_POLICY
-    step = AccumulateStep(func, model, batch, reduction, weight, scaler, policy, name, backward, total)
+    step = AccumulateStep(func, model, batch, reduction, weight, scaler, policy, name, backward, total, sync)
     entry = cache.get_batchsize(initial_micro_batch)
     try:
         engine.run(step, entry, initial_micro_batch, policy, step.sync.agreement)

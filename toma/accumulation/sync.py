@@ -1,6 +1,7 @@
 """How an accumulation syncs gradients across ranks: alone (LocalSync), through DDP with `no_sync` on all but the
-last micro-batch (DDPNoSync), or through the ranks' agreement and one all-reduce at the end (AgreeingDDP); and
-the device a model computes on."""
+last micro-batch (DDPNoSync), through the ranks' agreement and one all-reduce at the end (AgreeingDDP), or through
+the agreement alone when a framework reduces the gradients after the logical batch (AgreeingOnly); and the device
+a model computes on."""
 
 import contextlib
 from typing import Any, ContextManager, Iterable, List, Optional
@@ -10,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from toma.core.agreement import Agreement, all_reduce_gradients, broadcast_buffers, is_distributed
 
-__all__ = ["LocalSync", "DDPNoSync", "AgreeingDDP", "model_device", "sync_for"]
+__all__ = ["LocalSync", "DDPNoSync", "AgreeingDDP", "AgreeingOnly", "model_device", "sync_for"]
 
 
 class LocalSync:
@@ -86,6 +87,27 @@ class AgreeingDDP:
             # collective inside the region that may be retried: a rank that skips its forward passes would
             # leave the others waiting. Broadcast them here, after the agreement, and keep DDP's off.
             broadcast_buffers(self.model)
+
+    def abort(self) -> None:
+        pass
+
+
+class AgreeingOnly:
+    """Ranks whose gradients a framework reduces after the logical batch, outside the region toma may retry
+    (Lightning's DDP, in the backward pass it runs on the logical batch's loss): every attempt is agreed on, as
+    under AgreeingDDP, so the ranks start each logical batch at the same size and stop together, and nothing is
+    reduced here."""
+
+    copy_grads = False
+
+    def __init__(self, agreement: Agreement) -> None:
+        self.agreement = agreement
+
+    def micro_batch(self, last: bool) -> ContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def synchronise(self, params: List[torch.Tensor], weight: Optional[float] = None) -> None:
+        pass
 
     def abort(self) -> None:
         pass

@@ -1,0 +1,384 @@
+"""toma.integrations.lightning.MicroBatching: each loader batch one logical batch in micro-batches that fit, the
+parameters those of a plain Lightning run on the same batches (rtol 1e-5)."""
+
+import csv
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+pl = pytest.importorskip("lightning.pytorch")
+
+from lightning.pytorch.loggers import CSVLogger  # noqa: E402
+from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
+
+from toma import Halving  # noqa: E402
+from toma.integrations.lightning import MicroBatching  # noqa: E402
+
+from helpers import WIDE_MLP_UNDER_A_CAP, raise_fake_oom, requires_cuda, run_python  # noqa: E402
+
+RTOL, ATOL = 1e-5, 1e-7
+ROWS, BATCH = 128, 32
+
+
+class OomInBackward(torch.autograd.Function):
+    """The identity, whose backward pass runs out of memory: a micro-batch whose forward pass fit."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise_fake_oom()
+
+
+class Classifier(pl.LightningModule):
+    """An MLP whose training step logs its loss; out of memory above `oom_above` rows (in the forward pass) or
+    `backward_oom_above` rows (in the backward pass), as a device with less memory would be."""
+
+    def __init__(self, oom_above=None, backward_oom_above=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 3))
+        self.oom_above, self.backward_oom_above = oom_above, backward_oom_above
+        self.rows = []  # the rows of every training_step call
+
+    def training_step(self, batch, batch_idx):
+        inputs, targets = batch
+        self.rows.append(len(inputs))
+        if self.oom_above is not None and len(inputs) > self.oom_above:
+            raise_fake_oom()
+        logits = self.net(inputs)
+        if self.backward_oom_above is not None and len(inputs) > self.backward_oom_above:
+            logits = OomInBackward.apply(logits)
+        loss = F.cross_entropy(logits, targets)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def loader(batch_size=BATCH):
+    generator = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(ROWS, 8, generator=generator), torch.randint(0, 3, (ROWS,), generator=generator)
+    )
+    return torch.utils.data.DataLoader(data, batch_size=batch_size)
+
+
+def fit(module, callbacks=(), batch_size=BATCH, steps=4, **options):
+    options.setdefault("logger", False)
+    options.setdefault("accelerator", "cpu")
+    trainer = pl.Trainer(
+        max_steps=steps,
+        callbacks=list(callbacks),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        **options,
+    )
+    trainer.fit(module, loader(batch_size))
+    return trainer
+
+
+def assert_same_parameters(module, reference):
+    for got, expected in zip(module.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL)
+
+
+def logged_rows(trainer):
+    with open(f"{trainer.logger.log_dir}/metrics.csv", newline="") as file:
+        return list(csv.DictReader(file))
+
+
+# --- parameters and losses equal a plain run ------------------------------------------------------------
+
+
+def test_without_an_out_of_memory_error_each_batch_runs_whole_and_trains_as_a_plain_run(tmp_path):
+    """The micro-batch size is logged on the steps Lightning writes to its loggers, beside the module's values."""
+    plain = Classifier()
+    plain_rows = logged_rows(fit(plain, logger=CSVLogger(tmp_path / "plain"), log_every_n_steps=3))
+    module, callback = Classifier(), MicroBatching()
+    rows = logged_rows(fit(module, [callback], logger=CSVLogger(tmp_path / "micro"), log_every_n_steps=3))
+    assert module.rows == [BATCH] * 4
+    assert_same_parameters(module, plain)
+    assert [row["step"] for row in rows] == [row["step"] for row in plain_rows] == ["2"]
+    assert float(rows[0]["train_loss"]) == pytest.approx(float(plain_rows[0]["train_loss"]), rel=RTOL)
+    assert float(rows[0]["micro_batch"]) == BATCH
+    assert callback.stats.micro_batch == BATCH and callback.stats.oom_retries == 0
+    assert "training_step" not in module.__dict__, "the module's own training_step is back after the fit"
+
+
+def test_out_of_memory_in_backward_shrinks_the_micro_batch_and_logs_what_a_plain_run_logs(tmp_path):
+    """An OOM in the backward pass after the micro-batch's forward already logged its loss: the failed attempt's
+    values are dropped, and each logged loss is the logical batch's (micro-batch means weighted by rows)."""
+    plain_trainer = fit(Classifier(), logger=CSVLogger(tmp_path / "plain"), log_every_n_steps=1)
+    plain_rows = logged_rows(plain_trainer)
+    module, callback = Classifier(backward_oom_above=8), MicroBatching(policy=Halving())
+    trainer = fit(module, [callback], logger=CSVLogger(tmp_path / "micro"), log_every_n_steps=1)
+    # 32 rows, then 16 (out of memory in the backward pass), then 8 for the rest
+    assert module.rows == [32, 16] + [8] * 16, module.rows
+    assert callback.stats.micro_batch == 8 and callback.stats.oom_retries == 2
+    rows = logged_rows(trainer)
+    assert [row["step"] for row in rows] == [row["step"] for row in plain_rows] == ["0", "1", "2", "3"]
+    for row, plain_row in zip(rows, plain_rows, strict=True):
+        assert float(row["train_loss"]) == pytest.approx(float(plain_row["train_loss"]), rel=RTOL)
+        assert float(row["micro_batch"]) == 8
+    assert_same_parameters(module, plain_trainer.lightning_module)
+
+
+def test_accumulate_grad_batches_with_out_of_memory_in_the_forward_pass():
+    plain = Classifier()
+    fit(plain, accumulate_grad_batches=2)
+    module, callback = Classifier(oom_above=8), MicroBatching()
+    fit(module, [callback], accumulate_grad_batches=2)
+    assert callback.stats.micro_batch <= 8 and callback.stats.oom_retries >= 1
+    assert_same_parameters(module, plain)
+
+
+def hand_split_reference(**options):
+    """The plain run that trains a batch of 32 as 4 batches of 8 with accumulate_grad_batches=4: what micro-batches
+    of 8 give, done by Lightning itself (under mixed precision a micro-batch's rounding is not the whole batch's)."""
+    reference = Classifier()
+    fit(reference, batch_size=8, steps=2, accumulate_grad_batches=4, **options)
+    return reference
+
+
+def test_bf16_mixed_precision_trains_as_lightning_does_with_the_same_micro_batches():
+    module, callback = Classifier(), MicroBatching(initial_micro_batch=8)
+    trainer = fit(module, [callback], steps=2, precision="bf16-mixed")
+    assert isinstance(trainer.precision_plugin, MixedPrecision) and trainer.precision_plugin.scaler is None
+    assert module.rows == [8] * 8
+    assert_same_parameters(module, hand_split_reference(precision="bf16-mixed"))
+
+
+def test_fp16_mixed_precision_scales_every_micro_batch_backward_pass_with_lightnings_scaler(monkeypatch):
+    """Lightning's AMP plugin with a GradScaler (usable on the CPU): each micro-batch's loss goes through
+    scaler.scale before its backward pass (fp16 gradients would underflow otherwise), the logical batch's loss
+    once more in Lightning's backward pass, and the gradients the optimizer sees carry the scale once."""
+    scaled = []
+    original = torch.amp.GradScaler.scale
+
+    def spy(self, outputs):
+        if isinstance(outputs, torch.Tensor) and outputs.requires_grad:
+            scaled.append(outputs.grad_fn is not None and type(outputs.grad_fn).__name__)
+        return original(self, outputs)
+
+    monkeypatch.setattr(torch.amp.GradScaler, "scale", spy)
+    module, callback = Classifier(), MicroBatching(initial_micro_batch=8)
+    trainer = fit(module, [callback], steps=2, plugins=[MixedPrecision("16-mixed", "cpu")])
+    scaler = trainer.precision_plugin.scaler
+    assert isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled() and scaler.get_scale() > 1
+    # per step: 4 micro-batch losses (each scaled by its share of the batch), then Lightning's backward on the
+    # logical batch's loss (divided by accumulate_grad_batches)
+    assert scaled == (["MulBackward0"] * 4 + ["DivBackward0"]) * 2, scaled
+    scaled.clear()
+    assert_same_parameters(module, hand_split_reference(plugins=[MixedPrecision("16-mixed", "cpu")]))
+
+
+class TokenMean(pl.LightningModule):
+    """A causal-LM-like step on a dict batch whose loss averages over the label tokens that are not padding."""
+
+    def __init__(self, oom_above=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.head = nn.Embedding(20, 16), nn.Linear(16, 20)
+        self.oom_above = oom_above
+
+    def training_step(self, batch, batch_idx):
+        if self.oom_above is not None and len(batch["input_ids"]) > self.oom_above:
+            raise_fake_oom()
+        logits = self.head(self.embed(batch["input_ids"]))
+        loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+class Padded(torch.utils.data.Dataset):
+    """Rows of 12 tokens whose labels are padded after a length of 1 to 12: token counts far apart."""
+
+    def __init__(self):
+        generator = torch.Generator().manual_seed(2)
+        self.ids = torch.randint(0, 20, (64, 12), generator=generator)
+        lengths = torch.randint(1, 13, (64, 1), generator=generator)
+        self.labels = self.ids.masked_fill(torch.arange(12) >= lengths, -100)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, index):
+        return {"input_ids": self.ids[index], "labels": self.labels[index]}
+
+
+def label_tokens(batch):
+    return (batch["labels"] != -100).sum()
+
+
+def test_weight_gives_a_token_mean_loss_the_plain_runs_gradients_and_logged_loss(tmp_path):
+    def run(module, callbacks, name):
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            max_steps=3,
+            callbacks=callbacks,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            logger=CSVLogger(tmp_path / name),
+            log_every_n_steps=1,
+        )
+        trainer.fit(module, torch.utils.data.DataLoader(Padded(), batch_size=16))
+        return logged_rows(trainer)
+
+    plain = TokenMean()
+    plain_rows = run(plain, [], "plain")
+    module = TokenMean(oom_above=4)
+    rows = run(module, [MicroBatching(weight=label_tokens, policy=Halving())], "micro")
+    assert [float(row["micro_batch"]) for row in rows] == [4.0] * 3
+    for row, plain_row in zip(rows, plain_rows, strict=True):
+        assert float(row["train_loss"]) == pytest.approx(float(plain_row["train_loss"]), rel=RTOL)
+    assert_same_parameters(module, plain)
+
+
+# --- the training step's contract ---------------------------------------------------------------------------
+
+
+class DictStep(Classifier):
+    """A training step returning a dict with more than the loss, the batch as a dict."""
+
+    def training_step(self, batch, batch_idx):
+        inputs, targets = batch
+        self.rows.append(len(inputs))
+        if self.oom_above is not None and len(inputs) > self.oom_above:
+            raise_fake_oom()
+        return {"loss": F.cross_entropy(self.net(inputs), targets), "rows": len(inputs)}
+
+
+def test_a_dict_output_keeps_its_other_keys_from_the_last_micro_batch():
+    outputs = []
+
+    class Outputs(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, output, batch, batch_idx):
+            outputs.append(output)
+
+    plain = DictStep()
+    fit(plain, [Outputs()], steps=2)
+    plain_outputs, outputs[:] = list(outputs), []
+    module = DictStep(oom_above=16)
+    fit(module, [MicroBatching(policy=Halving()), Outputs()], steps=2)
+    assert [o["rows"] for o in outputs] == [16, 16]
+    for got, expected in zip(outputs, plain_outputs, strict=True):
+        assert float(got["loss"]) == pytest.approx(float(expected["loss"]), rel=RTOL)
+    assert_same_parameters(module, plain)
+
+
+class Failing(Classifier):
+    def training_step(self, batch, batch_idx):
+        raise ValueError("not a memory problem")
+
+
+def test_an_error_that_is_not_out_of_memory_passes_through_and_the_step_is_restored():
+    module = Failing()
+    with pytest.raises(ValueError, match="not a memory problem"):
+        fit(module, [MicroBatching()])
+    assert "training_step" not in module.__dict__
+    assert all(p.grad is None for p in module.parameters())
+
+
+class Manual(Classifier):
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+
+def test_manual_optimization_is_refused_with_a_clear_error():
+    with pytest.raises(ValueError, match="automatic optimization"):
+        fit(Manual(), [MicroBatching()], steps=1)
+
+
+def test_bad_options_are_refused_early_naming_the_argument():
+    with pytest.raises(ValueError, match="initial_micro_batch"):
+        MicroBatching(initial_micro_batch=0)
+    with pytest.raises(ValueError, match="reduction"):
+        MicroBatching(reduction="max")
+    with pytest.raises(TypeError, match="policy"):
+        MicroBatching(policy="halving")
+    with pytest.raises(ValueError, match="weight"):
+        MicroBatching(weight=len, reduction="sum")
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_fp16_mixed_precision_on_a_gpu_trains_as_lightning_does_with_the_same_micro_batches():
+    module = Classifier()
+    fit(module, [MicroBatching(initial_micro_batch=8)], steps=2, accelerator="gpu", devices=1, precision="16-mixed")
+    reference = hand_split_reference(accelerator="gpu", devices=1, precision="16-mixed")
+    assert_same_parameters(module, reference)
+
+
+# --- a real out-of-memory error -------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_under_a_real_cpu_memory_cap_the_plain_run_fails_and_micro_batching_trains_the_reference_step():
+    out = run_python(
+        WIDE_MLP_UNDER_A_CAP
+        + """
+import gc, logging
+import lightning.pytorch as pl
+from toma import should_reduce_batch_size
+from toma.integrations.lightning import MicroBatching
+logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+
+class Wide(pl.LightningModule):
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+def fit(net, x, y, callbacks):
+    module = Wide(net)
+    trainer = pl.Trainer(accelerator="cpu", max_steps=1, callbacks=callbacks, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False)
+    trainer.fit(module, torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=len(x)))
+    return module
+
+# Outside the cap: the reference step, and a small fit that has Lightning import and build what it keeps.
+reference = make_model()
+F.cross_entropy(reference(inputs), targets).backward()
+torch.optim.SGD(reference.parameters(), lr=0.5).step()
+reference_state = [p.detach().clone() for p in reference.parameters()]
+del reference
+fit(nn.Linear(32, 10), inputs[:64], targets[:64], [MicroBatching()])
+
+set_cpu_memory_headroom(192 / 1024)
+try:
+    fit(make_model(), inputs, targets, [])
+    plain = "trained"
+except Exception as error:
+    plain = "out of memory" if should_reduce_batch_size(error) else repr(error)
+    del error
+gc.collect()
+callback = MicroBatching()
+module = fit(make_model(), inputs, targets, [callback])
+close = [bool(torch.allclose(p, r, rtol=1e-5, atol=1e-6)) for p, r in zip(module.parameters(), reference_state)]
+print(json.dumps(dict(plain=plain, close=close, micro_batch=callback.stats.micro_batch, messages=messages)))
+""",
+        timeout=300,
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["plain"] == "out of memory", result["plain"]
+    ooms = [m for m in result["messages"] if "ran out of memory" in m]
+    assert ooms and all("can't allocate memory" in m and m.startswith("MicroBatching") for m in ooms), ooms
+    assert 0 < result["micro_batch"] < 16384
+    assert all(result["close"]), "the step must equal the full-batch reference step"

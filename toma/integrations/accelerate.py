@@ -1,0 +1,111 @@
+"""accelerate's `find_executable_batch_size`, with its signature and behaviour, run by toma's engine.
+
+`@find_executable_batch_size(starting_batch_size=128)` on a function whose first argument is the batch size:
+callers leave it out, an out-of-memory error retries the call with the size times 0.9 (accelerate's back-off, or
+`reduce_batch_size_fn()`), and running out at size 1 raises accelerate's `RuntimeError("No executable batch size
+found, reached zero.")` (from the original error). What toma's engine changes: a call that fits collects no
+garbage and empties no cache (accelerate does both before every call, and after every error); the size that
+worked is remembered per function and call site (and free-memory level), so the next call from there starts at it,
+also when the function is decorated anew; out-of-memory errors of every backend toma knows count; and `policy=`
+takes a toma sizing policy (`FitToMemory()`).
+Nothing here imports accelerate.
+"""
+
+import functools
+import inspect
+from typing import Any, Callable, Optional
+
+from toma.core.arguments import check_function
+from toma.core.oom import should_reduce_batch_size
+from toma.core.policy import SizePolicy, check_policy
+from toma.core.steps import BatchStep
+from toma.forms.options import CallOptions
+from toma.sizing.policies import ShrinkByFactor
+
+__all__ = ["find_executable_batch_size", "ACCELERATE_POLICY", "NO_BATCH_SIZE"]
+
+ACCELERATE_POLICY: SizePolicy = ShrinkByFactor(0.9)  # accelerate's int(batch_size * 0.9): 128, 115, 103, ...
+NO_BATCH_SIZE = "No executable batch size found, reached zero."  # accelerate's words, for code that matches them
+
+
+class ReduceBatchSizeFn(SizePolicy):
+    """accelerate's `reduce_batch_size_fn` as a sizing policy: called with no argument after each out-of-memory
+    error, it returns the next size; 0 (or less) means none is left."""
+
+    def __init__(self, reduce: Callable[[], int]) -> None:
+        self.reduce = reduce
+
+    def shrink(self, size: int) -> Optional[int]:
+        smaller = self.reduce()
+        return smaller if smaller >= 1 else None
+
+    def __repr__(self) -> str:
+        return f"reduce_batch_size_fn={self.reduce!r}"
+
+
+def _positional_limit(function: Callable[..., Any]) -> Optional[int]:
+    """How many positional arguments `function` takes after the batch size (None: any number, *args)."""
+    try:
+        parameters = list(inspect.signature(function).parameters.values())
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to check
+        return None
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in parameters):
+        return None
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return max(0, sum(p.kind in positional for p in parameters) - 1)
+
+
+def find_executable_batch_size(
+    function: Optional[Callable[..., Any]] = None,
+    starting_batch_size: int = 128,
+    reduce_batch_size_fn: Optional[Callable[[], int]] = None,
+    *,
+    policy: Optional[SizePolicy] = None,
+) -> Any:
+    """Run `function(batch_size, *args, **kwargs)` at a batch size that fits, starting at `starting_batch_size`.
+
+    A decorator with or without arguments, as accelerate's. `reduce_batch_size_fn()` gives the size after an
+    out-of-memory error (default: times 0.9); `policy=` a toma sizing policy instead (`toma.FitToMemory()`).
+    """
+    if function is None:
+        return functools.partial(
+            find_executable_batch_size,
+            starting_batch_size=starting_batch_size,
+            reduce_batch_size_fn=reduce_batch_size_fn,
+            policy=policy,
+        )
+    check_function(function, "find_executable_batch_size", "starting_batch_size")
+    if isinstance(starting_batch_size, bool) or not isinstance(starting_batch_size, int) or starting_batch_size < 0:
+        raise ValueError(f"starting_batch_size must be a whole number of at least 0, got {starting_batch_size!r}")
+    if reduce_batch_size_fn is not None and not callable(reduce_batch_size_fn):
+        raise TypeError(f"reduce_batch_size_fn must be a function of no arguments, got {reduce_batch_size_fn!r}")
+    if reduce_batch_size_fn is not None and policy is not None:
+        raise ValueError("give reduce_batch_size_fn or policy, not both: each decides the size after an error")
+    chosen = check_policy(policy, "policy") or (
+        ACCELERATE_POLICY if reduce_batch_size_fn is None else ReduceBatchSizeFn(reduce_batch_size_fn)
+    )
+    # Cached by the function's code (and the default cache's call site and free-memory level): an inner training
+    # function decorated anew on every outer call, as accelerate's documentation does it, still finds its size.
+    options = CallOptions(policy=chosen)
+    initial = max(1, starting_batch_size)
+    limit = _positional_limit(function)
+    name = getattr(function, "__name__", repr(function))
+
+    @functools.wraps(function)
+    def decorator(*args: Any, **kwargs: Any) -> Any:
+        if limit is not None and len(args) > limit:
+            given = ", ".join(f"{p}={v!r}" for p, v in zip(list(inspect.signature(function).parameters)[1:], args[1:]))
+            raise TypeError(
+                f"Batch size was passed into `{name}` as the first argument when called. Remove this as the "
+                f"decorator already does so: `{name}({given})`"
+            )
+        if starting_batch_size == 0:
+            raise RuntimeError(NO_BATCH_SIZE)
+        try:
+            return options.perform(BatchStep(function, args, kwargs), initial).result
+        except Exception as error:
+            if should_reduce_batch_size(error):  # out of memory at the smallest size
+                raise RuntimeError(NO_BATCH_SIZE) from error
+            raise
+
+    return decorator
