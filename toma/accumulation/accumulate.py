@@ -30,7 +30,7 @@ from toma.batching import transfer
 from toma.batching.splitting import ArgumentBatch, LogicalBatch, MicroBatch
 from toma.batching.transfer import MicroBatchTransfers, Pending, shared_transfers
 from toma.core import engine
-from toma.core.caches import BatchsizeCache
+from toma.core.caches import BatchsizeCache, LearnedState
 from toma.core.oom import should_reduce_batch_size
 from toma.core.steps import Step
 from toma.sizing.fit_to_memory import FitToMemory
@@ -135,8 +135,13 @@ class AccumulationStats:
     oom_retries: int = 0  # logical batches redone after an out-of-memory error, over all calls
     calls: int = 0
     weight: Optional[float] = None  # what the last logical batch's loss averaged over (rows, or weight's total)
-    # FitToMemory's memory model of the call site once it measured: a LinearNeed per element of the batch
-    model: Any = None
+    learned: Optional[LearnedState] = None  # what the policy learned at the call site's entry
+
+    @property
+    def model(self) -> Any:
+        """FitToMemory's memory model of the call site once it measured (a need per item of the batch), read
+        when asked: fitting it on every call would cost the hot path."""
+        return None if self.learned is None else self.learned.model()
 
 
 def _pipeline_for(params: List[torch.Tensor], batch: LogicalBatch) -> Optional[MicroBatchTransfers]:
@@ -354,7 +359,6 @@ def accumulate(
     if stats is not None:
         stats.micro_batch = step.size
         stats.weight = step.total_weight
-        learned = getattr(entry.learned, "model", None)
-        stats.model = learned() if callable(learned) else None
+        stats.learned = entry.learned
     assert step.result is not None
     return step.result

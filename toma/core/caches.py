@@ -41,6 +41,10 @@ class LearnedState:
         """The text the size file keeps, which the policy's `restore` reads back (None: nothing to keep)."""
         return None
 
+    def model(self) -> Any:
+        """The memory model learned so far, for reports (None: none)."""
+        return None
+
 
 @dataclass
 class Batchsize:
