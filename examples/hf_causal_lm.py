@@ -109,6 +109,7 @@ def run(trainer_class: type, output_dir: str, data: list, cuda: bool, **settings
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output-dir", help="the Trainer's output directory (a temporary one by default)")
+    parser.add_argument("--rows", type=int, default=ROWS, help=f"rows of training data (default {ROWS})")
     parser.add_argument(
         "--memory-fraction", type=float, help="CUDA only: the share of the GPU's memory PyTorch may take"
     )
@@ -126,7 +127,9 @@ def main() -> None:
     if not cuda:
         torch.set_num_threads(1)  # thread stacks count against the cap too
         predictable_heap()
-    data = sums(ROWS, torch.Generator().manual_seed(0))
+    if args.rows < BATCH:
+        parser.error(f"--rows must be at least one batch ({BATCH}), got {args.rows}")
+    data = sums(args.rows, torch.Generator().manual_seed(0))
     if not cuda:
         set_cpu_memory_headroom(HEADROOM_MIB / 1024)
         print(f"capped this process at {HEADROOM_MIB} MiB more than it uses; batches of {BATCH} rows")
