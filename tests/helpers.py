@@ -1,14 +1,18 @@
 """Shared test helpers: fake OOMs, a fixed free-memory gauge, subprocesses, the CUDA marker."""
 
+import atexit
 import os
 import socket
 import subprocess
 import sys
 import textwrap
 import time
+from typing import Dict, List, Optional
 
 import pytest
 import torch
+
+from fork_server import Child, ForkServer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -67,19 +71,59 @@ inputs, targets = torch.randn(N, 32), torch.randint(0, 10, (N,))
 )
 
 
-def run_python(code: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    """Run `code` in a fresh interpreter with the repository importable; fail the test on a non-zero exit."""
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=REPO,
-    )
+def run_python(
+    code: str, timeout: float = 180, env: Optional[Dict[str, str]] = None, fresh: bool = False
+) -> subprocess.CompletedProcess:
+    """Run `code` as `python -c` would, with the repository importable and `env` added to the environment;
+    fail the test on a non-zero exit. The process is a fork of a server that imported torch once
+    (tests/fork_server.py); `fresh=True` starts a new interpreter instead, for code whose point is what an
+    environment variable does when torch starts."""
+    code = textwrap.dedent(code)
+    if fresh:
+        result = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=dict(_env(), **(env or {})),
+            cwd=REPO,
+        )
+    else:
+        (child,) = _start([code], [env or {}])
+        (result,) = _finish([child], timeout, "the subprocess did not finish within {timeout} s: a hang")
     assert result.returncode == 0, f"subprocess failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
     return result
+
+
+def _env() -> Dict[str, str]:
+    return dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+_server: Optional[ForkServer] = None
+_ENV = dict(os.environ)  # as the session started: a test's monkeypatched variables do not reach the server
+
+
+def _start(codes: List[str], envs: List[Dict[str, str]]) -> List[Child]:
+    """Start each code in a fork of the session's server, with the repository first on PYTHONPATH."""
+    global _server
+    if _server is None:
+        _server = ForkServer(dict(_ENV, PYTHONPATH=REPO + os.pathsep + _ENV.get("PYTHONPATH", "")), REPO)
+        atexit.register(_server.close)
+    return [_server.start(code, dict(_env(), **extra), REPO) for code, extra in zip(codes, envs)]
+
+
+def _finish(children: List[Child], timeout: float, hang: str) -> List[subprocess.CompletedProcess]:
+    """Wait for the children; past `timeout` seconds kill them and fail the test with `hang`."""
+    assert _server is not None
+    finished = _server.wait([child.pid for child in children], time.monotonic() + timeout)
+    if not finished:
+        for child in children:
+            if child.returncode is None:
+                _server.kill(child.pid)
+    results = [subprocess.CompletedProcess(["fork"], child.returncode, *child.output()) for child in children]
+    if not finished:
+        pytest.fail(hang.format(timeout=timeout) + "".join(f"\n{r.stdout}\n{r.stderr}" for r in results))
+    return results
 
 
 def free_port() -> int:
@@ -92,43 +136,15 @@ def run_ranks(code: str, world_size: int, timeout: float = 120, check: bool = Tr
     """Run `code` as `world_size` processes of one torch.distributed job (env:// rendezvous on localhost,
     RANK and WORLD_SIZE set); returns their stdouts (with check=False: (returncode, stdout, stderr) per
     rank). A hang fails the test after `timeout` seconds."""
-    env = dict(
-        os.environ,
-        PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-        WORLD_SIZE=str(world_size),
-        OMP_NUM_THREADS="1",
-    )
-    processes = [
-        subprocess.Popen(
-            [sys.executable, "-c", textwrap.dedent(code)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
-            cwd=REPO,
-        )
-        for rank in range(world_size)
-    ]
-    outputs = []
-    deadline = time.monotonic() + timeout
-    try:
-        for rank, process in enumerate(processes):
-            stdout, stderr = process.communicate(timeout=max(0.1, deadline - time.monotonic()))
-            if not check:
-                outputs.append((process.returncode, stdout, stderr))
-                continue
-            assert process.returncode == 0, f"rank {rank} failed ({process.returncode}):\n{stdout}\n{stderr}"
-            outputs.append(stdout)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the {world_size} ranks did not finish within {timeout} s: a hang")
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.communicate()
-    return outputs
+    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
+    envs = [dict(env, RANK=str(rank), LOCAL_RANK=str(rank)) for rank in range(world_size)]
+    children = _start([textwrap.dedent(code)] * world_size, envs)
+    results = _finish(children, timeout, f"the {world_size} ranks did not finish within {{timeout}} s: a hang")
+    if not check:
+        return [(result.returncode, result.stdout, result.stderr) for result in results]
+    for rank, result in enumerate(results):
+        assert result.returncode == 0, f"rank {rank} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
+    return [result.stdout for result in results]
 
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
