@@ -12,7 +12,7 @@ from typing import Dict, List, Optional
 import pytest
 import torch
 
-from fork_server import Child, ForkServer
+from fork_server import ForkServer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -89,8 +89,7 @@ def run_python(
             cwd=REPO,
         )
     else:
-        (child,) = _start([code], [env or {}])
-        (result,) = _finish([child], timeout, "the subprocess did not finish within {timeout} s: a hang")
+        (result,) = run_pythons([code], [env or {}], timeout)
     assert result.returncode == 0, f"subprocess failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
     return result
 
@@ -103,18 +102,17 @@ _server: Optional[ForkServer] = None
 _ENV = dict(os.environ)  # as the session started: a test's monkeypatched variables do not reach the server
 
 
-def _start(codes: List[str], envs: List[Dict[str, str]]) -> List[Child]:
-    """Start each code in a fork of the session's server, with the repository first on PYTHONPATH."""
+def run_pythons(
+    codes: List[str], envs: List[Dict[str, str]], timeout: float = 180
+) -> List[subprocess.CompletedProcess]:
+    """Run the codes at once, each as `python -c` would in a fork of the session's server, with the repository
+    first on PYTHONPATH and its `envs` entry added to the environment. A hang past `timeout` seconds kills them
+    and fails the test; a failure is the caller's to judge."""
     global _server
     if _server is None:
         _server = ForkServer(dict(_ENV, PYTHONPATH=REPO + os.pathsep + _ENV.get("PYTHONPATH", "")), REPO)
         atexit.register(_server.close)
-    return [_server.start(code, dict(_env(), **extra), REPO) for code, extra in zip(codes, envs)]
-
-
-def _finish(children: List[Child], timeout: float, hang: str) -> List[subprocess.CompletedProcess]:
-    """Wait for the children; past `timeout` seconds kill them and fail the test with `hang`."""
-    assert _server is not None
+    children = [_server.start(textwrap.dedent(code), dict(_env(), **env), REPO) for code, env in zip(codes, envs)]
     finished = _server.wait([child.pid for child in children], time.monotonic() + timeout)
     if not finished:
         for child in children:
@@ -122,7 +120,8 @@ def _finish(children: List[Child], timeout: float, hang: str) -> List[subprocess
                 _server.kill(child.pid)
     results = [subprocess.CompletedProcess(["fork"], child.returncode, *child.output()) for child in children]
     if not finished:
-        pytest.fail(hang.format(timeout=timeout) + "".join(f"\n{r.stdout}\n{r.stderr}" for r in results))
+        outputs = "".join(f"\n{result.stdout}\n{result.stderr}" for result in results)
+        pytest.fail(f"{len(children)} subprocess(es) did not finish within {timeout} s: a hang{outputs}")
     return results
 
 
@@ -138,8 +137,7 @@ def run_ranks(code: str, world_size: int, timeout: float = 120, check: bool = Tr
     rank). A hang fails the test after `timeout` seconds."""
     env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
     envs = [dict(env, RANK=str(rank), LOCAL_RANK=str(rank)) for rank in range(world_size)]
-    children = _start([textwrap.dedent(code)] * world_size, envs)
-    results = _finish(children, timeout, f"the {world_size} ranks did not finish within {{timeout}} s: a hang")
+    results = run_pythons([code] * world_size, envs, timeout)
     if not check:
         return [(result.returncode, result.stdout, result.stderr) for result in results]
     for rank, result in enumerate(results):
