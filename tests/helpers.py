@@ -125,6 +125,19 @@ def run_pythons(
     return results
 
 
+def run_script(
+    path: str, *args: str, env: Optional[Dict[str, str]] = None, timeout: float = 180
+) -> subprocess.CompletedProcess:
+    """`python PATH ARGS` in the fork server (runpy runs the script as the interpreter does: as `__main__`, its
+    folder first on sys.path); a failure is the caller's to judge."""
+    code = (
+        f"import runpy, sys\nsys.argv = {[path, *args]!r}\nsys.path[0] = {os.path.dirname(path)!r}\n"
+        f"runpy.run_path({path!r}, run_name='__main__')\n"
+    )
+    (result,) = run_pythons([code], [env or {}], timeout)
+    return result
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from helpers import REPO, run_python, run_pythons
+from helpers import REPO, run_python, run_script
 
 
 def read(*parts):
@@ -37,12 +37,7 @@ def test_the_digits_example_finds_a_micro_batch_under_its_cap_and_learns(tmp_pat
     """README's main job, in its --quick form: 10 epochs, under a minute."""
     plot = tmp_path / "history.png"
     script = os.path.join(REPO, "examples", "train_digits.py")
-    # `python SCRIPT ARGS`, in the fork server: runpy runs the script as the interpreter does
-    code = (
-        f"import runpy, sys\nsys.argv = [{script!r}, '--quick', '--plot', {str(plot)!r}]\n"
-        f"sys.path[0] = {os.path.dirname(script)!r}\nrunpy.run_path({script!r}, run_name='__main__')\n"
-    )
-    (result,) = run_pythons([code], [{}], timeout=120)
+    result = run_script(script, "--quick", "--plot", str(plot), timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     output = result.stdout
     found = dict(re.findall(r"^(micro-batch size found|out-of-memory retries|test accuracy): ([\d.]+)$", output, re.M))
