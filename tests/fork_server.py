@@ -25,7 +25,6 @@ from typing import Dict, List, Optional
 def _preload() -> None:
     import gc
 
-    import numpy  # noqa: F401
     import psutil  # noqa: F401
     import torch
     import torch.distributed  # noqa: F401
