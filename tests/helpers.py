@@ -1,14 +1,18 @@
 """Shared test helpers: fake OOMs, a fixed free-memory gauge, subprocesses, the CUDA marker."""
 
+import atexit
 import os
 import socket
 import subprocess
 import sys
 import textwrap
 import time
+from typing import Dict, List, Optional
 
 import pytest
 import torch
+
+from fork_server import ForkServer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -67,18 +71,70 @@ inputs, targets = torch.randn(N, 32), torch.randint(0, 10, (N,))
 )
 
 
-def run_python(code: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    """Run `code` in a fresh interpreter with the repository importable; fail the test on a non-zero exit."""
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=REPO,
-    )
+def run_python(
+    code: str, timeout: float = 180, env: Optional[Dict[str, str]] = None, fresh: bool = False
+) -> subprocess.CompletedProcess:
+    """Run `code` as `python -c` would, with the repository importable and `env` added to the environment;
+    fail the test on a non-zero exit. The process is a fork of a server that imported torch once
+    (tests/fork_server.py); `fresh=True` starts a new interpreter instead, for code whose point is what an
+    environment variable does when torch starts."""
+    code = textwrap.dedent(code)
+    if fresh:
+        result = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=dict(_env(), **(env or {})),
+            cwd=REPO,
+        )
+    else:
+        (result,) = run_pythons([code], [env or {}], timeout)
     assert result.returncode == 0, f"subprocess failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
+    return result
+
+
+def _env() -> Dict[str, str]:
+    return dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+_server: Optional[ForkServer] = None
+_ENV = dict(os.environ)  # as the session started: a test's monkeypatched variables do not reach the server
+
+
+def run_pythons(
+    codes: List[str], envs: List[Dict[str, str]], timeout: float = 180
+) -> List[subprocess.CompletedProcess]:
+    """Run the codes at once, each as `python -c` would in a fork of the session's server, with the repository
+    first on PYTHONPATH and its `envs` entry added to the environment. A hang past `timeout` seconds kills them
+    and fails the test; a failure is the caller's to judge."""
+    global _server
+    if _server is None:
+        _server = ForkServer(dict(_ENV, PYTHONPATH=REPO + os.pathsep + _ENV.get("PYTHONPATH", "")), REPO)
+        atexit.register(_server.close)
+    children = [_server.start(textwrap.dedent(code), dict(_env(), **env), REPO) for code, env in zip(codes, envs)]
+    finished = _server.wait([child.pid for child in children], time.monotonic() + timeout)
+    if not finished:
+        for child in children:
+            if child.returncode is None:
+                _server.kill(child.pid)
+    results = [subprocess.CompletedProcess(["fork"], child.returncode, *child.output()) for child in children]
+    if not finished:
+        outputs = "".join(f"\n{result.stdout}\n{result.stderr}" for result in results)
+        pytest.fail(f"{len(children)} subprocess(es) did not finish within {timeout} s: a hang{outputs}")
+    return results
+
+
+def run_script(
+    path: str, *args: str, env: Optional[Dict[str, str]] = None, timeout: float = 180
+) -> subprocess.CompletedProcess:
+    """`python PATH ARGS` in the fork server (runpy runs the script as the interpreter does: as `__main__`, its
+    folder first on sys.path); a failure is the caller's to judge."""
+    code = (
+        f"import runpy, sys\nsys.argv = {[path, *args]!r}\nsys.path[0] = {os.path.dirname(path)!r}\n"
+        f"runpy.run_path({path!r}, run_name='__main__')\n"
+    )
+    (result,) = run_pythons([code], [env or {}], timeout)
     return result
 
 
@@ -92,43 +148,14 @@ def run_ranks(code: str, world_size: int, timeout: float = 120, check: bool = Tr
     """Run `code` as `world_size` processes of one torch.distributed job (env:// rendezvous on localhost,
     RANK and WORLD_SIZE set); returns their stdouts (with check=False: (returncode, stdout, stderr) per
     rank). A hang fails the test after `timeout` seconds."""
-    env = dict(
-        os.environ,
-        PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-        WORLD_SIZE=str(world_size),
-        OMP_NUM_THREADS="1",
-    )
-    processes = [
-        subprocess.Popen(
-            [sys.executable, "-c", textwrap.dedent(code)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
-            cwd=REPO,
-        )
-        for rank in range(world_size)
-    ]
-    outputs = []
-    deadline = time.monotonic() + timeout
-    try:
-        for rank, process in enumerate(processes):
-            stdout, stderr = process.communicate(timeout=max(0.1, deadline - time.monotonic()))
-            if not check:
-                outputs.append((process.returncode, stdout, stderr))
-                continue
-            assert process.returncode == 0, f"rank {rank} failed ({process.returncode}):\n{stdout}\n{stderr}"
-            outputs.append(stdout)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the {world_size} ranks did not finish within {timeout} s: a hang")
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.communicate()
-    return outputs
+    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
+    envs = [dict(env, RANK=str(rank), LOCAL_RANK=str(rank)) for rank in range(world_size)]
+    results = run_pythons([code] * world_size, envs, timeout)
+    if not check:
+        return [(result.returncode, result.stdout, result.stderr) for result in results]
+    for rank, result in enumerate(results):
+        assert result.returncode == 0, f"rank {rank} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
+    return [result.stdout for result in results]
 
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

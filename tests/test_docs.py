@@ -81,6 +81,9 @@ try:
     import matplotlib.pyplot  # the history plot's import, once for every page
 except ImportError:
     pass
+import gc
+gc.collect()
+gc.freeze()  # toma collects garbage after each OOM: over the pages' objects only, not torch's
 
 def run_page(request):
     os.chdir(request["cwd"])

@@ -4,13 +4,11 @@ parts run under their own timeouts and a shared budget, and the report says what
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 import time
 
 import pytest
 
-from helpers import REPO
+from helpers import REPO, run_script
 
 
 def load_gpu_check():
@@ -22,13 +20,12 @@ def load_gpu_check():
 
 @pytest.mark.slow
 def test_without_cuda_it_checks_the_imports_says_so_and_exits_0(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "benchmarks/gpu_check.py", "--out", str(tmp_path / "report")],
-        capture_output=True,
-        text=True,
+    result = run_script(
+        os.path.join(REPO, "benchmarks", "gpu_check.py"),
+        "--out",
+        str(tmp_path / "report"),
+        env=dict(CUDA_VISIBLE_DEVICES=""),  # no GPU, also on a machine with one (the fork server never used CUDA)
         timeout=120,
-        cwd=REPO,
-        env=dict(os.environ, PYTHONPATH=REPO, CUDA_VISIBLE_DEVICES=""),  # no GPU, also on a machine with one
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "CUDA is not available" in result.stdout

@@ -2,12 +2,10 @@
 
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 
-from helpers import REPO, run_python
+from helpers import REPO, run_python, run_script
 
 
 def read(*parts):
@@ -38,14 +36,8 @@ def test_readme_runs_the_digits_example_as_the_main_job():
 def test_the_digits_example_finds_a_micro_batch_under_its_cap_and_learns(tmp_path):
     """README's main job, in its --quick form: 10 epochs, under a minute."""
     plot = tmp_path / "history.png"
-    result = subprocess.run(
-        [sys.executable, os.path.join(REPO, "examples", "train_digits.py"), "--quick", "--plot", str(plot)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-        env=dict(os.environ, PYTHONPATH=REPO),
-    )
+    script = os.path.join(REPO, "examples", "train_digits.py")
+    result = run_script(script, "--quick", "--plot", str(plot), timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     output = result.stdout
     found = dict(re.findall(r"^(micro-batch size found|out-of-memory retries|test accuracy): ([\d.]+)$", output, re.M))

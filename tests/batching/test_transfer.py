@@ -275,7 +275,8 @@ with warnings.catch_warnings(record=True) as caught:
     same = toma.map(lambda chunk: chunk, x, device="cuda", initial_step=64)
 print(json.dumps(dict(backend=torch.cuda.get_allocator_backend(), same=bool(torch.equal(same, x)),
                       warnings=[str(w.message) for w in caught])))
-"""
+""",
+        fresh=True,  # the allocator reads the variable when torch starts
     )
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["backend"] == "cudaMallocAsync" and result["same"]

@@ -2,17 +2,14 @@
 
 import json
 import logging
-import os
 import sqlite3
-import subprocess
-import sys
 
 import pytest
 
 from toma import GlobalBatchsizeCache, explicit, remember_sizes
 from toma.core.size_file import SizeStore
 
-from helpers import REPO, raise_fake_oom
+from helpers import raise_fake_oom, run_pythons
 
 RUN = """
 import json, logging, os, sys
@@ -31,13 +28,20 @@ print(json.dumps(dict(attempts=attempts, sizes=sizes)))
 
 
 def run(code, path, extra_env=None, log_level=None):
-    env = dict(os.environ, PYTHONPATH=REPO, TOMA_SIZES=str(path), **(extra_env or {}))
+    env = dict(TOMA_SIZES=str(path), **(extra_env or {}))
     if log_level is not None:
         # on the code's first line, which is empty: the call sites' lines, part of their keys, stay
         code = f"import logging; logging.basicConfig(level=logging.{log_level})" + code
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    (done,) = run_pythons([code], [env], timeout=120)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+
+
+def python_m_toma(*args):
+    """`python -m toma ARGS` in a subprocess: runpy runs the package's __main__ as `-m` does."""
+    code = f"import runpy, sys\nsys.argv = ['toma', *{list(args)!r}]\nrunpy.run_module('toma', run_name='__main__', alter_sys=True)\n"
+    (done,) = run_pythons([code], [{}], timeout=60)
+    return done
 
 
 @pytest.fixture(autouse=True)
@@ -59,20 +63,10 @@ def test_a_second_run_starts_at_the_size_the_first_found(tmp_path):
 @pytest.mark.slow
 def test_four_processes_writing_at_once_leave_a_valid_file(tmp_path):
     path = tmp_path / "sizes.db"
-    env = dict(os.environ, PYTHONPATH=REPO, TOMA_SIZES=str(path))
-    processes = [
-        subprocess.Popen(
-            [sys.executable, "-c", RUN.replace("> 12", f"> {4 + i}")],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(4)
-    ]
-    outputs = [process.communicate(timeout=120) for process in processes]
-    assert all(process.returncode == 0 for process in processes), [err for _, err in outputs]
-    assert not any("cannot use the size file" in err for _, err in outputs)
+    codes = [RUN.replace("> 12", f"> {4 + i}") for i in range(4)]
+    done = run_pythons(codes, [dict(TOMA_SIZES=str(path))] * 4, timeout=120)
+    assert all(process.returncode == 0 for process in done), [process.stderr for process in done]
+    assert not any("cannot use the size file" in process.stderr for process in done)
     rows = SizeStore(str(path)).rows()
     assert len(rows) == 1 and rows[0][2] in (4, 8), rows  # one call site: the last writer's size
 
@@ -110,22 +104,9 @@ def test_remember_sizes_in_process_and_the_cli_lists_and_clears(tmp_path):
         return batchsize
 
     assert explicit.batch(work, 40, toma_cache_type=GlobalBatchsizeCache) == 5
-    env = dict(os.environ, PYTHONPATH=REPO)
-    listed = subprocess.run(
-        [sys.executable, "-m", "toma", "sizes", "--file", str(path)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-    )
+    listed = python_m_toma("sizes", "--file", str(path))
     assert listed.returncode == 0 and "<locals>.work called from" in listed.stdout and listed.stdout.split()[0] == "5"
-    cleared = subprocess.run(
-        [sys.executable, "-m", "toma", "sizes", "--file", str(path), "--clear"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-    )
+    cleared = python_m_toma("sizes", "--file", str(path), "--clear")
     assert cleared.returncode == 0 and "forgot 1" in cleared.stdout
     assert SizeStore(str(path)).rows() == []
     with pytest.raises(TypeError, match="path"):
