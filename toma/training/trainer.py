@@ -24,8 +24,9 @@ from toma.core.caches import GlobalBatchsizeCache
 from toma.memory import MemoryHistory
 from toma.memory.backends import backend_for
 from toma.sizing.policies import SizePolicy, check_policy
+from toma.training.arguments import check_functions, check_run, place
 from toma.training.callbacks import Callback, StopTraining
-from toma.training.data import WHOLE_BATCHES, EvaluationChunks, known_length, rows_per_epoch
+from toma.training.data import WHOLE_BATCHES, EvaluationChunks, rows_per_epoch
 from toma.training.history import TrainingHistory
 from toma.training.outputs import (
     METRICS,
@@ -37,49 +38,11 @@ from toma.training.outputs import (
     logits_of,
     loss_of,
 )
-from toma.training.progress import VERBOSITY, Progress
+from toma.training.progress import Progress
 
 logger = logging.getLogger("toma")
 
 __all__ = ["Trainer", "Callback", "StopTraining", "accuracy", "METRICS"]
-
-
-def _check_functions(
-    optimizer: torch.optim.Optimizer,
-    loss_fn: Optional[Callable[..., torch.Tensor]],
-    forward: Optional[Callable[[Any], Any]],
-    targets: Optional[Callable[[Any], Any]],
-) -> None:
-    """Early, clear errors for a Trainer's optimizer and functions, each naming its argument."""
-    if not (callable(getattr(optimizer, "step", None)) and callable(getattr(optimizer, "zero_grad", None))):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {optimizer!r}")
-    if forward is None and not callable(loss_fn):
-        raise TypeError(f"loss_fn must be a criterion called as loss_fn(model(inputs), targets), got {loss_fn!r}")
-    if forward is not None and not callable(forward):
-        raise TypeError(f"forward must be a function batch -> loss, got {forward!r}")
-    if targets is not None and not callable(targets):
-        raise TypeError(f"targets must be a function batch -> the batch's targets (for metrics), got {targets!r}")
-
-
-def _check_run(verbose: int, callbacks: Sequence[Callback], train_data: Iterable[Any]) -> None:
-    """Early, clear errors for what a Trainer's run shows and calls, and for training data known to be empty."""
-    if verbose not in VERBOSITY:
-        raise ValueError(f"verbose must be 0 (silent), 1 (a line per epoch) or 2 (a progress bar), got {verbose!r}")
-    for callback in callbacks:
-        if not any(callable(getattr(callback, hook, None)) for hook in ("on_step_end", "on_epoch_end")):
-            raise TypeError(f"callbacks must have on_step_end or on_epoch_end, got {callback!r}")
-    if known_length(train_data) == 0:
-        raise ValueError("train_data is empty: there is nothing to train on")
-
-
-def _place(model: torch.nn.Module, device: Any) -> torch.device:
-    """The device a Trainer trains on: `device`, with the model moved there, or else where the model already is."""
-    if device is not None:
-        placed = torch.device(device)
-        model.to(placed)
-        return placed
-    first = next(model.parameters(), None)
-    return first.device if first is not None else torch.device("cpu")
 
 
 class Trainer:
@@ -116,17 +79,17 @@ class Trainer:
         self.model = self.accumulation.model
         # How micro-batch and evaluation chunk sizes are found: measured (FitToMemory) unless given.
         self.policy: SizePolicy = check_policy(policy, "policy") or ACCUMULATION_POLICY
-        _check_functions(optimizer, loss_fn, forward, targets)
+        check_functions(optimizer, loss_fn, forward, targets)
         self.batch_size = check_size(batch_size, "batch_size")
         self.initial_micro_batch = (
             None if initial_micro_batch is None else check_size(initial_micro_batch, "initial_micro_batch")
         )
-        _check_run(verbose, callbacks, train_data)
+        check_run(verbose, callbacks, train_data)
         self.optimizer, self.loss_fn, self.forward = optimizer, loss_fn, forward
         self.train_data = train_data
         self.scaler, self.reduction, self.weight = scaler, self.accumulation.reduction, self.accumulation.weight
         self.targets = targets or default_targets
-        self.device = _place(self.model, device)
+        self.device = place(self.model, device)
         self.callbacks = list(callbacks)
         self.verbose, self.file = verbose, file
 
