@@ -1,6 +1,6 @@
 """MicroBatching against plain Lightning, per training step, when nothing runs out of memory.
 
-Run: python benchmarks/lightning_overhead.py [--rounds 5] [--steps 200]
+Run: python benchmarks/lightning_overhead.py [--rounds 6] [--steps 200] [--width 256]
 
 The same LightningModule (an MLP, logical batches of 1024 rows, SGD) is fitted in turns with and without
 `toma.integrations.lightning.MicroBatching`; a callback times every step from `on_train_batch_start` to
@@ -27,10 +27,12 @@ ROWS, LOGICAL, WARMUP = 8192, 1024, 5
 
 
 class MLP(pl.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, width: int = 256) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+        self.net = nn.Sequential(
+            nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10)
+        )
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         inputs, targets = batch
@@ -68,7 +70,7 @@ def loader() -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(data, batch_size=LOGICAL)
 
 
-def fit(micro_batching: bool, steps: int) -> "tuple[List[float], MLP]":
+def fit(micro_batching: bool, steps: int, width: int = 256) -> "tuple[List[float], MLP]":
     """One fit of `steps` steps; the step times after the warm-up, and the trained module."""
     times = StepTimes()
     callbacks: List[pl.Callback] = [times] + ([MicroBatching()] if micro_batching else [])
@@ -81,7 +83,7 @@ def fit(micro_batching: bool, steps: int) -> "tuple[List[float], MLP]":
         enable_checkpointing=False,
         logger=False,
     )
-    module = MLP()
+    module = MLP(width)
     trainer.fit(module, loader())
     return times.seconds[WARMUP:], module
 
@@ -90,6 +92,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=6, help="fits of each kind, alternating")
     parser.add_argument("--steps", type=int, default=200, help="steps per fit")
+    parser.add_argument("--width", type=int, default=256, help="the MLP's hidden width (the step's work)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
@@ -97,11 +100,11 @@ def main() -> None:
     fastest: Dict[bool, List[float]] = {False: [], True: []}  # each round's fastest decile, less the machine's noise
     for _ in range(args.rounds):
         for micro_batching in (False, True):
-            seconds, _ = fit(micro_batching, args.steps)
+            seconds, _ = fit(micro_batching, args.steps, args.width)
             medians[micro_batching].append(statistics.median(seconds))
             fastest[micro_batching].append(statistics.quantiles(seconds, n=10)[0])
     print(
-        f"| training step (MLP, logical batch {LOGICAL}, CPU, 1 thread) | median step | ratio | fastest decile | ratio |"
+        f"| training step (MLP of width {args.width}, logical batch {LOGICAL}, CPU, 1 thread) | median step | ratio | fastest decile | ratio |"
     )
     print("|---|---|---|---|---|")
     for micro_batching, name in ((False, "plain Lightning"), (True, "MicroBatching, no out-of-memory error")):

@@ -28,3 +28,12 @@ def pytest_collection_finish(session):
     a test creates afterwards is collected as before."""
     gc.collect()
     gc.freeze()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def frozen_between_modules():
+    """Freeze again as each test module starts: what earlier modules left alive (a framework's trainers, caches
+    and registries) would otherwise be scanned by every collection of the modules after them."""
+    gc.collect()
+    gc.freeze()
+    yield
