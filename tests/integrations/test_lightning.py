@@ -3,6 +3,7 @@ parameters those of a plain Lightning run on the same batches (rtol 1e-5)."""
 
 import csv
 import json
+import re
 
 import pytest
 import torch
@@ -382,3 +383,28 @@ print(json.dumps(dict(plain=plain, close=close, micro_batch=callback.stats.micro
     assert ooms and all("can't allocate memory" in m and m.startswith("MicroBatching") for m in ooms), ooms
     assert 0 < result["micro_batch"] < 16384
     assert all(result["close"]), "the step must equal the full-batch reference step"
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_ddp_ranks_agree_on_the_micro_batch_and_match_plain_ddp():
+    """`examples/lightning_ddp.py`: two gloo ranks under Lightning's DDP, rank 0 alone out of memory above 8 rows;
+    both ranks train at 8 and end with the plain DDP run's parameters."""
+    import os
+    import subprocess
+    import sys
+
+    from helpers import REPO
+
+    done = subprocess.run(
+        [sys.executable, os.path.join(REPO, "examples", "lightning_ddp.py")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=REPO),
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    ranks = [json.loads(found) for found in re.findall(r'\{"rank"[^}]*\}', done.stdout)]  # the ranks share stdout
+    assert sorted(r["rank"] for r in ranks) == [0, 1], done.stdout
+    assert all(r["micro_batch"] == 8 and r["same_parameters_as_plain_ddp"] for r in ranks), ranks
