@@ -32,12 +32,11 @@ from transformers.training_args import OptimizerNames
 
 from toma.accumulation.accumulate import ACCUMULATION_POLICY, AccumulationStats, accumulate
 from toma.batching.splitting import ArgumentBatch
-from toma.core import engine
-from toma.core.agreement import AgreedStep, agreement_for
 from toma.core.arguments import check_size
 from toma.core.caches import GlobalBatchsizeCache
 from toma.core.policy import SizePolicy, check_policy
 from toma.core.steps import RangeStep
+from toma.forms.options import CallOptions
 from toma.training.data import WHOLE_BATCHES
 
 __all__ = ["TomaTrainerMixin", "TomaTrainer"]
@@ -295,13 +294,9 @@ class TomaTrainerMixin(_Trainer):
         count = self._toma_count_for(inputs, as_the_trainer_counts=passes_count)
         summed = self.loss_is_scaled_for_ga is True and not passes_count
         chunks = _PredictionChunks(predict, split, model, prediction_loss_only, ignore_keys, count, summed)
-        agreement = agreement_for(True)  # per-chunk collectives (the Trainer's token count): ranks chunk alike
-        if agreement is None:
-            engine.drive(chunks, self._toma_evaluation_cache, WHOLE_BATCHES, self.toma_policy)
-        else:
-            step = AgreedStep(chunks, agreement, self.toma_policy)
-            engine.drive(step, self._toma_evaluation_cache, WHOLE_BATCHES, self.toma_policy, agreement)
-        return chunks.joined()
+        # distributed: per-chunk collectives (the Trainer's token count) need the ranks to chunk alike
+        options = CallOptions(policy=self.toma_policy, distributed=True, fixed_cache=self._toma_evaluation_cache)
+        return options.perform(chunks, WHOLE_BATCHES).joined()
 
 
 class _PredictionChunks(RangeStep):
