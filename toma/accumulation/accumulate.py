@@ -148,7 +148,8 @@ def _pipeline_for(params: List[torch.Tensor], batch: LogicalBatch) -> Optional[M
     """The moves of this call's micro-batches to the model's CUDA device when the logical batch lives on the
     host: each micro-batch's split tensors move while the previous one computes, `toma.whole` values once per
     call. None when there is nothing to move (a CPU model, a batch already on the device)."""
-    device = next((p.device for p in params if transfer.uses_cuda(p.device)), None)
+    devices = dict.fromkeys(p.device for p in params)  # each device once, in the parameters' order
+    device = next((d for d in devices if transfer.uses_cuda(d)), None)
     if device is None:
         return None
     if not any(t.device.type == "cpu" for piece in batch.pieces for _, t in piece.tensors):

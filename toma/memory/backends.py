@@ -314,8 +314,8 @@ def register_backend(backend: DeviceBackend) -> DeviceBackend:
 
 def backend_for(device: DeviceLike) -> DeviceBackend:
     """The backend of `device`'s kind; for a kind no backend knows (meta, ...), one that knows nothing."""
-    kind = device if isinstance(device, str) else device.type
-    backend = _backends.get(kind.split(":", 1)[0])
+    kind = device.split(":", 1)[0] if isinstance(device, str) else device.type
+    backend = _backends.get(kind)
     return backend if backend is not None else DeviceBackend(kind)
 
 
