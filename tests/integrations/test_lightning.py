@@ -2,6 +2,7 @@
 parameters those of a plain Lightning run on the same batches (rtol 1e-5)."""
 
 import csv
+import functools
 import json
 import re
 
@@ -100,10 +101,11 @@ def logged_rows(trainer):
 
 
 def test_without_an_out_of_memory_error_each_batch_runs_whole_and_trains_as_a_plain_run(tmp_path):
-    """The micro-batch size is logged on the steps Lightning writes to its loggers, beside the module's values."""
+    """With `log_micro_batch=True` the micro-batch size is logged on the steps Lightning writes to its loggers,
+    beside the module's values."""
     plain = Classifier()
     plain_rows = logged_rows(fit(plain, logger=CSVLogger(tmp_path / "plain"), log_every_n_steps=3))
-    module, callback = Classifier(), MicroBatching()
+    module, callback = Classifier(), MicroBatching(log_micro_batch=True)
     rows = logged_rows(fit(module, [callback], logger=CSVLogger(tmp_path / "micro"), log_every_n_steps=3))
     assert module.rows == [BATCH] * 4
     assert_same_parameters(module, plain)
@@ -119,7 +121,7 @@ def test_out_of_memory_in_backward_shrinks_the_micro_batch_and_logs_what_a_plain
     values are dropped, and each logged loss is the logical batch's (micro-batch means weighted by rows)."""
     plain_trainer = fit(Classifier(), logger=CSVLogger(tmp_path / "plain"), log_every_n_steps=1)
     plain_rows = logged_rows(plain_trainer)
-    module, callback = Classifier(backward_oom_above=8), MicroBatching(policy=Halving())
+    module, callback = Classifier(backward_oom_above=8), MicroBatching(policy=Halving(), log_micro_batch=True)
     trainer = fit(module, [callback], logger=CSVLogger(tmp_path / "micro"), log_every_n_steps=1)
     # 32 rows, then 16 (out of memory in the backward pass), then 8 for the rest
     assert module.rows == [32, 16] + [8] * 16, module.rows
@@ -240,7 +242,7 @@ def test_weight_gives_a_token_mean_loss_the_plain_runs_gradients_and_logged_loss
     plain = TokenMean()
     plain_rows = run(plain, [], "plain")
     module = TokenMean(oom_above=4)
-    rows = run(module, [MicroBatching(weight=label_tokens, policy=Halving())], "micro")
+    rows = run(module, [MicroBatching(weight=label_tokens, policy=Halving(), log_micro_batch=True)], "micro")
     assert [float(row["micro_batch"]) for row in rows] == [4.0] * 3
     for row, plain_row in zip(rows, plain_rows, strict=True):
         assert float(row["train_loss"]) == pytest.approx(float(plain_row["train_loss"]), rel=RTOL)
@@ -312,6 +314,214 @@ def test_bad_options_are_refused_early_naming_the_argument():
         MicroBatching(policy="halving")
     with pytest.raises(ValueError, match="weight"):
         MicroBatching(weight=len, reduction="sum")
+
+
+# --- as a plain run, on what Lightning's own tests exercise ---------------------------------------------------
+
+
+def assert_same_metrics(trainer, reference):
+    """The logged and the callback metrics of two fits: the same names, the same values."""
+    for got, expected in (
+        (trainer.logged_metrics, reference.logged_metrics),
+        (trainer.callback_metrics, reference.callback_metrics),
+    ):
+        assert sorted(got) == sorted(expected)
+        for name in expected:
+            torch.testing.assert_close(got[name], expected[name], rtol=RTOL, atol=ATOL, msg=name)
+
+
+def test_the_callback_pickles_and_a_copy_trains_as_the_original(tmp_path):
+    """Lightning pickles its callbacks (`ddp_spawn`'s processes, a pickled Trainer): the copy keeps the options
+    and counts, starts its own size cache, and trains as a plain run."""
+    import copy
+    import pickle
+
+    callback = MicroBatching(policy=Halving(), reduction="mean")
+    fit(Classifier(oom_above=8), [callback])
+    for copied in (pickle.loads(pickle.dumps(callback)), copy.deepcopy(callback)):
+        assert isinstance(copied.policy, Halving) and copied.stats.micro_batch == 8
+        assert copied.stats.oom_retries == callback.stats.oom_retries == 2
+        module = Classifier(oom_above=8)
+        fit(module, [copied])
+        assert copied.stats.micro_batch == 8
+        assert_same_parameters(module, fit(Classifier()).lightning_module)
+
+
+class Skipping(Classifier):
+    """Skips every other batch by returning None, as Lightning lets a training step do."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return None if batch_idx % 2 else loss
+
+
+@pytest.mark.parametrize("initial_micro_batch", [None, 8])
+def test_a_training_step_that_returns_none_skips_the_batch_as_a_plain_run_does(initial_micro_batch):
+    plain = fit(Skipping(), log_every_n_steps=1)
+    trainer = fit(Skipping(), [MicroBatching(initial_micro_batch)], log_every_n_steps=1)
+    assert_same_parameters(trainer.lightning_module, plain.lightning_module)
+    assert_same_metrics(trainer, plain)
+
+
+class SkippingSomeRows(Classifier):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return None if batch[1][0] == 0 else loss  # decided by the first row: differs between micro-batches
+
+
+def test_none_from_some_micro_batches_of_a_batch_and_a_loss_from_others_is_an_error():
+    with pytest.raises(RuntimeError, match="returned None for .* micro-batches of a batch and a loss for the others"):
+        fit(SkippingSomeRows(), [MicroBatching(initial_micro_batch=4)])
+
+
+class Returning(Classifier):
+    """A training step that returns what Lightning refuses."""
+
+    def __init__(self, output):
+        super().__init__()
+        self.output = output
+
+    def training_step(self, batch, batch_idx):
+        super().training_step(batch, batch_idx)
+        return self.output
+
+
+@pytest.mark.parametrize("output", ["the loss", {"accuracy": torch.tensor(0.5)}], ids=["text", "dict-without-loss"])
+@pytest.mark.parametrize("initial_micro_batch", [None, 8])
+def test_an_output_lightning_refuses_reaches_lightning_and_its_own_error(output, initial_micro_batch):
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    with pytest.raises(MisconfigurationException) as plain:
+        fit(Returning(output), steps=1)
+    with pytest.raises(MisconfigurationException) as micro:
+        fit(Returning(output), [MicroBatching(initial_micro_batch)], steps=1)
+    assert str(micro.value) == str(plain.value)
+
+
+class Reductions(Classifier):
+    """Values logged with each reduction Lightning has, per step and per epoch."""
+
+    def training_step(self, batch, batch_idx):
+        inputs, targets = batch
+        loss = F.cross_entropy(self.net(inputs), targets)
+        self.log("largest", inputs.abs().max(), reduce_fx="max", on_epoch=True)
+        self.log("smallest", inputs.min(), on_step=True, on_epoch=True, reduce_fx=torch.min)
+        self.log("rows", float(len(inputs)), on_step=True, on_epoch=True, reduce_fx="sum")
+        self.log("mean", loss, on_step=True, on_epoch=True)
+        return loss
+
+
+class LogsDict(Classifier):
+    """`log_dict`, and `log` with `batch_size=None` or the micro-batch's own size."""
+
+    def training_step(self, batch, batch_idx):
+        inputs, targets = batch
+        loss = F.cross_entropy(self.net(inputs), targets)
+        self.log_dict({"twice": 2 * loss, "targets": targets.float().mean()}, on_step=True, on_epoch=True)
+        self.log("unsized", loss, on_step=True, on_epoch=True, batch_size=None)
+        self.log("sized", loss, on_step=True, on_epoch=True, batch_size=len(inputs))
+        return loss
+
+
+@pytest.mark.parametrize("module", [Reductions, LogsDict])
+def test_logged_values_are_the_whole_batchs_when_it_is_split(module):
+    """max/min/sum over the micro-batches, the mean weighted by rows; `log_dict` and `batch_size=None` too. The
+    loader's last batch holds 8 rows, one micro-batch."""
+    plain = fit(module(), batch_size=24, steps=6, log_every_n_steps=1)
+    callback = MicroBatching(initial_micro_batch=8, log_micro_batch=False)
+    trainer = fit(module(), [callback], batch_size=24, steps=6, log_every_n_steps=1)
+    assert_same_parameters(trainer.lightning_module, plain.lightning_module)
+    assert_same_metrics(trainer, plain)
+
+
+def test_the_micro_batch_size_is_not_among_the_logged_metrics_unless_asked_for():
+    plain = fit(Classifier(), log_every_n_steps=1)
+    callback = MicroBatching(initial_micro_batch=8)
+    trainer = fit(Classifier(), [callback], log_every_n_steps=1)
+    assert_same_metrics(trainer, plain)
+    assert callback.stats.micro_batch == 8
+
+
+def test_a_training_step_set_on_the_instance_is_restored_after_the_fit():
+    module = Classifier()
+    calls = []
+
+    def training_step(batch, batch_idx):
+        calls.append(batch_idx)
+        return Classifier.training_step(module, batch, batch_idx)
+
+    module.training_step = training_step
+    fit(module, [MicroBatching()])
+    assert module.training_step is training_step and calls == [0, 1, 2, 3]
+    assert_same_parameters(module, fit(Classifier()).lightning_module)
+
+
+def kept_name(function):
+    @functools.wraps(function)
+    def decorated(*args, **kwargs):
+        return function(*args, **kwargs)
+
+    return decorated
+
+
+class WithoutBatchIndex(Classifier):
+    @kept_name
+    def training_step(self, batch):  # Lightning reads the signature through `__wrapped__`: no batch_idx
+        return Classifier.training_step(self, batch, None)
+
+
+def test_a_decorated_training_step_without_batch_idx_is_called_as_lightning_calls_it():
+    module = WithoutBatchIndex()
+    fit(module, [MicroBatching(initial_micro_batch=16)])
+    assert module.rows == [16] * 8
+    assert_same_parameters(module, fit(WithoutBatchIndex()).lightning_module)
+
+
+class Opaque:
+    """A batch type toma cannot look into (Lightning moves it as it is)."""
+
+    def __init__(self, items):
+        self.inputs = torch.stack([inputs for inputs, _ in items])
+        self.targets = torch.stack([targets for _, targets in items])
+
+
+class OnOpaque(Classifier):
+    def training_step(self, batch, batch_idx):
+        return Classifier.training_step(self, (batch.inputs, batch.targets), batch_idx)
+
+
+class OnIterator(Classifier):
+    def training_step(self, dataloader_iter):
+        batch, batch_idx, _ = next(dataloader_iter)
+        inputs, targets = batch
+        self.rows.append(len(inputs))
+        return F.cross_entropy(self.net(inputs), targets)
+
+
+@pytest.mark.parametrize("kind", ["opaque batch", "dataloader_iter"])
+def test_a_batch_that_cannot_be_split_runs_whole_as_in_a_plain_run(kind):
+    def run(callbacks):
+        module = OnOpaque() if kind == "opaque batch" else OnIterator()
+        data = loader().dataset
+        batches = torch.utils.data.DataLoader(
+            data, batch_size=BATCH, collate_fn=Opaque if kind == "opaque batch" else None
+        )
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            max_steps=4,
+            callbacks=callbacks,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+        )
+        trainer.fit(module, batches)
+        return module
+
+    plain = run([])
+    module = run([MicroBatching(initial_micro_batch=8)])
+    assert module.rows == [BATCH] * 4
+    assert_same_parameters(module, plain)
 
 
 @pytest.mark.cuda

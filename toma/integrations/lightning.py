@@ -14,8 +14,7 @@ gradients after the training step (its closure runs step, `zero_grad`, backward)
 first batch of every accumulation window, and DDP reduces only in the backward pass Lightning runs.
 """
 
-import functools
-import numbers
+import logging
 from collections.abc import Mapping
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -28,14 +27,16 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Stra
 from toma.accumulation.accumulate import AccumulationStats, accumulate
 from toma.accumulation.options import check_reduction, check_weight
 from toma.accumulation.sync import AgreeingOnly, model_device
-from toma.batching.batches import rows
 from toma.batching.splitting import ArgumentBatch
 from toma.core.agreement import Agreement, is_distributed
 from toma.core.arguments import check_size
 from toma.core.caches import GlobalBatchsizeCache
 from toma.core.policy import SizePolicy, check_policy
+from toma.integrations.lightning_logs import StepLogs
 
 __all__ = ["MicroBatching", "LogicalBatchLoss"]
+
+log = logging.getLogger("toma")
 
 
 class _Gradients:
@@ -77,92 +78,57 @@ class LogicalBatchLoss(torch.autograd.Function):
         return (None, None, *gradients.take(grad_output))
 
 
-class _Logs:
-    """What `self.log` received during the micro-batches: logged once per logical batch instead, each value the
-    mean over the micro-batches weighted as the loss is (by rows, or by `weight=`), so a logged loss is the logical
-    batch's; and no `sync_dist` collective runs inside the region toma may retry."""
-
-    __slots__ = ("entries", "micro_batch", "weight")
-
-    def __init__(self, weight: Optional[Callable[..., Any]]) -> None:
-        self.entries: List[Tuple[str, Any, tuple, Dict[str, Any], Any]] = []
-        self.micro_batch: Any = None
-        self.weight = weight
-
-    def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-        self.entries.append((name, value, args, kwargs, self.micro_batch))
-
-    def replay(self, module: pl.LightningModule) -> None:
-        entries, self.entries = self.entries, []
-        self.micro_batch = None
-        by_name: Dict[str, List[Tuple[Any, tuple, Dict[str, Any], Any]]] = {}
-        for name, value, args, kwargs, micro_batch in entries:
-            by_name.setdefault(name, []).append((value, args, kwargs, micro_batch))
-        for name, logged in by_name.items():
-            value, args, kwargs, _ = logged[-1]
-            if len(logged) > 1:
-                value = self._mean(logged)
-                sizes: List[int] = [entry[2]["batch_size"] for entry in logged if "batch_size" in entry[2]]
-                if len(sizes) == len(logged):  # batch sizes given per micro-batch: the logical batch's is their sum
-                    kwargs = {**kwargs, "batch_size": sum(sizes)}
-            module.log(name, value, *args, **kwargs)
-
-    def _count(self, micro_batch: Any) -> float:
-        return float(rows(micro_batch) if self.weight is None else self.weight(micro_batch))
-
-    def _mean(self, logged: List[Tuple[Any, tuple, Dict[str, Any], Any]]) -> Any:
-        values = [entry[0] for entry in logged]
-        if not all(isinstance(v, (numbers.Number, torch.Tensor)) for v in values):
-            return values[-1]  # a torchmetrics Metric keeps its own state over the micro-batches
-        counts = [self._count(entry[3]) for entry in logged]
-        total = sum(counts)
-        if total <= 0:
-            return values[-1]
-        return sum(
-            (v.detach() if isinstance(v, torch.Tensor) else v) * (count / total)
-            for v, count in zip(values, counts, strict=True)
-        )
-
-
 class _Accumulated(torch.nn.Module):
-    """The LightningModule as `toma.accumulate`'s model, with the values logged during the micro-batches as its
-    pending state (`toma.accumulation.rollback.PendingState`): a failed attempt's are dropped with its gradients."""
+    """The LightningModule as `toma.accumulate`'s model, with what the micro-batches left for the logical batch
+    (their `self.log` calls, whether each returned a loss) as its pending state
+    (`toma.accumulation.rollback.PendingState`): a failed attempt's share is dropped with its gradients."""
 
-    def __init__(self, module: pl.LightningModule, logs: _Logs) -> None:
+    def __init__(self, module: pl.LightningModule, logs: StepLogs) -> None:
         super().__init__()
         self.module = module
         self.logs = logs
+        self.returned: List[bool] = []  # per micro-batch: it returned a loss (True) or None (False)
 
-    def pending_mark(self) -> int:
-        return len(self.logs.entries)
+    def pending_mark(self) -> Tuple[int, int]:
+        return self.logs.mark(), len(self.returned)
 
-    def pending_rewind(self, mark: int) -> None:
-        del self.logs.entries[mark:]
+    def pending_rewind(self, mark: Tuple[int, int]) -> None:
+        self.logs.rewind(mark[0])
+        del self.returned[mark[1] :]
+
+
+class _AsReturned(Exception):
+    """A training step's output that is not a loss MicroBatching can train: it goes to Lightning unchanged, whose
+    own checks answer it (an error for an invalid output), as in a plain run."""
+
+    def __init__(self, output: Any) -> None:
+        super().__init__("the training step's output goes to Lightning as it is")
+        self.output = output
 
 
 class _MicroBatchStep:
     """The module's own training step, called once per micro-batch: its loss goes to toma; what else it returned
-    (a dict's other keys) is kept from the last micro-batch."""
+    (a dict's other keys) is kept from the last micro-batch. A step that returns None (Lightning's way to skip a
+    batch) gives toma a loss with no parameter behind it, so the logical batch can be skipped whole."""
 
-    def __init__(self, step: Callable[..., Any], args: tuple, kwargs: Dict[str, Any], logs: _Logs) -> None:
-        self.step, self.args, self.kwargs, self.logs = step, args, kwargs, logs
+    def __init__(self, step: Callable[..., Any], args: tuple, kwargs: Dict[str, Any], model: _Accumulated) -> None:
+        self.step, self.args, self.kwargs, self.model = step, args, kwargs, model
         self.extra: Optional[Dict[str, Any]] = None
         self.name = getattr(step, "__qualname__", "training_step")
 
     def loss(self, micro_batch: Any) -> Any:
-        self.logs.micro_batch = micro_batch
+        self.model.logs.micro_batch = micro_batch
         output = self.step(micro_batch, *self.args, **self.kwargs)
-        if isinstance(output, Mapping):
-            if "loss" not in output:
-                raise TypeError(f"{self.name} returned a dict without a 'loss' key: {sorted(output)}")
-            self.extra = {key: value for key, value in output.items() if key != "loss"}
-            return output["loss"]
         if output is None:
-            raise TypeError(
-                f"{self.name} returned None: MicroBatching trains every micro-batch of the logical batch, so "
-                "training_step must return its loss (skipping a batch by returning None is not supported)"
-            )
-        return output
+            self.model.returned.append(False)
+            return torch.zeros((), device=self.model.module.device, requires_grad=True)
+        loss = output.get("loss") if isinstance(output, Mapping) else output
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise _AsReturned(output)
+        if isinstance(output, Mapping):
+            self.extra = {key: value for key, value in output.items() if key != "loss"}
+        self.model.returned.append(True)
+        return loss
 
     def function(self) -> Callable[[Any], Any]:
         """`loss` as a function named after the module's training step (for toma's messages and the size file)."""
@@ -199,6 +165,32 @@ def _check_strategy(strategy: Strategy) -> None:
         )
 
 
+class _Fit:
+    """What one fit's wrapped training step works with: the module, its own step, the scaler, the ranks' sync."""
+
+    __slots__ = ("module", "original", "model", "scaler", "sync", "told_whole")
+
+    def __init__(self, module: "pl.LightningModule", original: Callable[..., Any], scaler: Any, sync: Any) -> None:
+        self.module, self.original, self.scaler, self.sync = module, original, scaler, sync
+        self.model: _Accumulated
+        self.told_whole = False
+
+
+def _stand_in_for(wrapper: Callable[..., Any], original: Callable[..., Any]) -> None:
+    """Give `wrapper` the name of `original`, and as `__wrapped__` what Lightning finds by unwrapping `original`
+    once (it reads a step's signature from its `__wrapped__`, one level deep): the same parameters as without it,
+    so a decorated `training_step(self, batch)` is still called without `batch_idx`."""
+    for attribute in ("__module__", "__name__", "__qualname__", "__doc__"):
+        try:
+            setattr(wrapper, attribute, getattr(original, attribute))
+        except AttributeError:
+            pass
+    wrapper.__wrapped__ = getattr(original, "__wrapped__", original)  # type: ignore[attr-defined]
+
+
+_NOT_SET: Any = object()
+
+
 class MicroBatching(Callback):
     """Each loader batch as one logical batch, trained in micro-batches that fit: `L.Trainer(callbacks=
     [MicroBatching()])`. The parameters after each optimizer step equal a plain run's on the same batches.
@@ -213,10 +205,13 @@ class MicroBatching(Callback):
         reduction: how `training_step`'s loss reduces its batch, "mean" (default) or "sum".
         distributed: under DDP, the ranks agree on every micro-batch size and out-of-memory error, as
             `toma.accumulate` makes them (default True).
-        log_micro_batch: log the micro-batch size as "micro_batch" through the module's `self.log` (default True),
-            on the steps Lightning writes to its loggers (every `log_every_n_steps`).
+        log_micro_batch: also log the micro-batch size as "micro_batch" through the module's `self.log`, on the
+            steps Lightning writes to its loggers (every `log_every_n_steps`); default False, so that the logged
+            metrics are a plain run's.
 
-    `stats` (a `toma.accumulation.accumulate.AccumulationStats`) holds the last size and the retries so far.
+    `stats` (a `toma.accumulation.accumulate.AccumulationStats`) holds the last size and the retries so far. A copy
+    (pickle, `copy.deepcopy`, the processes of `strategy="ddp_spawn"`) keeps the options and these counts, and
+    starts with its own size cache.
     """
 
     def __init__(
@@ -227,7 +222,7 @@ class MicroBatching(Callback):
         weight: Optional[Callable[..., Any]] = None,
         reduction: str = "mean",
         distributed: bool = True,
-        log_micro_batch: bool = True,
+        log_micro_batch: bool = False,
     ) -> None:
         self.initial_micro_batch = (
             None if initial_micro_batch is None else check_size(initial_micro_batch, "initial_micro_batch")
@@ -238,7 +233,23 @@ class MicroBatching(Callback):
         self.distributed, self.log_micro_batch = bool(distributed), bool(log_micro_batch)
         self.stats = AccumulationStats()
         self.cache = GlobalBatchsizeCache()  # one size per callback, wherever the step runs from
-        self._wrapped: Dict[int, Callable[..., Any]] = {}  # id(module) -> the training_step this callback set
+        # id(module) -> (the training_step this callback set, the one the instance had itself or _NOT_SET)
+        self._wrapped: Dict[int, Tuple[Callable[..., Any], Any]] = {}
+
+    # --- copies -----------------------------------------------------------------------------------------------
+
+    def __getstate__(self) -> Dict[str, Any]:
+        """The options and counts; not the size cache (it holds a lock) nor a running fit's wrapped steps."""
+        state = self.__dict__.copy()
+        del state["cache"]
+        state["_wrapped"] = {}
+        stats = self.stats
+        state["stats"] = AccumulationStats(stats.micro_batch, stats.oom_retries, stats.calls, stats.weight)
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.cache = GlobalBatchsizeCache()
 
     # --- Lightning's hooks ------------------------------------------------------------------------------------
 
@@ -260,45 +271,51 @@ class MicroBatching(Callback):
     # --- the wrapped training step ----------------------------------------------------------------------------
 
     def _wrap(self, trainer: "pl.Trainer", module: "pl.LightningModule") -> None:
+        self._unwrap(module)  # a fit that ended without telling the callback
+        own = module.__dict__.get("training_step", _NOT_SET)
         original = module.training_step
-        logs = _Logs(self.weight)
-        model = _Accumulated(module, logs)
-        scaler = _scaler_of(trainer.precision_plugin)
         sync = None
         if self.distributed and isinstance(trainer.strategy, DDPStrategy) and is_distributed():
             sync = AgreeingOnly(Agreement(None, model_device(module.parameters())))
+        fit = _Fit(module, original, _scaler_of(trainer.precision_plugin), sync)
+        fit.model = _Accumulated(module, StepLogs(self.weight))
 
-        @functools.wraps(original)
         def training_step(batch: Any, *args: Any, **kwargs: Any) -> Any:
-            return self._logical_batch(
-                module, model, _MicroBatchStep(original, args, kwargs, logs), batch, scaler, sync
-            )
+            return self._logical_batch(fit, batch, args, kwargs)
 
+        _stand_in_for(training_step, original)
         module.training_step = training_step  # type: ignore[method-assign]
-        self._wrapped[id(module)] = training_step
+        self._wrapped[id(module)] = (training_step, own)
 
     def _unwrap(self, module: "pl.LightningModule") -> None:
-        wrapped = self._wrapped.pop(id(module), None)
-        if wrapped is not None and module.__dict__.get("training_step") is wrapped:
+        wrapped, own = self._wrapped.pop(id(module), (None, _NOT_SET))
+        if wrapped is None or module.__dict__.get("training_step") is not wrapped:
+            return
+        if own is _NOT_SET:
             del module.training_step
+        else:
+            module.training_step = own  # type: ignore[method-assign]
 
-    def _logical_batch(
-        self,
-        module: "pl.LightningModule",
-        model: _Accumulated,
-        step: _MicroBatchStep,
-        batch: Any,
-        scaler: Any,
-        sync: Optional[AgreeingOnly],
-    ) -> Any:
+    def _logical_batch(self, fit: _Fit, batch: Any, args: tuple, kwargs: Dict[str, Any]) -> Any:
         """The logical batch through toma.accumulate's machinery, its gradients kept apart from `.grad` (which
-        Lightning zeroes next) for the backward pass Lightning runs on the returned loss."""
-        split = ArgumentBatch((batch,), {})
+        Lightning zeroes next) for the backward pass Lightning runs on the returned loss. A batch with nothing
+        to split runs whole through the module's own step, as in a plain run."""
+        try:
+            split = ArgumentBatch((batch,), {})
+        except ValueError as reason:
+            if not fit.told_whole:
+                fit.told_whole = True
+                log.info("MicroBatching runs batches it cannot split whole, as Lightning does (%s)", reason)
+            return fit.original(batch, *args, **kwargs)
+        module, model = fit.module, fit.model
+        step = _MicroBatchStep(fit.original, args, kwargs, model)
         params = [p for p in module.parameters() if p.requires_grad]
         held = [p.grad for p in params]
         for p in params:
             p.grad = None
+        own_log = module.__dict__.get("log", _NOT_SET)
         module.log = model.logs.log  # type: ignore[method-assign]
+        model.returned.clear()
         try:
             loss = accumulate(
                 step.function(),
@@ -307,21 +324,38 @@ class MicroBatching(Callback):
                 split,
                 reduction=self.reduction,
                 weight=self.weight,
-                scaler=scaler,
+                scaler=fit.scaler,
                 cache=self.cache,
                 policy=self.policy,
                 stats=self.stats,
                 name="MicroBatching",
-                sync=sync,
+                sync=fit.sync,
             )
             grads = [p.grad for p in params]
+        except _AsReturned as returned:
+            model.logs.clear()
+            return returned.output
         finally:
-            del module.log
+            if own_log is _NOT_SET:
+                del module.log
+            else:
+                module.log = own_log  # type: ignore[method-assign]
             for p, grad in zip(params, held, strict=True):
                 p.grad = grad
+        skipped = model.returned.count(False)
+        if skipped and skipped < len(model.returned):
+            model.logs.clear()
+            raise RuntimeError(
+                f"training_step returned None for {skipped} of the {len(model.returned)} micro-batches of a batch "
+                "and a loss for the others: MicroBatching trains or skips a logical batch whole. Return None for "
+                "the whole batch (decided from the batch, not from the rows a micro-batch holds) or a loss for "
+                "every micro-batch"
+            )
         model.logs.replay(module)
+        if skipped:
+            return None  # Lightning skips the batch, as it does when a plain training step returns None
         if self.log_micro_batch and _writes_logs(module.trainer):
             module.log("micro_batch", float(self.stats.micro_batch or 0), on_step=True, on_epoch=False)
-        scale = None if scaler is None else scaler.scale(torch.ones((), device=loss.device))
+        scale = None if fit.scaler is None else fit.scaler.scale(torch.ones((), device=loss.device))
         result = LogicalBatchLoss.apply(loss, _Gradients(grads, scale), *params)
         return result if step.extra is None else {"loss": result, **step.extra}

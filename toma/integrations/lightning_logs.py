@@ -1,0 +1,153 @@
+"""What a LightningModule logs during the micro-batches of one logical batch, logged once for the logical batch.
+
+`self.log` (and `self.log_dict`, which calls it) is captured while the micro-batches run, then replayed through
+Lightning's own `log` with each value combined over the micro-batches by its `reduce_fx`: "mean" (the default)
+weighted as the loss is, by rows or by `weight=`, so a logged loss is the logical batch's; "max", "min" and "sum"
+as they say. Nothing is logged by a failed attempt (its entries are dropped with its gradients), and no
+`sync_dist` collective runs inside the region toma may retry. Lightning checks every call when it is replayed:
+its own errors for a bad value or option reach the training step as in a plain run.
+"""
+
+import inspect
+import numbers
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import lightning.pytorch as pl
+import torch
+
+from toma.batching.batches import rows
+
+__all__ = ["StepLogs"]
+
+# LightningModule.log(name, value, prog_bar, logger, ...): the options after the value, in order
+_SIGNATURE = inspect.signature(pl.LightningModule.log)
+_OPTIONS: Tuple[str, ...] = tuple(_SIGNATURE.parameters)[3:]
+_OPTION_NAMES = frozenset(_OPTIONS)
+
+_REDUCTIONS: Dict[Any, str] = {
+    "mean": "mean",
+    "avg": "mean",
+    torch.mean: "mean",
+    "max": "max",
+    torch.max: "max",
+    max: "max",
+    "min": "min",
+    torch.min: "min",
+    min: "min",
+    "sum": "sum",
+    torch.sum: "sum",
+    sum: "sum",
+}
+
+
+class _Entry:
+    """One `self.log` call of one micro-batch: its value and options (keyword arguments, as Lightning names them)."""
+
+    __slots__ = ("name", "value", "options", "micro_batch")
+
+    def __init__(self, name: str, value: Any, options: Dict[str, Any], micro_batch: Any) -> None:
+        self.name, self.value, self.options, self.micro_batch = name, value, options, micro_batch
+
+
+def _options(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """`log`'s options as keywords; a call Lightning's `log` would refuse raises its TypeError here, as it would."""
+    if not args and _OPTION_NAMES.issuperset(kwargs):
+        return kwargs
+    bound = _SIGNATURE.bind(None, "name", None, *args, **kwargs)
+    return {key: value for key, value in bound.arguments.items() if key in _OPTION_NAMES}
+
+
+def _reduction(reduce_fx: Any) -> Optional[str]:
+    """ "mean", "max", "min" or "sum" for the reductions Lightning accepts; None for any other (Lightning refuses it)."""
+    if isinstance(reduce_fx, str):
+        reduce_fx = reduce_fx.lower()
+    try:
+        return _REDUCTIONS.get(reduce_fx)
+    except TypeError:  # not hashable
+        return None
+
+
+class StepLogs:
+    """The `self.log` calls of the current logical batch's micro-batches (a `PendingState` through the module
+    that trains them: `mark`/`rewind` drop a failed attempt's). `weight`: toma.accumulate's `weight=` (None: rows)."""
+
+    __slots__ = ("entries", "micro_batch", "weight")
+
+    def __init__(self, weight: Optional[Callable[..., Any]]) -> None:
+        self.entries: List[_Entry] = []
+        self.micro_batch: Any = None
+        self.weight = weight
+
+    def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        """Stands in for the module's `self.log` while the micro-batches run."""
+        options = _options(args, kwargs)
+        if isinstance(value, torch.Tensor) and not options.get("enable_graph", False):
+            value = value.detach()  # as Lightning keeps it; the micro-batch's graph is not held to the replay
+        self.entries.append(_Entry(name, value, options, self.micro_batch))
+
+    def mark(self) -> int:
+        return len(self.entries)
+
+    def rewind(self, mark: int) -> None:
+        del self.entries[mark:]
+
+    def clear(self) -> None:
+        self.entries, self.micro_batch = [], None
+
+    def replay(self, module: "pl.LightningModule") -> None:
+        """Log each name once through Lightning's `log`, its value combined over the micro-batches."""
+        entries = self.entries
+        self.clear()
+        by_name: Dict[str, List[_Entry]] = {}
+        for entry in entries:
+            by_name.setdefault(entry.name, []).append(entry)
+        for name, logged in by_name.items():
+            options = logged[-1].options
+            value = logged[-1].value
+            if len(logged) > 1:
+                value = self._combine(logged, _reduction(options.get("reduce_fx", "mean")))
+                options = self._batch_size(logged, options)
+            module.log(name, value, **options)
+
+    def _combine(self, logged: List[_Entry], reduction: Optional[str]) -> Any:
+        values = [entry.value for entry in logged]
+        if reduction is None or not all(isinstance(v, (numbers.Number, torch.Tensor)) for v in values):
+            return values[-1]  # a torchmetrics Metric keeps its own state; an unknown reduce_fx Lightning refuses
+        if reduction == "mean":
+            return self._mean(logged)
+        if all(not isinstance(v, torch.Tensor) for v in values):
+            return max(values) if reduction == "max" else min(values) if reduction == "min" else sum(values)
+        device = next(v.device for v in values if isinstance(v, torch.Tensor))
+        tensors = [torch.as_tensor(v, device=device) for v in values]
+        combined = tensors[0]
+        for tensor in tensors[1:]:
+            if reduction == "max":
+                combined = torch.maximum(combined, tensor)
+            elif reduction == "min":
+                combined = torch.minimum(combined, tensor)
+            else:
+                combined = combined + tensor
+        return combined
+
+    def _count(self, micro_batch: Any) -> float:
+        return float(rows(micro_batch) if self.weight is None else self.weight(micro_batch))
+
+    def _mean(self, logged: List[_Entry]) -> Any:
+        """The micro-batches' values weighted as their losses are."""
+        values = [entry.value for entry in logged]
+        counts = [self._count(entry.micro_batch) for entry in logged]
+        total = sum(counts)
+        if total <= 0:
+            return values[-1]
+        return sum(v * (count / total) for v, count in zip(values, counts, strict=True))
+
+    @staticmethod
+    def _batch_size(logged: List[_Entry], options: Dict[str, Any]) -> Dict[str, Any]:
+        """The logical batch's `batch_size` from the micro-batches': their sum, unless every micro-batch gave the
+        same number and it is not its own row count (a constant, such as the loader's batch size): that one.
+        Without one (None, or not given), Lightning counts the logical batch itself, as in a plain run."""
+        sizes = [entry.options.get("batch_size") for entry in logged]
+        if any(size is None for size in sizes):
+            return {key: value for key, value in options.items() if key != "batch_size"}
+        constant = len(set(sizes)) == 1 and any(size != rows(entry.micro_batch) for size, entry in zip(sizes, logged))
+        return options if constant else {**options, "batch_size": sum(sizes)}
