@@ -442,6 +442,26 @@ def test_the_micro_batch_size_is_not_among_the_logged_metrics_unless_asked_for()
     assert callback.stats.micro_batch == 8
 
 
+def test_tensor_backward_is_called_once_per_batch_as_lightning_calls_it(monkeypatch):
+    """Lightning calls `Tensor.backward` once per batch (hooks and tests count it); the micro-batches' own
+    backward passes do not go through it."""
+    calls = []
+    backward = torch.Tensor.backward
+
+    def counted(self, *args, **kwargs):
+        calls.append(self.shape)
+        return backward(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "backward", counted)
+    plain = fit(Classifier(), steps=3)
+    assert len(calls) == 3
+    calls.clear()
+    module = Classifier()
+    fit(module, [MicroBatching(initial_micro_batch=8)], steps=3)
+    assert len(calls) == 3 and module.rows == [8] * 12
+    assert_same_parameters(module, plain.lightning_module)
+
+
 def test_a_training_step_set_on_the_instance_is_restored_after_the_fit():
     module = Classifier()
     calls = []

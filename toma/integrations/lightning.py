@@ -140,6 +140,12 @@ class _MicroBatchStep:
         return loss
 
 
+def _backward(loss: torch.Tensor) -> None:
+    """A micro-batch's backward pass, run by autograd itself: `Tensor.backward` is what Lightning calls, once per
+    batch, and a patched or counted `Tensor.backward` sees it once per batch with MicroBatching too."""
+    torch.autograd.backward(loss)
+
+
 def _scaler_of(precision: Precision) -> Any:
     """The gradient scaler of Lightning's AMP plugin (`precision="16-mixed"`), None for every other plugin."""
     return precision.scaler if isinstance(precision, MixedPrecision) else None
@@ -329,6 +335,7 @@ class MicroBatching(Callback):
                 policy=self.policy,
                 stats=self.stats,
                 name="MicroBatching",
+                backward=_backward,
                 sync=fit.sync,
             )
             grads = [p.grad for p in params]
