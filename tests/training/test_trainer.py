@@ -584,10 +584,10 @@ def test_an_evaluation_chunk_that_runs_out_of_memory_in_a_metric_is_counted_once
 
 
 @pytest.mark.parametrize("with_scaler", [False, True], ids=["optimizer", "GradScaler"])
-def test_a_logical_batch_with_nothing_to_learn_from_takes_no_optimizer_step(with_scaler):
-    """A logical batch whose labels are all padding counts 0 tokens: no backward pass runs, so neither the
-    optimizer (Adam would still move the weights by its momentum) nor the GradScaler (which asserts that
-    it saw gradients) may step."""
+def test_a_logical_batch_with_nothing_to_learn_from_is_an_error_and_takes_no_optimizer_step(with_scaler):
+    """A logical batch whose labels are all padding counts 0 tokens: its mean loss is a mean over nothing, an
+    error before any backward pass, so neither the optimizer (Adam would still move the weights by its
+    momentum) nor the GradScaler (which asserts that it saw gradients) steps."""
     model = TinyLM()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
     batches = padded_batches(count=2)
@@ -606,8 +606,9 @@ def test_a_logical_batch_with_nothing_to_learn_from_takes_no_optimizer_step(with
         verbose=0,
     )
     before = [p.detach().clone() for p in model.parameters()]
-    trainer.fit(1)
-    assert trainer.global_step == 2 and not optimizer.state, "Adam never stepped"
+    with pytest.raises(ValueError, match=r"weight \(label_tokens\) counted 0 items in the logical batch of 4 rows"):
+        trainer.fit(1)
+    assert trainer.global_step == 0 and not optimizer.state, "Adam never stepped"
     for p, q in zip(model.parameters(), before, strict=True):
         assert torch.equal(p, q)
 

@@ -7,7 +7,6 @@ stays on the host (or wherever the data is) and each micro-batch moves to the de
 logical batch larger than GPU memory trains too.
 """
 
-import logging
 import math
 import time
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, TextIO, Tuple, Union
@@ -39,8 +38,6 @@ from toma.training.outputs import (
     loss_of,
 )
 from toma.training.progress import Progress
-
-logger = logging.getLogger("toma")
 
 __all__ = ["Trainer", "Callback", "StopTraining", "accuracy", "METRICS"]
 
@@ -161,10 +158,9 @@ class Trainer:
             stats=self.stats,
             name="Trainer.step",
         )
-        if self.stats.weight == 0:
-            # Nothing counted (all labels padding): no backward pass ran, so there is nothing to step on.
-            logger.debug("Trainer.step: the logical batch counted 0 items; no optimizer step")
-        elif self.scaler is not None:
+        # A batch that counted nothing is an error in toma.accumulate; a rank of several that counted nothing holds
+        # the other ranks' gradients, so it steps as they do.
+        if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
         else:
