@@ -282,7 +282,10 @@ def test_bad_input_fails_before_any_work():
         Trainer(model, optimizer, None, data, batch_size=32)
     with pytest.raises(TypeError, match="callbacks must have"):
         Trainer(model, optimizer, nn.CrossEntropyLoss(), data, batch_size=32, callbacks=[object()])
-    not_scalar = Trainer(model, optimizer, nn.CrossEntropyLoss(reduction="none"), data, batch_size=32, verbose=0)
+    with pytest.raises(TypeError, match=r"loss_fn\(model\(inputs\), targets\) must return a scalar tensor"):
+        Trainer(model, optimizer, nn.CrossEntropyLoss(reduction="none"), data, batch_size=32, verbose=0)
+    per_row = lambda outputs, targets: F.cross_entropy(outputs, targets, reduction="none")  # noqa: E731
+    not_scalar = Trainer(model, optimizer, per_row, data, batch_size=32, verbose=0)
     with pytest.raises(TypeError, match=r"loss_fn\(model\(inputs\), targets\) must return a scalar tensor"):
         not_scalar.fit(1)
     one_shot = Trainer(model, optimizer, nn.CrossEntropyLoss(), iter(list(data)), batch_size=32, verbose=0)

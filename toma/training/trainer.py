@@ -7,6 +7,7 @@ stays on the host (or wherever the data is) and each micro-batch moves to the de
 logical batch larger than GPU memory trains too.
 """
 
+import dataclasses
 import math
 import time
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, TextIO, Tuple, Union
@@ -25,6 +26,7 @@ from toma.memory.backends import backend_for
 from toma.sizing.policies import SizePolicy, check_policy
 from toma.training.arguments import check_functions, check_run, place
 from toma.training.callbacks import Callback, StopTraining
+from toma.training.criteria import check_criterion, criterion_weight
 from toma.training.data import WHOLE_BATCHES, EvaluationChunks, rows_per_epoch
 from toma.training.history import TrainingHistory
 from toma.training.outputs import (
@@ -77,6 +79,11 @@ class Trainer:
         # How micro-batch and evaluation chunk sizes are found: measured (FitToMemory) unless given.
         self.policy: SizePolicy = check_policy(policy, "policy") or ACCUMULATION_POLICY
         check_functions(optimizer, loss_fn, forward, targets)
+        if forward is None:
+            check_criterion(loss_fn, self.accumulation.reduction)
+            if weight is None:  # what the criterion's mean divides by (its targets), not rows
+                counted = criterion_weight(loss_fn, self.accumulation.reduction)
+                self.accumulation = dataclasses.replace(self.accumulation, weight=counted)
         self.batch_size = check_size(batch_size, "batch_size")
         self.initial_micro_batch = (
             None if initial_micro_batch is None else check_size(initial_micro_batch, "initial_micro_batch")
