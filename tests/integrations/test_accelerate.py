@@ -279,6 +279,11 @@ def test_a_call_that_fits_collects_no_garbage_on_toma(decorator, monkeypatch):
     assert len(collections) == (0 if decorator is find_executable_batch_size else 3)
 
 
+def _raised_from(error, cause):
+    error.__cause__ = cause
+    return error
+
+
 @pytest.mark.parametrize(
     "error",
     [
@@ -289,8 +294,10 @@ def test_a_call_that_fits_collects_no_garbage_on_toma(decorator, monkeypatch):
         MemoryError(),  # Python's own
         # Intel Gaudi's (in accelerate's list): no "out of memory" in it
         RuntimeError("[Rank:0] FATAL ERROR :: MODULE:PT_DEVMEM Allocation failed for size::1073741824 (1024)MB"),
+        RuntimeError("CUDA out of memory.", 2),  # accelerate reads only a RuntimeError with one argument
+        _raised_from(ValueError("a wrapper's error"), torch.OutOfMemoryError("CUDA out of memory.")),
     ],
-    ids=["cuda", "mps", "cpu", "cuda-async", "python", "hpu"],
+    ids=["cuda", "mps", "cpu", "cuda-async", "python", "hpu", "two-arguments", "raised-from"],
 )
 def test_out_of_memory_errors_of_every_backend_shrink_the_size(error):
     tried = []
@@ -303,6 +310,38 @@ def test_out_of_memory_errors_of_every_backend_shrink_the_size(error):
         return batch_size
 
     assert train() == 4 and tried == [8, 7, 6, 5, 4]
+
+
+def test_a_reduce_batch_size_fn_must_shrink_and_a_size_below_1_means_none_is_left():
+    """accelerate retries a size no smaller than the one that failed, and calls the function with -5."""
+    for sizes, error in (([8, 4], ValueError), ([12, 4], ValueError), ([-5, 4], RuntimeError)):
+        tried, given = [], iter(sizes)
+
+        @find_executable_batch_size(starting_batch_size=8, reduce_batch_size_fn=lambda: next(given))
+        def train(batch_size):
+            tried.append(batch_size)
+            raise_fake_oom()
+
+        with pytest.raises(error, match="returned|reached zero"):
+            train()
+        assert tried == [8]
+
+
+def test_after_reaching_zero_a_later_call_tries_size_1_again():
+    """accelerate's size stays at 0 and every later call raises at once; memory may have been freed since."""
+    tried, fits = [], 0
+
+    @find_executable_batch_size(starting_batch_size=2)
+    def train(batch_size):
+        tried.append(batch_size)
+        if batch_size > fits:
+            raise_fake_oom()
+        return batch_size
+
+    with pytest.raises(RuntimeError, match=NO_BATCH_SIZE):
+        train()
+    fits = 4
+    assert train() == 1 and tried == [2, 1, 1]
 
 
 def test_policy_takes_a_toma_sizing_policy():
@@ -319,8 +358,21 @@ def test_policy_takes_a_toma_sizing_policy():
 
 
 def test_bad_arguments_are_refused_when_decorating():
-    with pytest.raises(ValueError, match="starting_batch_size"):
-        find_executable_batch_size(lambda batch_size: None, starting_batch_size=-1)
+    """accelerate calls the function with -1 or 12.5, fails at the first out-of-memory error on a
+    reduce_batch_size_fn that is no function, and lets a generator's errors escape after the call."""
+    for bad in (-1, 12.5, True):
+        with pytest.raises(ValueError, match="starting_batch_size"):
+            find_executable_batch_size(lambda batch_size: None, starting_batch_size=bad)
+    with pytest.raises(TypeError, match="reduce_batch_size_fn must be a function"):
+        find_executable_batch_size(lambda batch_size: None, reduce_batch_size_fn=10)
+    with pytest.raises(TypeError, match="runs a function; got 5"):
+        find_executable_batch_size(5)
+
+    def rows(batch_size):
+        yield batch_size
+
+    with pytest.raises(TypeError, match="cannot retry the generator function"):
+        find_executable_batch_size(rows)
     with pytest.raises(ValueError, match="reduce_batch_size_fn or policy"):
         find_executable_batch_size(lambda b: None, reduce_batch_size_fn=lambda: 1, policy=FitToMemory())
     with pytest.raises(TypeError, match="policy"):
