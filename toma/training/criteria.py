@@ -39,11 +39,13 @@ class TargetCount:
     def __call__(self, inputs: Any, targets: Any) -> Any:
         if not isinstance(targets, torch.Tensor) or targets.is_floating_point():
             return len(targets)
-        kept: torch.Tensor = targets != self.criterion.ignore_index
         class_weight = self.criterion.weight
+        if isinstance(class_weight, torch.Tensor):  # counted on its device: all micro-batches' counts in one sync
+            targets = targets.to(class_weight.device)
+        kept: torch.Tensor = targets != self.criterion.ignore_index
         if not isinstance(class_weight, torch.Tensor):
             return kept.sum()
-        return class_weight.to(targets.device)[targets.masked_fill(~kept, 0)].mul(kept).sum()
+        return class_weight[targets.masked_fill(~kept, 0)].mul(kept).sum()
 
     def __repr__(self) -> str:
         return f"the targets {type(self.criterion).__name__} counts"
