@@ -234,11 +234,31 @@ def test_a_micro_batch_with_nothing_to_average_adds_nothing_and_no_nan():
     assert called == [8] * 7, "the empty micro-batch is not run at all"
     assert_grads_equal(model, [p.grad for p in reference.parameters()])
     torch.testing.assert_close(loss, expected_loss.detach(), rtol=RTOL, atol=ATOL)
-    model.zero_grad()
-    nothing = toma.accumulate(model=model, initial_micro_batch=8, weight=label_tokens)(compute_loss)(
-        ids, torch.full_like(labels, -100)
-    )
-    assert float(nothing) == 0.0 and all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("labels_of", ["every label padding", "a weight that counts the wrong thing"])
+def test_a_logical_batch_that_counts_nothing_is_an_error_not_a_silent_zero(labels_of):
+    """A mean over nothing: one full-batch pass gives NaN. A quiet zero (no gradient, loss 0) would also hide
+    a weight that counts nothing where the loss has items, and the model would never train."""
+    model, ids, labels = causal_lm_case()
+    weight = label_tokens
+    if labels_of == "every label padding":
+        labels = torch.full_like(labels, -100)
+    else:
+
+        def weight(ids, labels):  # padding counted where label tokens were meant: none in rows without it
+            return (labels[:, 1:] == -100).sum()
+
+        labels = ids.clone()
+    calls = []
+
+    def compute_loss(ids, labels):
+        calls.append(len(ids))
+        return causal_lm_loss(model)(ids, labels)
+
+    with pytest.raises(ValueError, match=r"weight \(.*\) counted 0 items in the logical batch of 64 rows"):
+        toma.accumulate(model=model, initial_micro_batch=8, weight=weight)(compute_loss)(ids, labels)
+    assert calls == [] and all(p.grad is None for p in model.parameters()), "nothing ran, no gradient"
 
 
 def test_an_oom_with_weight_redoes_the_batch_exactly():

@@ -89,6 +89,15 @@ def test_a_backward_of_the_frameworks_own_runs_once_per_micro_batch_instead_of_t
         torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)
 
 
+def test_a_batch_that_counts_nothing_inside_a_larger_mean_adds_nothing_without_an_error():
+    """With `total=` the batch is part of a larger mean (a window, every rank's batches): counting nothing here
+    is no error, the others count; its gradients stay untouched and its loss is 0, its share of the mean."""
+    inputs, targets = padded_tokens()
+    model = make_model()
+    loss = run(model, (inputs, torch.full_like(targets, -100)), 12, total=torch.tensor(30))
+    assert float(loss) == 0.0 and all(p.grad is None for p in model.parameters())
+
+
 def test_a_total_of_zero_with_items_to_count_is_refused():
     with pytest.raises(ValueError, match="total is 0"):
         run(make_model(), padded_tokens(), 12, total=0)

@@ -30,6 +30,11 @@ def quick_garbage_collection():
     gc.unfreeze()
 
 
+@pytest.fixture(autouse=True)
+def freeze_what_earlier_tests_left(quick_garbage_collection):
+    gc.freeze()  # what the tests before left alive (an Accelerator, its models) stays out of the way too
+
+
 BOTH = pytest.mark.parametrize("decorator", [accelerates, find_executable_batch_size], ids=["accelerate", "toma"])
 
 # accelerate's back-off (int(size * 0.9)) from 38 down to the first size that fits 32 (each retry collects garbage
@@ -103,9 +108,49 @@ def test_injected_out_of_memory_errors_give_accelerates_sequence_and_a_second_ca
             raise_fake_oom()
         return batch_size, model, optimizer
 
-    for _ in range(2):  # toma remembers the size per call site: the same line, twice
+    for _ in range(2):
         assert train("model", optimizer="sgd") == (40, "model", "sgd")
     assert tried == [64, 57, 51, 45, 40, 40]
+
+
+def _epoch(train):
+    return train()
+
+
+@BOTH
+def test_the_size_found_carries_to_calls_from_other_lines_and_functions(decorator):
+    """accelerate keeps the size in the decorator: after 16, 14, ..., 8 every later call starts at 8, whatever
+    line it comes from (toma's call-site cache started such a call over, with every out-of-memory error again)."""
+    tried, fits = [], 8
+
+    @decorator(starting_batch_size=16)
+    def train(batch_size):
+        tried.append(batch_size)
+        if batch_size > fits:
+            raise_fake_oom()
+        return batch_size
+
+    assert train() == 8 and tried == [16, 14, 12, 10, 9, 8]
+    assert _epoch(train) == 8 and tried[6:] == [8], "called from another function"
+    fits = 6
+    assert train() == 6 and tried[7:] == [8, 7, 6], "less room: it goes on shrinking from 8, not from 16"
+    assert _epoch(train) == 6 and tried[10:] == [6]
+
+
+@BOTH
+def test_a_reduce_batch_size_fn_s_last_size_carries_to_later_calls(decorator):
+    sizes, tried = iter([50, 20, 10]), []
+
+    @decorator(starting_batch_size=100, reduce_batch_size_fn=lambda: next(sizes))
+    def train(batch_size):
+        tried.append(batch_size)
+        if batch_size > 20:
+            raise_fake_oom()
+        return batch_size
+
+    assert train() == 20
+    assert _epoch(train) == 20
+    assert tried == [100, 50, 20, 20]
 
 
 @BOTH
@@ -120,10 +165,33 @@ def test_out_of_memory_down_to_zero_raises_accelerates_runtime_error(decorator):
     with pytest.raises(RuntimeError, match="^No executable batch size found, reached zero.$") as raised:
         train()
     assert tried == [4, 3, 2, 1]
+    assert type(raised.value) is RuntimeError and raised.value.__cause__ is None
     if decorator is find_executable_batch_size:
-        assert isinstance(raised.value.__cause__, torch.OutOfMemoryError), "toma keeps the original error"
+        assert isinstance(raised.value.__context__, torch.OutOfMemoryError), "toma keeps the original error"
     with pytest.raises(RuntimeError, match=NO_BATCH_SIZE):
         decorator(starting_batch_size=0)(lambda batch_size: batch_size)()
+
+
+@BOTH
+def test_an_inner_call_that_reached_zero_passes_through_the_outer_one_unshrunk(decorator):
+    """accelerate's outer call does not take the inner one's RuntimeError for out of memory (nor its message):
+    it re-raises at once. toma's raised it from the out-of-memory error, so the outer one shrank to 1 as well."""
+    outer_sizes, inner_sizes = [], []
+
+    @decorator(starting_batch_size=8)
+    def outer(batch_size):
+        outer_sizes.append(batch_size)
+
+        @decorator(starting_batch_size=2)
+        def inner(inner_size):
+            inner_sizes.append(inner_size)
+            raise_fake_oom()
+
+        return inner()
+
+    with pytest.raises(RuntimeError, match=NO_BATCH_SIZE):
+        outer()
+    assert outer_sizes == [8] and inner_sizes == [2, 1]
 
 
 @BOTH
@@ -135,6 +203,27 @@ def test_passing_the_batch_size_is_a_type_error_naming_the_function(decorator):
     with pytest.raises(TypeError, match=r"Batch size was passed into `train`.*`train\(model="):
         train(8, "model")
     assert train("model") == 8
+
+
+def test_the_guard_counts_positional_parameters_and_its_hint_names_every_argument_given():
+    """Where toma's guard differs on purpose: a function taking *args is not refused extra arguments (accelerate
+    counts `args` as one parameter and refuses), the hint writes keywords too, and the name is the function's."""
+
+    @find_executable_batch_size(starting_batch_size=8)
+    def gather(batch_size, *rows):
+        """Gather."""
+        return batch_size, rows
+
+    assert gather(1, 2) == (8, (1, 2))
+    assert (gather.__name__, gather.__doc__, gather.__wrapped__.__name__) == ("gather", "Gather.", "gather")
+
+    @find_executable_batch_size(starting_batch_size=8)
+    def train(batch_size, *, model):
+        return batch_size
+
+    with pytest.raises(TypeError, match=r"Batch size was passed into `train`.*`train\(model='m'\)`$"):
+        train(8, model="m")
+    assert train(model="m") == 8
 
 
 @BOTH
@@ -190,6 +279,11 @@ def test_a_call_that_fits_collects_no_garbage_on_toma(decorator, monkeypatch):
     assert len(collections) == (0 if decorator is find_executable_batch_size else 3)
 
 
+def _raised_from(error, cause):
+    error.__cause__ = cause
+    return error
+
+
 @pytest.mark.parametrize(
     "error",
     [
@@ -198,8 +292,12 @@ def test_a_call_that_fits_collects_no_garbage_on_toma(decorator, monkeypatch):
         RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory: you tried"),
         RuntimeError("CUDA error: out of memory"),  # cudaMallocAsync's wording, without accelerate's full stop
         MemoryError(),  # Python's own
+        # Intel Gaudi's (in accelerate's list): no "out of memory" in it
+        RuntimeError("[Rank:0] FATAL ERROR :: MODULE:PT_DEVMEM Allocation failed for size::1073741824 (1024)MB"),
+        RuntimeError("CUDA out of memory.", 2),  # accelerate reads only a RuntimeError with one argument
+        _raised_from(ValueError("a wrapper's error"), torch.OutOfMemoryError("CUDA out of memory.")),
     ],
-    ids=["cuda", "mps", "cpu", "cuda-async", "python"],
+    ids=["cuda", "mps", "cpu", "cuda-async", "python", "hpu", "two-arguments", "raised-from"],
 )
 def test_out_of_memory_errors_of_every_backend_shrink_the_size(error):
     tried = []
@@ -212,6 +310,38 @@ def test_out_of_memory_errors_of_every_backend_shrink_the_size(error):
         return batch_size
 
     assert train() == 4 and tried == [8, 7, 6, 5, 4]
+
+
+def test_a_reduce_batch_size_fn_must_shrink_and_a_size_below_1_means_none_is_left():
+    """accelerate retries a size no smaller than the one that failed, and calls the function with -5."""
+    for sizes, error in (([8, 4], ValueError), ([12, 4], ValueError), ([-5, 4], RuntimeError)):
+        tried, given = [], iter(sizes)
+
+        @find_executable_batch_size(starting_batch_size=8, reduce_batch_size_fn=lambda: next(given))
+        def train(batch_size):
+            tried.append(batch_size)
+            raise_fake_oom()
+
+        with pytest.raises(error, match="returned|reached zero"):
+            train()
+        assert tried == [8]
+
+
+def test_after_reaching_zero_a_later_call_tries_size_1_again():
+    """accelerate's size stays at 0 and every later call raises at once; memory may have been freed since."""
+    tried, fits = [], 0
+
+    @find_executable_batch_size(starting_batch_size=2)
+    def train(batch_size):
+        tried.append(batch_size)
+        if batch_size > fits:
+            raise_fake_oom()
+        return batch_size
+
+    with pytest.raises(RuntimeError, match=NO_BATCH_SIZE):
+        train()
+    fits = 4
+    assert train() == 1 and tried == [2, 1, 1]
 
 
 def test_policy_takes_a_toma_sizing_policy():
@@ -228,8 +358,21 @@ def test_policy_takes_a_toma_sizing_policy():
 
 
 def test_bad_arguments_are_refused_when_decorating():
-    with pytest.raises(ValueError, match="starting_batch_size"):
-        find_executable_batch_size(lambda batch_size: None, starting_batch_size=-1)
+    """accelerate calls the function with -1 or 12.5, fails at the first out-of-memory error on a
+    reduce_batch_size_fn that is no function, and lets a generator's errors escape after the call."""
+    for bad in (-1, 12.5, True):
+        with pytest.raises(ValueError, match="starting_batch_size"):
+            find_executable_batch_size(lambda batch_size: None, starting_batch_size=bad)
+    with pytest.raises(TypeError, match="reduce_batch_size_fn must be a function"):
+        find_executable_batch_size(lambda batch_size: None, reduce_batch_size_fn=10)
+    with pytest.raises(TypeError, match="runs a function; got 5"):
+        find_executable_batch_size(5)
+
+    def rows(batch_size):
+        yield batch_size
+
+    with pytest.raises(TypeError, match="cannot retry the generator function"):
+        find_executable_batch_size(rows)
     with pytest.raises(ValueError, match="reduce_batch_size_fn or policy"):
         find_executable_batch_size(lambda b: None, reduce_batch_size_fn=lambda: 1, policy=FitToMemory())
     with pytest.raises(TypeError, match="policy"):

@@ -320,6 +320,126 @@ def test_a_compute_loss_override_is_called_per_micro_batch_and_weighted_as_its_m
     assert trainer.evaluate(data)["eval_loss"] == pytest.approx(expected.evaluate(data)["eval_loss"], rel=1e-5)
 
 
+# --- what the Trainer counts: a model's own loss, terms added once per batch, no silent zero -------------------
+
+
+class RegressionConfig(transformers.PretrainedConfig):
+    model_type = "toma-test-regression"
+
+    def __init__(self, features: int = 4, **kwargs):
+        super().__init__(**kwargs)
+        self.features = features
+
+
+class Regression(transformers.PreTrainedModel):
+    """A model that computes its own loss (a mean squared error over its rows), with no loss type the Trainer knows:
+    `PreTrainedModel.loss_function` falls back to the causal LM's loss for it, which shifts labels; its own does not.
+    Takes loss keywords (`**kwargs`) and ignores num_items_in_batch."""
+
+    config_class = RegressionConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.linear = torch.nn.Linear(config.features, 1)
+        self.post_init()
+
+    def forward(self, input_x, labels=None, **kwargs):
+        y = self.linear(input_x).squeeze(-1)
+        return {"loss": None if labels is None else F.mse_loss(y, labels), "logits": y}
+
+
+class RegressionWithoutLossKeywords(Regression):
+    def forward(self, input_x, labels=None):
+        return super().forward(input_x, labels)
+
+
+def regression_rows(count: int = 24) -> list:
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(count, 4, generator=generator)
+    y = x @ torch.tensor([1.0, -2.0, 0.5, 3.0]) + 0.1 * torch.randn(count, generator=generator)
+    return [{"input_x": row, "labels": label} for row, label in zip(x, y, strict=True)]
+
+
+def train_regression(cls, tmp_path, make=Regression, oom_rows=None, **overrides):
+    torch.manual_seed(0)
+    model = make(RegressionConfig())
+    if oom_rows is not None:
+
+        def refuse(module, args, kwargs):
+            if kwargs["input_x"].shape[0] > oom_rows:
+                raise_fake_oom()
+
+        model.register_forward_pre_hook(refuse, with_kwargs=True)
+    settings = dict(max_steps=4, learning_rate=0.1, lr_scheduler_type="constant")
+    settings.update(overrides)
+    trainer = cls(model=model, args=arguments(tmp_path, **settings), train_dataset=regression_rows())
+    trainer.train()
+    return model, trainer
+
+
+@pytest.mark.parametrize("make", [Regression, RegressionWithoutLossKeywords], ids=["loss keywords", "none"])
+@pytest.mark.parametrize(
+    "setting",
+    [dict(per_device_train_batch_size=1), dict(oom_rows=10**6), dict(oom_rows=3, gradient_accumulation_steps=2)],
+    ids=["one row per batch", "no out-of-memory error", "split, accumulated"],
+)
+def test_a_model_with_its_own_loss_trains_as_the_plain_trainer_trains_it(tmp_path, make, setting):
+    """A model whose loss the Trainer cannot name was counted as a causal LM's, one row short per micro-batch: with
+    one row per batch nothing trained (loss and gradient 0, silently), and whole batches were weighted 7/8."""
+    setting = dict(setting)
+    oom_rows = setting.pop("oom_rows", None)
+    reference, plain = train_regression(Trainer, tmp_path / "plain", make=make, **setting)
+    model, trainer = train_regression(TomaTrainer, tmp_path / "toma", make=make, oom_rows=oom_rows, **setting)
+    if oom_rows == 3:
+        assert trainer.toma_stats.micro_batch <= 3 and trainer.toma_stats.oom_retries >= 1
+    assert_same_parameters(model, reference)
+    assert training_losses(trainer) == pytest.approx(training_losses(plain), rel=1e-5)
+    assert all(loss > 0 for loss in training_losses(trainer))
+
+
+def with_batch_terms(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+    """The Trainer's loss plus two terms added once per batch: an L2 penalty on the weights and an auxiliary loss,
+    a mean over the batch's label tokens (a z-loss) that num_items_in_batch does not normalise."""
+    labels = inputs["labels"]
+    loss, outputs = Trainer.compute_loss(self, model, inputs, True, num_items_in_batch)
+    targets = labels[:, 1:] != -100
+    z = torch.logsumexp(outputs.logits[:, :-1], dim=-1).square()
+    auxiliary = (z * targets).sum() / targets.sum()
+    penalty = sum(p.square().sum() for p in model.parameters())
+    loss = loss + 1e-2 * auxiliary + 1e-3 * penalty
+    return (loss, outputs) if return_outputs else loss
+
+
+class PlainBatchTerms(Trainer):
+    compute_loss = with_batch_terms
+
+
+class TomaBatchTerms(TomaTrainer):
+    compute_loss = with_batch_terms
+
+
+@pytest.mark.parametrize("make", [gpt2, no_loss_kwargs], ids=["model_accepts_loss_kwargs", "no loss keywords"])
+def test_terms_added_once_per_batch_are_added_once_per_logical_batch_not_per_micro_batch(tmp_path, make):
+    reference, losses = plain_run(PlainBatchTerms, make=make, gradient_accumulation_steps=2)
+    model, trainer, _ = train(TomaBatchTerms, tmp_path, make=make, oom_rows=3, gradient_accumulation_steps=2)
+    assert trainer.toma_stats.micro_batch <= 3
+    assert_same_parameters(model, reference)
+    assert training_losses(trainer) == pytest.approx(losses, rel=1e-5)
+
+
+def test_a_toma_weight_that_counts_nothing_in_a_labelled_batch_is_an_error_not_a_silent_zero(tmp_path):
+    with pytest.raises(ValueError, match="toma_weight counted 0 items in a batch of 8 rows whose labels hold"):
+        train(TomaTrainer, tmp_path, options=dict(toma_weight=lambda batch: 0))
+
+
+def test_a_toma_weight_whose_micro_batches_do_not_add_up_to_the_batch_is_an_error(tmp_path):
+    def mean_length(batch):  # a mean, not a count: the micro-batches' shares would not add up to 1
+        return batch["attention_mask"].sum(1).float().mean()
+
+    with pytest.raises(ValueError, match="must count a batch's items row by row"):
+        train(TomaTrainer, tmp_path, oom_rows=3, options=dict(toma_weight=mean_length))
+
+
 class Tagging(Trainer):
     """A Trainer subclass of one's own: counts its compute_loss calls and the rows they saw."""
 

@@ -8,7 +8,7 @@ from toma.batching.transfer import check_device, uses_cuda
 from toma.core.oom import release_memory, should_reduce_batch_size
 from toma.core.size_file import device_key
 from toma.memory import backends
-from toma.memory.backends import CPU, CUDA, DeviceBackend, backend_for, default_meter, register_backend
+from toma.memory.backends import CPU, CUDA, DeviceBackend, HpuBackend, backend_for, default_meter, register_backend
 from toma.memory.free import FreeMemoryGauge
 from toma.memory.meters import CpuMeter, Mark, MemoryMeter
 
@@ -81,6 +81,14 @@ def test_a_new_device_kind_is_one_class_that_every_place_asks(gaudi):
 
 def test_without_its_backend_the_same_error_is_not_out_of_memory():
     assert not should_reduce_batch_size(RuntimeError("Device allocation failed: synStatus 26"))
+
+
+def test_intel_gaudis_out_of_memory_text_is_recognised_by_its_backend_without_a_device():
+    # what Habana's allocator raises (and accelerate's should_reduce_batch_size lists): no "out of memory" in it
+    error = RuntimeError("[Rank:0] FATAL ERROR :: MODULE:PT_DEVMEM Allocation failed for size::1073741824 (1024)MB")
+    assert isinstance(backend_for("hpu"), HpuBackend) and backend_for("hpu:0").is_out_of_memory(error)
+    assert should_reduce_batch_size(error)
+    assert not should_reduce_batch_size(ValueError(str(error))), "a RuntimeError, as the plugin raises it"
 
 
 def test_a_kind_no_backend_knows_is_measured_by_nothing_and_never_pinned():

@@ -282,7 +282,10 @@ def test_bad_input_fails_before_any_work():
         Trainer(model, optimizer, None, data, batch_size=32)
     with pytest.raises(TypeError, match="callbacks must have"):
         Trainer(model, optimizer, nn.CrossEntropyLoss(), data, batch_size=32, callbacks=[object()])
-    not_scalar = Trainer(model, optimizer, nn.CrossEntropyLoss(reduction="none"), data, batch_size=32, verbose=0)
+    with pytest.raises(TypeError, match=r"loss_fn\(model\(inputs\), targets\) must return a scalar tensor"):
+        Trainer(model, optimizer, nn.CrossEntropyLoss(reduction="none"), data, batch_size=32, verbose=0)
+    per_row = lambda outputs, targets: F.cross_entropy(outputs, targets, reduction="none")  # noqa: E731
+    not_scalar = Trainer(model, optimizer, per_row, data, batch_size=32, verbose=0)
     with pytest.raises(TypeError, match=r"loss_fn\(model\(inputs\), targets\) must return a scalar tensor"):
         not_scalar.fit(1)
     one_shot = Trainer(model, optimizer, nn.CrossEntropyLoss(), iter(list(data)), batch_size=32, verbose=0)
@@ -584,10 +587,10 @@ def test_an_evaluation_chunk_that_runs_out_of_memory_in_a_metric_is_counted_once
 
 
 @pytest.mark.parametrize("with_scaler", [False, True], ids=["optimizer", "GradScaler"])
-def test_a_logical_batch_with_nothing_to_learn_from_takes_no_optimizer_step(with_scaler):
-    """A logical batch whose labels are all padding counts 0 tokens: no backward pass runs, so neither the
-    optimizer (Adam would still move the weights by its momentum) nor the GradScaler (which asserts that
-    it saw gradients) may step."""
+def test_a_logical_batch_with_nothing_to_learn_from_is_an_error_and_takes_no_optimizer_step(with_scaler):
+    """A logical batch whose labels are all padding counts 0 tokens: its mean loss is a mean over nothing, an
+    error before any backward pass, so neither the optimizer (Adam would still move the weights by its
+    momentum) nor the GradScaler (which asserts that it saw gradients) steps."""
     model = TinyLM()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
     batches = padded_batches(count=2)
@@ -606,8 +609,9 @@ def test_a_logical_batch_with_nothing_to_learn_from_takes_no_optimizer_step(with
         verbose=0,
     )
     before = [p.detach().clone() for p in model.parameters()]
-    trainer.fit(1)
-    assert trainer.global_step == 2 and not optimizer.state, "Adam never stepped"
+    with pytest.raises(ValueError, match=r"weight \(label_tokens\) counted 0 items in the logical batch of 4 rows"):
+        trainer.fit(1)
+    assert trainer.global_step == 0 and not optimizer.state, "Adam never stepped"
     for p, q in zip(model.parameters(), before, strict=True):
         assert torch.equal(p, q)
 

@@ -110,6 +110,18 @@ def _counts(values: List[Any], weight: Callable[..., Any]) -> List[float]:
     return floats
 
 
+def _nothing_counted(weight: Callable[..., Any], rows: int) -> ValueError:
+    """A logical batch whose mean loss averages over nothing: a full-batch pass gives NaN, and a quiet step
+    without gradients would hide a `weight` that counts the wrong thing (the model would never train)."""
+    name = getattr(weight, "__qualname__", repr(weight))
+    return ValueError(
+        f"weight ({name}) counted 0 items in the logical batch of {rows} rows: its mean loss averages over "
+        "nothing (in one full-batch pass it is NaN), so there is no gradient to weight. If the loss does average "
+        "over something, weight must count it; a batch with nothing to learn from (every label padding) must be "
+        "left out of the data"
+    )
+
+
 def _hint_whole(error: BaseException, piece: ArgumentBatch, rows: int) -> None:
     """An error that names the micro-batch's row count while the batch was split may come from a tensor
     that is not part of the batch but happened to have as many rows: say what was split."""
@@ -262,6 +274,8 @@ class AccumulateStep(Step):
         if self.total is None:
             counts = _counts(values, self.weight)
             total = sum(counts)
+            if total == 0 and self.sync.agreement is None:  # with ranks, the others' items count too (sync.py)
+                raise _nothing_counted(self.weight, total_rows)
         else:  # the counts and the total in one device synchronisation
             *counts, total = _counts(values + [self.total], self.weight)
             if total == 0 and any(counts):

@@ -80,7 +80,12 @@ class AgreeingDDP:
         scale = 1.0
         if weight is not None:
             total = self.agreement.sum(weight)
-            scale = weight * self.agreement.world_size / total if total > 0 else 0.0
+            if total == 0:  # every rank's: the same error on every rank, before the gradients' all-reduce
+                raise ValueError(
+                    f"weight counted 0 items in the logical batch on every one of the {self.agreement.world_size} "
+                    "ranks: its mean loss averages over nothing, so there is no gradient to weight"
+                )
+            scale = weight * self.agreement.world_size / total
         all_reduce_gradients(params, self.model.process_group, scale=scale)
         if getattr(self.model, "broadcast_buffers", False):
             # DDP would broadcast rank 0's buffers (BatchNorm statistics) in the next forward pass, a

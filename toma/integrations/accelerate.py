@@ -3,11 +3,11 @@
 `@find_executable_batch_size(starting_batch_size=128)` on a function whose first argument is the batch size:
 callers leave it out, an out-of-memory error retries the call with the size times 0.9 (accelerate's back-off, or
 `reduce_batch_size_fn()`), and running out at size 1 raises accelerate's `RuntimeError("No executable batch size
-found, reached zero.")` (from the original error). What toma's engine changes: a call that fits collects no
-garbage and empties no cache (accelerate does both before every call, and after every error); the size that
-worked is remembered per function and call site (and free-memory level), so the next call from there starts at it,
-also when the function is decorated anew; out-of-memory errors of every backend toma knows count; and `policy=`
-takes a toma sizing policy (`FitToMemory()`).
+found, reached zero.")` (with the original error as its context). As accelerate's, the size that worked is kept for the function:
+every later call starts at it, from wherever it is called. What toma's engine changes: a call that fits collects
+no garbage and empties no cache (accelerate does both before every call, and after every error); the size is kept
+by the function's code, so a function decorated anew starts at it too; out-of-memory errors of every backend toma
+knows count; and `policy=` takes a toma sizing policy (`FitToMemory()`).
 Nothing here imports accelerate.
 """
 
@@ -16,6 +16,7 @@ import inspect
 from typing import Any, Callable, Optional
 
 from toma.core.arguments import check_function
+from toma.core.caches import GlobalBatchsizeCache
 from toma.core.oom import should_reduce_batch_size
 from toma.core.policy import SizePolicy, check_policy
 from toma.core.steps import BatchStep
@@ -84,9 +85,9 @@ def find_executable_batch_size(
     chosen = check_policy(policy, "policy") or (
         ACCELERATE_POLICY if reduce_batch_size_fn is None else ReduceBatchSizeFn(reduce_batch_size_fn)
     )
-    # Cached by the function's code (and the default cache's call site and free-memory level): an inner training
-    # function decorated anew on every outer call, as accelerate's documentation does it, still finds its size.
-    options = CallOptions(policy=chosen)
+    # One size per function's code, wherever it is called from (accelerate keeps one per decoration): an inner
+    # training function decorated anew on every outer call, as accelerate's documentation does it, finds it too.
+    options = CallOptions(policy=chosen, fixed_cache=CallOptions(cache_type=GlobalBatchsizeCache).cache(function))
     initial = max(1, starting_batch_size)
     limit = _positional_limit(function)
     name = getattr(function, "__name__", repr(function))
@@ -94,7 +95,8 @@ def find_executable_batch_size(
     @functools.wraps(function)
     def decorator(*args: Any, **kwargs: Any) -> Any:
         if limit is not None and len(args) > limit:
-            given = ", ".join(f"{p}={v!r}" for p, v in zip(list(inspect.signature(function).parameters)[1:], args[1:]))
+            named = zip(list(inspect.signature(function).parameters)[1:], args[1:])
+            given = ", ".join(f"{p}={v!r}" for p, v in [*named, *kwargs.items()])
             raise TypeError(
                 f"Batch size was passed into `{name}` as the first argument when called. Remove this as the "
                 f"decorator already does so: `{name}({given})`"
@@ -105,7 +107,9 @@ def find_executable_batch_size(
             return options.perform(BatchStep(function, args, kwargs), initial).result
         except Exception as error:
             if should_reduce_batch_size(error):  # out of memory at the smallest size
-                raise RuntimeError(NO_BATCH_SIZE) from error
+                # The error stays as the context (the traceback shows it), not the cause: a cause would make an
+                # outer find_executable_batch_size take this for out of memory and shrink; accelerate's passes.
+                raise RuntimeError(NO_BATCH_SIZE)  # noqa: B904
             raise
 
     return decorator

@@ -9,11 +9,13 @@ logical batch in micro-batches, each through `self.compute_loss` and `self.accel
 Everything else (the loop, schedulers, clipping, callbacks, checkpoints, accelerate's DDP and mixed precision)
 is the Trainer's own.
 
-How the micro-losses add up to the plain Trainer's loss: a micro-batch's loss is made a mean over its own items
-(label tokens, counted as the Trainer counts them, or `toma_weight=`'s count), by passing its own count as
-`num_items_in_batch`, and is weighted by count / total. The total is the Trainer's `num_items_in_batch` (the
-tokens of the whole gradient-accumulation window, over every rank) when the Trainer normalises by it, and the
-batch's own count otherwise, where the Trainer also divides by the accumulation steps, as it does.
+How the micro-losses add up to the plain Trainer's loss for the batch, `compute_loss(batch, num_items_in_batch)`:
+each micro-batch holds a share of the batch (its label items over the batch's, counted as the Trainer counts them,
+or `toma_weight=`'s count, or its rows), is given `num_items_in_batch` times its share and weighted by its share.
+A part of the loss normalised by `num_items_in_batch` then adds up to the batch's, whatever the shares; a part
+added once per batch (a penalty, a router's auxiliary loss) adds up to itself, as the shares add up to 1; and a
+mean the loss takes on its own (ignoring `num_items_in_batch`) is reproduced where it averages over what the shares
+count. The division by the accumulation steps follows the Trainer's rule.
 """
 
 import copy
@@ -25,12 +27,13 @@ from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
 import torch
 import transformers
 from accelerate.utils.memory import clear_device_cache  # type: ignore[import-untyped]
-from transformers.loss.loss_utils import ForCausalLMLoss
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.trainer_pt_utils import nested_concat
 from transformers.trainer_utils import unwrap_peft_model
 from transformers.training_args import OptimizerNames
 
 from toma.accumulation.accumulate import ACCUMULATION_POLICY, AccumulationStats, accumulate
+from toma.batching.batches import rows
 from toma.batching.splitting import ArgumentBatch
 from toma.core.arguments import check_size
 from toma.core.caches import GlobalBatchsizeCache
@@ -50,20 +53,32 @@ Count = Callable[[Any], Any]
 
 
 @dataclass(frozen=True)
-class _Scaling:
-    """How one logical batch's micro-losses add up to the plain Trainer's loss for it."""
+class _Shares:
+    """How one logical batch's micro-losses add up to the plain Trainer's loss for it (see the module's docstring):
+    micro-batch i, a share s_i of the batch, is given `num_items_in_batch * s_i` and weighted by s_i."""
 
-    reduction: str  # "mean": each micro-loss weighted count / total; "sum": added as they are
-    count: Optional[Count]  # what a micro-batch's mean loss averages over (None: its rows)
-    total: Any  # what the batch's loss averages over in all (None: its rows)
+    count: Optional[Count]  # what a share is counted in (None: rows)
+    total: Any  # the batch's count (None: rows)
+    rows: int  # the batch's rows
     num_items: Any  # num_items_in_batch as the Trainer passes it (None: none)
-    pass_count: bool  # give compute_loss each micro-batch's own count as num_items_in_batch
     divisor: int  # the plain Trainer's division by the gradient-accumulation steps (1: none)
+    summed: bool = False  # normalised by compute_loss itself without num_items_in_batch: the micro-losses add up
+
+    def num_items_for(self, micro: Any) -> Any:
+        """The micro-batch's `num_items_in_batch`: the Trainer's, times its share (as given, for the whole batch)."""
+        if self.num_items is None:
+            return None
+        micro_rows = rows(micro)
+        if micro_rows == self.rows:
+            return self.num_items
+        if self.count is None:
+            return self.num_items * micro_rows / self.rows
+        return self.num_items * self.count(micro) / self.total
 
 
 class _LabelCount:
-    """A batch's items: its labels other than -100, after the shift of a causal language model's loss (or its
-    `shift_labels` as given)."""
+    """A batch's label items as the Trainer counts them for `num_items_in_batch`: labels other than -100, after
+    the shift of a causal language model's loss (or its `shift_labels` as given)."""
 
     def __init__(self, shifted: bool) -> None:
         self.shifted = shifted
@@ -76,12 +91,19 @@ class _LabelCount:
         return labels.ne(IGNORE_INDEX).sum()
 
 
-def _loss_shifts_labels(model: Any) -> bool:
-    """Whether the model's own loss is a causal language model's (which shifts the labels): its loss function, not
-    its class name, which the Trainer's count goes by (GPT2LMHeadModel's names no loss type)."""
-    if not isinstance(model, transformers.PreTrainedModel) or model.config.is_encoder_decoder:
+def _has_labels(inputs: Any) -> bool:
+    return isinstance(inputs, Mapping) and any(
+        isinstance(inputs.get(key), torch.Tensor) for key in ("labels", "shift_labels")
+    )
+
+
+def _is_causal_lm(model: Any) -> bool:
+    """Whether the Trainer shifts the model's labels in its own loss (its label smoother's rule: the model class is
+    a causal language model's, and not an encoder-decoder)."""
+    config = getattr(model, "config", None)
+    if getattr(config, "is_encoder_decoder", False) or not isinstance(model, torch.nn.Module):
         return False
-    return model.loss_function is ForCausalLMLoss
+    return model._get_name() in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
 
 
 def _check_weight(weight: Any) -> Optional[Count]:
@@ -91,6 +113,18 @@ def _check_weight(weight: Any) -> Optional[Count]:
             f"loss averages over, e.g. lambda batch: (batch['labels'] != -100).sum(); got {weight!r}"
         )
     return weight
+
+
+def _check_additive(shares: _Shares, counted: Optional[float]) -> None:
+    """The micro-batches' counts must add up to the batch's, or their shares would not add up to 1: a part of the
+    batch dropped or counted twice."""
+    total = float(shares.total)
+    if counted is None or abs(counted - total) > 1e-6 * total:
+        name = getattr(shares.count, "__qualname__", repr(shares.count))
+        raise ValueError(
+            f"toma_weight ({name}) must count a batch's items row by row, so that its micro-batches' counts add up to the whole "
+            f"batch's: they add up to {counted}, the batch counts {total:g}"
+        )
 
 
 # Type checkers see the mixin as the Trainer it is mixed into; at run time it is a plain class.
@@ -164,7 +198,7 @@ class TomaTrainerMixin(_Trainer):
         self._toma_check_setup()
         self._toma_trainer_count = _LabelCount(self._loss_shifts_labels)
         model = unwrap_peft_model(self.model)
-        self._toma_model_count = _LabelCount(self._loss_shifts_labels or _loss_shifts_labels(model))
+        self._toma_model_count = _LabelCount(self._loss_shifts_labels or _is_causal_lm(model))
 
     def _toma_check_setup(self) -> None:
         """Setups whose collectives or optimizers run inside a step cannot be split into micro-batches."""
@@ -196,16 +230,16 @@ class TomaTrainerMixin(_Trainer):
     # --- training ------------------------------------------------------------------------------------
 
     def _toma_count_for(self, inputs: Any, as_the_trainer_counts: bool = False) -> Optional[Count]:
-        """What a batch's mean loss averages over: `toma_weight=`, else its label tokens (None: its rows). The
-        count of the model's own mean, unless `as_the_trainer_counts` (the count the Trainer passes on as
-        num_items_in_batch, which a loss normalised by it divides by)."""
+        """What a batch's loss averages over: `toma_weight=`, else its label items (None: its rows). Counted as the
+        Trainer counts `num_items_in_batch` when `as_the_trainer_counts`, else as the model's own mean counts them
+        (the Trainer's label-smoothing rule: a causal language model's labels shifted)."""
         if self.toma_weight is not None:
             return self.toma_weight
-        if not (isinstance(inputs, Mapping) and isinstance(inputs.get("labels"), torch.Tensor)):
+        if not _has_labels(inputs):
             return None
         return self._toma_trainer_count if as_the_trainer_counts else self._toma_model_count
 
-    def _toma_scaling(self, inputs: Any, num_items_in_batch: Any) -> _Scaling:
+    def _toma_shares(self, inputs: Any, batch_rows: int, num_items_in_batch: Any) -> _Shares:
         declared = self.loss_is_scaled_for_ga
         if declared is not None:
             scaled = bool(declared)
@@ -214,17 +248,30 @@ class TomaTrainerMixin(_Trainer):
                 self.model_accepts_loss_kwargs and num_items_in_batch is not None
             ) or self.compute_loss_func is not None
         divisor = 1 if scaled else int(self.current_gradient_accumulation_steps)
-        count = self._toma_count_for(inputs)
-        if count is not None and num_items_in_batch is not None and scaled:
-            # A mean over the window's items: each micro-batch a mean over its own, weighted by its share.
-            return _Scaling("mean", count, num_items_in_batch, num_items_in_batch, True, 1)
         if declared is True and num_items_in_batch is None:
-            # Normalised over the window by compute_loss itself: the micro-losses add up.
-            return _Scaling("sum", None, None, None, False, 1)
-        # A mean over this batch (its items, or rows), divided by the accumulation steps unless scaled. The total is
-        # this batch's own, given explicitly so that ranks are averaged as DDP does.
-        total = None if count is None else count(inputs)
-        return _Scaling("mean", count, total, num_items_in_batch, num_items_in_batch is not None, divisor)
+            # Normalised over the window by compute_loss itself, with nothing to scale: the micro-losses add up.
+            return _Shares(None, None, batch_rows, None, 1, summed=True)
+        count = self._toma_count_for(inputs)
+        if count is None:
+            return _Shares(None, None, batch_rows, num_items_in_batch, divisor)
+        total = count(inputs)
+        value = float(total)
+        if value > 0:
+            return _Shares(count, total, batch_rows, num_items_in_batch, divisor)
+        if not value == 0:
+            raise ValueError(
+                f"toma_weight must return a count of at least 0, got {value} for a batch of {batch_rows} rows"
+            )
+        if count is self.toma_weight and _has_labels(inputs):
+            labelled = float(self._toma_model_count(inputs))
+            if labelled > 0:
+                raise ValueError(
+                    f"toma_weight counted 0 items in a batch of {batch_rows} rows whose labels hold {labelled:g}: "
+                    "its micro-batches cannot be weighted, and the plain Trainer would train on this batch's loss. "
+                    "toma_weight must return what the batch's loss averages over"
+                )
+        # Nothing to average over (every label -100): shares by rows give the plain Trainer's value all the same.
+        return _Shares(None, None, batch_rows, num_items_in_batch, divisor)
 
     def training_step(
         self, model: torch.nn.Module, inputs: Any, num_items_in_batch: Optional[Any] = None
@@ -237,33 +284,36 @@ class TomaTrainerMixin(_Trainer):
         if hasattr(optimizer, "train") and callable(optimizer.train):  # schedule-free optimizers
             optimizer.train()
         inputs = self._prepare_inputs(inputs)
-        scaling = self._toma_scaling(inputs, num_items_in_batch)
+        batch = ArgumentBatch((inputs,), {}, name="inputs")
+        shares = self._toma_shares(inputs, batch.size, num_items_in_batch)
 
         def micro_loss(micro: Any) -> torch.Tensor:
+            items = shares.num_items_for(micro)
             micro = copy.copy(micro)  # compute_loss may pop the labels; a retry needs them
-            items = scaling.count(micro) if scaling.pass_count and scaling.count is not None else scaling.num_items
             with self.compute_loss_context_manager():
                 loss = self.compute_loss(model, micro, num_items_in_batch=items)
             if not isinstance(loss, torch.Tensor):
                 raise TypeError(f"compute_loss must return the loss as a tensor, got {type(loss).__name__}")
-            return loss if scaling.divisor == 1 else loss / scaling.divisor
+            return loss if shares.divisor == 1 else loss / shares.divisor
 
         loss = accumulate(
             micro_loss,
             model,
             self.toma_initial_micro_batch,
-            ArgumentBatch((inputs,), {}, name="inputs"),
-            reduction=scaling.reduction,
-            weight=scaling.count if scaling.reduction == "mean" else None,
+            batch,
+            reduction="sum" if shares.summed else "mean",
+            weight=shares.count,
             scaler=None,
             cache=self._toma_training_cache,
             policy=self.toma_policy,
             stats=self.toma_stats,
             name="TomaTrainer.training_step",
             backward=self.accelerator.backward,
-            total=scaling.total,
+            total=shares.total,
         )
-        del inputs
+        if shares.count is not None:
+            _check_additive(shares, self.toma_stats.weight)
+        del inputs, batch
         steps = self.args.torch_empty_cache_steps
         if steps is not None and self.state.global_step % steps == 0:
             clear_device_cache()

@@ -24,6 +24,7 @@ __all__ = [
     "CudaBackend",
     "XpuBackend",
     "MpsBackend",
+    "HpuBackend",
     "CPU",
     "CUDA",
     "register_backend",
@@ -292,10 +293,26 @@ class MpsBackend(DeviceBackend):
         torch.mps.set_rng_state(state)
 
 
+class HpuBackend(DeviceBackend):
+    """Intel Gaudi (`torch.hpu`, from Habana's plugin): its out-of-memory error, which says neither "out of
+    memory" nor raises `torch.OutOfMemoryError`. Its allocator reserves the device's memory for the process, so
+    there is no cache to empty."""
+
+    OOM_MARKER = "MODULE:PT_DEVMEM Allocation failed"  # "FATAL ERROR :: MODULE:PT_DEVMEM Allocation failed ..."
+
+    def __init__(self) -> None:
+        super().__init__("hpu")
+
+    def is_out_of_memory(self, exception: BaseException) -> bool:
+        return isinstance(exception, RuntimeError) and self.OOM_MARKER in str(exception)
+
+
 CPU = CpuBackend()
 CUDA = CudaBackend()
 _lock = threading.Lock()
-_backends: Dict[str, DeviceBackend] = {backend.kind: backend for backend in (CPU, CUDA, XpuBackend(), MpsBackend())}
+_backends: Dict[str, DeviceBackend] = {
+    backend.kind: backend for backend in (CPU, CUDA, XpuBackend(), MpsBackend(), HpuBackend())
+}
 _accelerators: Tuple[DeviceBackend, ...] = tuple(b for b in _backends.values() if b is not CPU)
 
 

@@ -7,7 +7,7 @@ stays on the host (or wherever the data is) and each micro-batch moves to the de
 logical batch larger than GPU memory trains too.
 """
 
-import logging
+import dataclasses
 import math
 import time
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, TextIO, Tuple, Union
@@ -26,6 +26,7 @@ from toma.memory.backends import backend_for
 from toma.sizing.policies import SizePolicy, check_policy
 from toma.training.arguments import check_functions, check_run, place
 from toma.training.callbacks import Callback, StopTraining
+from toma.training.criteria import check_criterion, criterion_weight
 from toma.training.data import WHOLE_BATCHES, EvaluationChunks, rows_per_epoch
 from toma.training.history import TrainingHistory
 from toma.training.outputs import (
@@ -39,8 +40,6 @@ from toma.training.outputs import (
     loss_of,
 )
 from toma.training.progress import Progress
-
-logger = logging.getLogger("toma")
 
 __all__ = ["Trainer", "Callback", "StopTraining", "accuracy", "METRICS"]
 
@@ -80,6 +79,11 @@ class Trainer:
         # How micro-batch and evaluation chunk sizes are found: measured (FitToMemory) unless given.
         self.policy: SizePolicy = check_policy(policy, "policy") or ACCUMULATION_POLICY
         check_functions(optimizer, loss_fn, forward, targets)
+        if forward is None:
+            check_criterion(loss_fn, self.accumulation.reduction)
+            if weight is None:  # what the criterion's mean divides by (its targets), not rows
+                counted = criterion_weight(loss_fn, self.accumulation.reduction)
+                self.accumulation = dataclasses.replace(self.accumulation, weight=counted)
         self.batch_size = check_size(batch_size, "batch_size")
         self.initial_micro_batch = (
             None if initial_micro_batch is None else check_size(initial_micro_batch, "initial_micro_batch")
@@ -161,10 +165,9 @@ class Trainer:
             stats=self.stats,
             name="Trainer.step",
         )
-        if self.stats.weight == 0:
-            # Nothing counted (all labels padding): no backward pass ran, so there is nothing to step on.
-            logger.debug("Trainer.step: the logical batch counted 0 items; no optimizer step")
-        elif self.scaler is not None:
+        # A batch that counted nothing is an error in toma.accumulate; a rank of several that counted nothing holds
+        # the other ranks' gradients, so it steps as they do.
+        if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
         else:

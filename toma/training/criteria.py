@@ -1,0 +1,58 @@
+"""What a Trainer's `loss_fn` averages over, read from the criterion itself, so that micro-batches are weighted by
+what the loss is normalised by: `nn.CrossEntropyLoss` and `nn.NLLLoss` divide their mean by the targets they do not
+ignore, each counted by its class weight; every other loss, and a criterion given as a plain function, by rows
+(unless `weight=` says otherwise)."""
+
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch import nn
+from torch.nn.modules.loss import _Loss
+
+__all__ = ["check_criterion", "criterion_weight", "TargetCount"]
+
+
+def check_criterion(loss_fn: Any, reduction: str) -> None:
+    """A PyTorch criterion's own reduction must be the Trainer's: micro-batches of a sum weighted as a mean's (or
+    the other way round) would give neither the sum's gradients nor the mean's."""
+    own = getattr(loss_fn, "reduction", None) if isinstance(loss_fn, _Loss) else None
+    if own is None or own == reduction:
+        return
+    if own not in ("mean", "sum"):
+        raise TypeError(
+            f"loss_fn(model(inputs), targets) must return a scalar tensor (the batch's loss), but loss_fn "
+            f"({type(loss_fn).__name__}) has reduction={own!r}"
+        )
+    raise ValueError(
+        f"reduction={reduction!r}, but loss_fn ({type(loss_fn).__name__}) reduces by {own!r}: pass "
+        f"reduction={own!r} to the Trainer, so that its micro-batches add up to the batch's loss"
+    )
+
+
+class TargetCount:
+    """`weight=` for a class-index criterion: the targets it does not ignore, each counted by its class weight,
+    the count its mean divides by. Probabilities as targets are averaged over rows."""
+
+    def __init__(self, criterion: Union[nn.CrossEntropyLoss, nn.NLLLoss]) -> None:
+        self.criterion = criterion
+
+    def __call__(self, inputs: Any, targets: Any) -> Any:
+        if not isinstance(targets, torch.Tensor) or targets.is_floating_point():
+            return len(targets)
+        class_weight = self.criterion.weight
+        if isinstance(class_weight, torch.Tensor):  # counted on its device: all micro-batches' counts in one sync
+            targets = targets.to(class_weight.device)
+        kept: torch.Tensor = targets != self.criterion.ignore_index
+        if not isinstance(class_weight, torch.Tensor):
+            return kept.sum()
+        return class_weight[targets.masked_fill(~kept, 0)].mul(kept).sum()
+
+    def __repr__(self) -> str:
+        return f"the targets {type(self.criterion).__name__} counts"
+
+
+def criterion_weight(loss_fn: Any, reduction: str) -> Optional[Callable[..., Any]]:
+    """The count `loss_fn`'s mean divides by, as a `weight=` function; None: rows."""
+    if reduction == "mean" and isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)):
+        return TargetCount(loss_fn)
+    return None
