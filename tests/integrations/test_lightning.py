@@ -434,6 +434,25 @@ def test_logged_values_are_the_whole_batchs_when_it_is_split(module):
     assert_same_metrics(trainer, plain)
 
 
+class LogsTwice(Classifier):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("again", loss, prog_bar=False)
+        self.log("again", loss, prog_bar=True)  # Lightning refuses one name logged with two sets of options
+        return loss
+
+
+@pytest.mark.parametrize("initial_micro_batch", [None, 8])
+def test_a_name_logged_twice_in_a_step_meets_lightnings_own_error(initial_micro_batch):
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    with pytest.raises(MisconfigurationException) as plain:
+        fit(LogsTwice(), steps=1)
+    with pytest.raises(MisconfigurationException) as micro:
+        fit(LogsTwice(), [MicroBatching(initial_micro_batch)], steps=1)
+    assert "twice in `training_step`" in str(plain.value) and str(micro.value) == str(plain.value)
+
+
 def test_the_micro_batch_size_is_not_among_the_logged_metrics_unless_asked_for():
     plain = fit(Classifier(), log_every_n_steps=1)
     callback = MicroBatching(initial_micro_batch=8)
@@ -460,6 +479,26 @@ def test_tensor_backward_is_called_once_per_batch_as_lightning_calls_it(monkeypa
     fit(module, [MicroBatching(initial_micro_batch=8)], steps=3)
     assert len(calls) == 3 and module.rows == [8] * 12
     assert_same_parameters(module, plain.lightning_module)
+
+
+def test_a_program_that_patches_the_clock_sees_the_reads_of_a_plain_run(monkeypatch):
+    """Lightning's tests simulate time by patching `time.monotonic` (time-based validation): toma's throttled
+    free-memory reads between measurements must not advance it."""
+    import time
+
+    reads = []
+    clock = time.monotonic
+
+    def counted():
+        reads.append(None)
+        return clock()
+
+    monkeypatch.setattr(time, "monotonic", counted)
+    fit(Classifier(), steps=6)
+    plain = len(reads)
+    reads.clear()
+    fit(Classifier(), [MicroBatching()], steps=6)
+    assert len(reads) == plain
 
 
 def test_a_training_step_set_on_the_instance_is_restored_after_the_fit():

@@ -117,7 +117,7 @@ class _MicroBatchStep:
         self.name = getattr(step, "__qualname__", "training_step")
 
     def loss(self, micro_batch: Any) -> Any:
-        self.model.logs.micro_batch = micro_batch
+        self.model.logs.start(micro_batch)
         output = self.step(micro_batch, *self.args, **self.kwargs)
         if output is None:
             self.model.returned.append(False)

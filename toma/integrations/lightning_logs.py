@@ -41,12 +41,14 @@ _REDUCTIONS: Dict[Any, str] = {
 
 
 class _Entry:
-    """One `self.log` call of one micro-batch: its value and options (keyword arguments, as Lightning names them)."""
+    """One `self.log` call of one micro-batch: its value and options (keyword arguments, as Lightning names them).
+    `key`: the name and which call with that name it is in its micro-batch (0 for the first), so that a name
+    logged twice in a step is replayed twice and Lightning sees what a plain run shows it."""
 
-    __slots__ = ("name", "value", "options", "micro_batch")
+    __slots__ = ("key", "value", "options", "micro_batch")
 
-    def __init__(self, name: str, value: Any, options: Dict[str, Any], micro_batch: Any) -> None:
-        self.name, self.value, self.options, self.micro_batch = name, value, options, micro_batch
+    def __init__(self, key: Tuple[str, int], value: Any, options: Dict[str, Any], micro_batch: Any) -> None:
+        self.key, self.value, self.options, self.micro_batch = key, value, options, micro_batch
 
 
 def _options(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Dict[str, Any]:
@@ -71,19 +73,26 @@ class StepLogs:
     """The `self.log` calls of the current logical batch's micro-batches (a `PendingState` through the module
     that trains them: `mark`/`rewind` drop a failed attempt's). `weight`: toma.accumulate's `weight=` (None: rows)."""
 
-    __slots__ = ("entries", "micro_batch", "weight")
+    __slots__ = ("entries", "micro_batch", "weight", "calls")
 
     def __init__(self, weight: Optional[Callable[..., Any]]) -> None:
         self.entries: List[_Entry] = []
         self.micro_batch: Any = None
         self.weight = weight
+        self.calls: Dict[str, int] = {}  # the current micro-batch's calls so far, per name
+
+    def start(self, micro_batch: Any) -> None:
+        """A micro-batch's step begins: what it logs is its own."""
+        self.micro_batch, self.calls = micro_batch, {}
 
     def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         """Stands in for the module's `self.log` while the micro-batches run."""
         options = _options(args, kwargs)
         if isinstance(value, torch.Tensor) and not options.get("enable_graph", False):
             value = value.detach()  # as Lightning keeps it; the micro-batch's graph is not held to the replay
-        self.entries.append(_Entry(name, value, options, self.micro_batch))
+        calls = self.calls.get(name, 0)
+        self.calls[name] = calls + 1
+        self.entries.append(_Entry((name, calls), value, options, self.micro_batch))
 
     def mark(self) -> int:
         return len(self.entries)
@@ -92,16 +101,17 @@ class StepLogs:
         del self.entries[mark:]
 
     def clear(self) -> None:
-        self.entries, self.micro_batch = [], None
+        self.entries, self.micro_batch, self.calls = [], None, {}
 
     def replay(self, module: "pl.LightningModule") -> None:
-        """Log each name once through Lightning's `log`, its value combined over the micro-batches."""
+        """Log each name once through Lightning's `log` (as often as one micro-batch logged it), its value
+        combined over the micro-batches."""
         entries = self.entries
         self.clear()
-        by_name: Dict[str, List[_Entry]] = {}
+        by_key: Dict[Tuple[str, int], List[_Entry]] = {}
         for entry in entries:
-            by_name.setdefault(entry.name, []).append(entry)
-        for name, logged in by_name.items():
+            by_key.setdefault(entry.key, []).append(entry)
+        for (name, _), logged in by_key.items():
             options = logged[-1].options
             value = logged[-1].value
             if len(logged) > 1:
