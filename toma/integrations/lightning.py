@@ -9,6 +9,10 @@ each parameter the logical batch's gradient (`LogicalBatchLoss`). So whatever Li
 reaches the gradients as in a plain run: the division by `accumulate_grad_batches`, a precision plugin's loss
 scaling, the `on_before_backward`/`on_after_backward` hooks, a module's own `backward`, DDP's all-reduce.
 
+What Lightning decides from the step's output stays Lightning's: a step that returns None skips the batch (every
+micro-batch must then return None), an output Lightning refuses reaches it unchanged, and a batch with nothing to
+split (no tensor with a batch dimension, a `dataloader_iter` step) runs whole through the module's own step.
+
 Why not leave the micro-batches' gradients in `.grad` and suppress Lightning's backward: Lightning zeroes the
 gradients after the training step (its closure runs step, `zero_grad`, backward), which would erase them on the
 first batch of every accumulation window, and DDP reduces only in the backward pass Lightning runs.
