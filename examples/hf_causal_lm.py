@@ -83,7 +83,8 @@ def run(trainer_class: type, output_dir: str, data: list, cuda: bool, **settings
         disable_tqdm=True,
         **settings,
     )
-    trainer = trainer_class(model=small_gpt2(), args=args, train_dataset=data, data_collator=pad)
+    options = {"toma_log_micro_batch": True} if issubclass(trainer_class, TomaTrainer) else {}
+    trainer = trainer_class(model=small_gpt2(), args=args, train_dataset=data, data_collator=pad, **options)
     trainer.remove_callback(PrinterCallback)
     batch_sizes = []  # each (re)start of the training loop, with its batch size
     inner = trainer._inner_training_loop

@@ -459,8 +459,9 @@ def test_the_mixin_on_a_trainer_subclass_keeps_its_hooks_and_gives_the_plain_par
     assert max(trainer.rows_seen) == 8 and trainer.rows_seen[-4:] == [2, 2, 2, 2], "its compute_loss per micro-batch"
 
 
-def test_the_training_logs_carry_the_micro_batch_size_and_the_retries(tmp_path):
-    _, trainer, _ = train(TomaTrainer, tmp_path, oom_rows=3, options=dict(toma_policy=Halving()))
+def test_the_training_logs_carry_the_micro_batch_size_and_the_retries_when_asked(tmp_path):
+    options = dict(toma_policy=Halving(), toma_log_micro_batch=True)
+    _, trainer, _ = train(TomaTrainer, tmp_path, oom_rows=3, options=options)
     logged = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert len(logged) == 3
     assert [(entry["micro_batch"], entry["toma_oom_retries"]) for entry in logged] == [(2, 2)] * 3
@@ -475,10 +476,18 @@ class Recorder(TrainerCallback):
         self.logs.append(dict(logs))
 
 
-def test_callbacks_get_the_micro_batch_size_in_their_logs(tmp_path):
+def test_callbacks_get_the_micro_batch_size_in_their_logs_when_asked(tmp_path):
     recorder = Recorder()
-    train(TomaTrainer, tmp_path, options=dict(callbacks=[recorder]))
+    train(TomaTrainer, tmp_path, options=dict(callbacks=[recorder], toma_log_micro_batch=True))
     assert [entry["micro_batch"] for entry in recorder.logs if "loss" in entry] == [8, 8, 8]
+
+
+def test_by_default_the_logs_hold_the_plain_trainers_keys_only(tmp_path):
+    plain, toma = Recorder(), Recorder()
+    train(Trainer, tmp_path / "plain", options=dict(callbacks=[plain]))
+    _, trainer, _ = train(TomaTrainer, tmp_path / "toma", oom_rows=3, options=dict(callbacks=[toma]))
+    assert trainer.toma_stats.micro_batch <= 3 and trainer.toma_stats.oom_retries >= 1
+    assert [sorted(entry) for entry in toma.logs] == [sorted(entry) for entry in plain.logs]
 
 
 def test_backward_goes_through_the_accelerator_once_per_micro_batch(tmp_path, monkeypatch):
@@ -543,6 +552,8 @@ def test_toma_options_are_checked_early_with_their_names(tmp_path):
         TomaTrainer(**settings, toma_initial_micro_batch=0)
     with pytest.raises(TypeError, match="toma_weight"):
         TomaTrainer(**settings, toma_weight=3)
+    with pytest.raises(TypeError, match="toma_log_micro_batch"):
+        TomaTrainer(**settings, toma_log_micro_batch="yes")
     with pytest.raises(TypeError, match="toma_polcy.*toma_policy="):
         TomaTrainer(**settings, toma_polcy=Halving())
 

@@ -46,7 +46,7 @@ __all__ = ["TomaTrainerMixin", "TomaTrainer"]
 
 log = logging.getLogger("toma")
 
-OPTIONS = ("toma_policy", "toma_initial_micro_batch", "toma_weight")
+OPTIONS = ("toma_policy", "toma_initial_micro_batch", "toma_weight", "toma_log_micro_batch")
 IGNORE_INDEX = -100  # the Trainer's label for a position that is not a target
 
 Count = Callable[[Any], Any]
@@ -141,8 +141,9 @@ class TomaTrainerMixin(_Trainer):
     Options (keywords of the constructor): `toma_policy=` (a toma sizing policy; `FitToMemory` by default),
     `toma_initial_micro_batch=` (where the search starts; the whole batch by default), `toma_weight=` (a function of
     a batch returning what its mean loss averages over, for a `compute_loss` whose mean is neither over label tokens
-    nor over rows). `trainer.toma_stats` holds the micro-batch size and the out-of-memory retries, which the
-    training logs also carry (`micro_batch`, `toma_oom_retries`).
+    nor over rows), `toma_log_micro_batch=True` (training logs also carry `micro_batch` and `toma_oom_retries`; off
+    by default, so the logs are the plain Trainer's). `trainer.toma_stats` holds the micro-batch size and the
+    out-of-memory retries.
     """
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -170,6 +171,7 @@ class TomaTrainerMixin(_Trainer):
         toma_policy: Optional[SizePolicy] = None,
         toma_initial_micro_batch: Optional[int] = None,
         toma_weight: Optional[Count] = None,
+        toma_log_micro_batch: bool = False,
         **kwargs: Any,
     ) -> None:
         unknown = sorted(name for name in kwargs if name.startswith("toma_"))
@@ -190,6 +192,9 @@ class TomaTrainerMixin(_Trainer):
             else check_size(toma_initial_micro_batch, "toma_initial_micro_batch")
         )
         self.toma_weight = _check_weight(toma_weight)
+        if not isinstance(toma_log_micro_batch, bool):
+            raise TypeError(f"toma_log_micro_batch must be True or False, got {toma_log_micro_batch!r}")
+        self.toma_log_micro_batch = toma_log_micro_batch
         self.toma_stats = AccumulationStats()
         # One size per trainer, for training and for evaluation: set once found, whatever the batch's length.
         self._toma_training_cache = GlobalBatchsizeCache()
@@ -320,9 +325,10 @@ class TomaTrainerMixin(_Trainer):
         return loss
 
     def log(self, logs: dict, *args: Any, **kwargs: Any) -> None:
-        """The Trainer's log, with the micro-batch size and the out-of-memory retries so far in training logs."""
+        """The Trainer's log; with `toma_log_micro_batch`, the micro-batch size and the out-of-memory retries so far
+        in training logs."""
         stats = self.toma_stats
-        if "loss" in logs and stats.micro_batch is not None:
+        if self.toma_log_micro_batch and "loss" in logs and stats.micro_batch is not None:
             logs = {**logs, "micro_batch": stats.micro_batch, "toma_oom_retries": stats.oom_retries}
         super().log(logs, *args, **kwargs)
 
