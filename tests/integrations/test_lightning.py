@@ -183,6 +183,47 @@ def test_fp16_mixed_precision_scales_every_micro_batch_backward_pass_with_lightn
     assert_same_parameters(module, hand_split_reference(plugins=[MixedPrecision("16-mixed", "cpu")]))
 
 
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_fp16_with_gradient_clipping_after_an_out_of_memory_error_equals_lightnings_run_over_the_same_micro_batches(
+    algorithm,
+):
+    """The scaler unscales the logical batch's gradients before Lightning clips them, as in its own accumulation
+    (the whole batch in fp16 rounds otherwise, which is what a split changes)."""
+    options = dict(
+        plugins=[MixedPrecision("16-mixed", "cpu")], gradient_clip_val=0.05, gradient_clip_algorithm=algorithm
+    )
+    module, callback = Classifier(oom_above=8), MicroBatching()
+    fit(module, [callback], steps=2, **options)
+    assert callback.stats.micro_batch == 8 and callback.stats.oom_retries >= 1
+    assert_same_parameters(module, hand_split_reference(**options))
+
+
+class ClosureOptimizer(Classifier):
+    """In float64: LBFGS's line search turns float32's rounding (the micro-batches' sums) into more than rtol."""
+
+    def __init__(self, oom_above=None):
+        super().__init__(oom_above)
+        self.double()
+
+    def training_step(self, batch, batch_idx):
+        inputs, targets = batch
+        return super().training_step((inputs.double(), targets), batch_idx)
+
+    def configure_optimizers(self):
+        return torch.optim.LBFGS(self.parameters(), lr=0.5, max_iter=5)
+
+
+def test_an_optimizer_that_calls_the_closure_several_times_trains_the_logical_batch_each_time():
+    """LBFGS calls Lightning's closure (training step and backward) several times a step: each call is the
+    logical batch, in micro-batches after an out-of-memory error, and the steps are a plain run's."""
+    plain = ClosureOptimizer()
+    fit(plain, steps=3)
+    module, callback = ClosureOptimizer(oom_above=8), MicroBatching()
+    fit(module, [callback], steps=3)
+    assert callback.stats.micro_batch == 8 and callback.stats.calls == len(plain.rows) > 3
+    assert_same_parameters(module, plain)
+
+
 class TokenMean(pl.LightningModule):
     """A causal-LM-like step on a dict batch whose loss averages over the label tokens that are not padding."""
 
