@@ -505,6 +505,22 @@ def test_batchnorm_gets_one_warning_and_only_when_the_batch_is_split(caplog):
     assert len(warnings) == 1 and "micro-batch" in warnings[0].getMessage() and "1" in warnings[0].getMessage()
 
 
+def test_batchnorm_trains_a_batch_whose_size_leaves_one_row_over_without_a_one_row_micro_batch():
+    """33 rows at a micro-batch size of 16: a micro-batch of the last row alone is what BatchNorm refuses to train
+    on ("Expected more than 1 value per channel"), an error the whole batch never meets."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 4))
+    inputs, targets = torch.randn(33, 6), torch.randint(0, 4, (33,))
+    seen = []
+
+    def loss_fn(x, y):
+        seen.append(x.shape[0])
+        return F.cross_entropy(model(x), y)
+
+    loss = explicit.accumulate(loss_fn, model, 16, inputs, targets, toma_cache_type=NoBatchsizeCache)
+    assert sorted(seen) == [8, 9, 16] and torch.isfinite(loss)
+
+
 def test_bad_arguments_fail_early_naming_them():
     model, inputs, targets = make_case("mlp")
     compute_loss = loss_fn_for(model)

@@ -92,6 +92,25 @@ def test_micro_batches_cover_the_batch_and_never_span_two_pieces():
     ]
 
 
+@pytest.mark.parametrize(
+    "rows, size, expected",
+    [
+        (33, 16, [16, 8, 9]),
+        (9, 4, [4, 2, 3]),
+        (4, 3, [2, 2]),
+        (32, 16, [16, 16]),
+        (10, 4, [4, 4, 2]),
+        (3, 2, [2, 1]),  # two rows at most: an odd batch must leave one alone
+        (1, 4, [1]),
+    ],
+)
+def test_a_one_row_remainder_is_shared_with_the_micro_batch_before_it(rows, size, expected):
+    split = ArgumentBatch((torch.zeros(rows, 2),), {})
+    micro = split.micro_batches(size)
+    assert [stop - start for _, start, stop in micro] == expected
+    assert [start for _, start, _ in micro] == [sum(expected[:i]) for i in range(len(expected))]
+
+
 def test_per_row_data_is_found_inside_sequences_and_a_shape_can_be_kept_whole():
     x = torch.arange(4)
     names, ids = ["a", "b", "c", "d"], [10, 11, 12, 13]

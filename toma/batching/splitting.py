@@ -313,8 +313,14 @@ class ArgumentBatch:
         return ArgumentBatch(args, kwargs, self.name)
 
     def micro_batches(self, size: int) -> List["MicroBatch"]:
-        """The micro-batches `(self, start, stop)` of at most `size` rows that cover the batch."""
-        return [(self, start, min(start + size, self.size)) for start in range(0, self.size, size)]
+        """The micro-batches `(self, start, stop)` of at most `size` rows that cover the batch. No row is left alone
+        where two micro-batches can share it (a one-row micro-batch is what BatchNorm cannot train on): a remainder
+        of one row and the micro-batch before it split their `size + 1` rows evenly."""
+        starts = list(range(0, self.size, size))
+        if size > 2 and len(starts) > 1 and self.size - starts[-1] == 1:
+            starts[-1] -= size // 2
+        stops = starts[1:] + [self.size]
+        return [(self, start, stop) for start, stop in zip(starts, stops)]
 
     def describe(self, limit: int = 4) -> str:
         """The split tensors, as `args[0] (64, 6), args[1] (64,)`, for messages."""
