@@ -302,3 +302,18 @@ def test_a_new_level_never_starts_at_a_size_that_failed_with_more_memory_free(fr
     richer = lookup(12)  # more free memory: the nearest (level 10) says 8, a size that ran through with less
     assert richer.start(64) == 8
     assert lookup(30).start(4) == 4, "never above what the call asks for"
+
+
+def test_a_cache_and_its_entries_pickle_and_copy_with_what_they_learned_and_a_lock_of_their_own():
+    import copy
+    import pickle
+
+    cache = GlobalBatchsizeCache()
+    entry = cache.get_batchsize(16)
+    entry.shrink_to(4)
+    entry.record_fit(4)
+    for twin in (pickle.loads(pickle.dumps(cache)), copy.deepcopy(cache)):
+        assert (twin.batchsize.value, twin.batchsize.fitted) == (4, 4)
+        assert twin.batchsize._lock is not entry._lock and twin._lock is not cache._lock
+        twin.get_batchsize(16).shrink_to(2)
+        assert entry.value == 4, "the copy learns on its own"

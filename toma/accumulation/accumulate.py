@@ -23,7 +23,15 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from toma.accumulation.gradients import GradientStash
 from toma.accumulation.misuse import AccumulationMisuse, MisuseWatch
-from toma.accumulation.options import REDUCTIONS, check_model, check_reduction, check_scaler, check_weight
+from toma.accumulation.options import (
+    REDUCTIONS,
+    NothingCounted,
+    check_model,
+    check_reduction,
+    check_scaler,
+    check_weight,
+    nothing_counted,
+)
 from toma.accumulation.rollback import BufferStash, PendingStash, RandomState
 from toma.accumulation.sync import DDPNoSync, model_device, sync_for
 from toma.batching import transfer
@@ -40,6 +48,7 @@ __all__ = [
     "accumulate",
     "AccumulationStats",
     "AccumulationMisuse",
+    "NothingCounted",
     "check_model",
     "check_reduction",
     "check_scaler",
@@ -108,18 +117,6 @@ def _counts(values: List[Any], weight: Callable[..., Any]) -> List[float]:
         if not value >= 0 or value == float("inf"):
             raise ValueError(f"weight ({name}) must return a count of at least 0 for every micro-batch, got {value}")
     return floats
-
-
-def _nothing_counted(weight: Callable[..., Any], rows: int) -> ValueError:
-    """A logical batch whose mean loss averages over nothing: a full-batch pass gives NaN, and a quiet step
-    without gradients would hide a `weight` that counts the wrong thing (the model would never train)."""
-    name = getattr(weight, "__qualname__", repr(weight))
-    return ValueError(
-        f"weight ({name}) counted 0 items in the logical batch of {rows} rows: its mean loss averages over "
-        "nothing (in one full-batch pass it is NaN), so there is no gradient to weight. If the loss does average "
-        "over something, weight must count it; a batch with nothing to learn from (every label padding) must be "
-        "left out of the data"
-    )
 
 
 def _hint_whole(error: BaseException, piece: ArgumentBatch, rows: int) -> None:
@@ -275,7 +272,7 @@ class AccumulateStep(Step):
             counts = _counts(values, self.weight)
             total = sum(counts)
             if total == 0 and self.sync.agreement is None:  # with ranks, the others' items count too (sync.py)
-                raise _nothing_counted(self.weight, total_rows)
+                raise nothing_counted(self.weight, total_rows)
         else:  # the counts and the total in one device synchronisation
             *counts, total = _counts(values + [self.total], self.weight)
             if total == 0 and any(counts):

@@ -6,7 +6,16 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
-__all__ = ["AccumulationOptions", "REDUCTIONS", "check_model", "check_reduction", "check_scaler", "check_weight"]
+__all__ = [
+    "AccumulationOptions",
+    "NothingCounted",
+    "REDUCTIONS",
+    "check_model",
+    "check_reduction",
+    "check_scaler",
+    "check_weight",
+    "nothing_counted",
+]
 
 REDUCTIONS = ("mean", "sum")
 
@@ -46,6 +55,26 @@ def check_weight(weight: Any, name: str, reduction: str) -> Optional[Callable[..
         )
     checked: Callable[..., Any] = weight
     return checked
+
+
+class NothingCounted(ValueError):
+    """A logical batch whose `weight=` counts 0 items: its mean loss averages over nothing (in one full-batch pass
+    it is NaN), so there is no gradient to weight. Raised before any forward pass on one process; with several, on
+    every rank before the gradients' all-reduce when no rank counted anything. A framework whose step may skip such
+    a batch (Lightning's `None`) catches it and runs the batch as the plain loop would."""
+
+
+def nothing_counted(weight: Optional[Callable[..., Any]], rows: Optional[int] = None, ranks: int = 1) -> NothingCounted:
+    """The error for a logical batch of `rows` rows (on each of `ranks` ranks) in which `weight` counted nothing."""
+    name = "weight" if weight is None else f"weight ({getattr(weight, '__qualname__', repr(weight))})"
+    where = "the logical batch" if rows is None else f"the logical batch of {rows} rows"
+    if ranks > 1:
+        where += f" on every one of the {ranks} ranks"
+    return NothingCounted(
+        f"{name} counted 0 items in {where}: its mean loss averages over nothing (in one full-batch pass it is "
+        "NaN), so there is no gradient to weight. If the loss does average over something, weight must count it; "
+        "a batch with nothing to learn from (every label padding) must be left out of the data"
+    )
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from typing import Any, ContextManager, Iterable, List, Optional
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from toma.accumulation.options import nothing_counted
 from toma.core.agreement import Agreement, all_reduce_gradients, broadcast_buffers, is_distributed
 
 __all__ = ["LocalSync", "DDPNoSync", "AgreeingDDP", "AgreeingOnly", "model_device", "sync_for"]
@@ -81,10 +82,7 @@ class AgreeingDDP:
         if weight is not None:
             total = self.agreement.sum(weight)
             if total == 0:  # every rank's: the same error on every rank, before the gradients' all-reduce
-                raise ValueError(
-                    f"weight counted 0 items in the logical batch on every one of the {self.agreement.world_size} "
-                    "ranks: its mean loss averages over nothing, so there is no gradient to weight"
-                )
+                raise nothing_counted(None, ranks=self.agreement.world_size)
             scale = weight * self.agreement.world_size / total
         all_reduce_gradients(params, self.model.process_group, scale=scale)
         if getattr(self.model, "broadcast_buffers", False):

@@ -46,8 +46,24 @@ class LearnedState:
         return None
 
 
+class _Unlocked:
+    """Copied and pickled without its lock (a lock cannot be: a callback pickled for `ddp_spawn`, a deep-copied
+    trainer), and given a new one: the copy keeps what was learned."""
+
+    _lock: threading.Lock
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = self.__dict__.copy()
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+
 @dataclass
-class Batchsize:
+class Batchsize(_Unlocked):
     """A remembered batch (or step) size. Shrinks only, never below 1, safe to share between threads."""
 
     value: Optional[int] = None
@@ -132,7 +148,7 @@ class NoBatchsizeCache(BatchsizeCache):
         return entry
 
 
-class GlobalBatchsizeCache(BatchsizeCache):
+class GlobalBatchsizeCache(_Unlocked, BatchsizeCache):
     """One size per function (or context), wherever it is called from."""
 
     def __init__(self) -> None:
@@ -150,7 +166,7 @@ class GlobalBatchsizeCache(BatchsizeCache):
         return batchsize
 
 
-class BoundedDict:
+class BoundedDict(_Unlocked):
     """A dict that forgets its oldest entries beyond `max_size`; lookups lock-free, inserts locked."""
 
     def __init__(self, max_size: int) -> None:
