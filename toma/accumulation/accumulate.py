@@ -354,9 +354,11 @@ def accumulate(
 
     For frameworks that run the backward pass and count the items themselves (`toma.integrations`):
     `backward(loss)` replaces `loss.backward()` (an accelerator's backward, which scales for mixed precision);
-    `total`, with `weight=`, is what the loss averages over in all when this logical batch is part of a larger
-    mean (a gradient-accumulation window, every rank's batches): each micro-loss is weighted count / total
-    instead of count / the batch's own count, and the ranks' gradients are averaged as DDP does. `sync`: how the
+    `total`, with `weight=`, is what each micro-batch's count is a share of: each micro-loss is weighted count /
+    total instead of count / the batch's own count, and the ranks' gradients are averaged as DDP does (not weighted
+    by their counts). It is the items of a larger mean where the loss is one (a gradient-accumulation window, every
+    rank's batches), or the batch's own count where the framework's loss already accounts for the ranks
+    (`TomaTrainer`). `sync`: how the
     gradients meet other ranks' (one of `toma.accumulation.sync`'s); None: the one `model` calls for
     (`sync_for`)."""
     policy = policy or ACCUMULATION_POLICY

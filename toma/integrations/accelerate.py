@@ -3,8 +3,8 @@
 `@find_executable_batch_size(starting_batch_size=128)` on a function whose first argument is the batch size:
 callers leave it out, an out-of-memory error retries the call with the size times 0.9 (accelerate's back-off, or
 `reduce_batch_size_fn()`), and running out at size 1 raises accelerate's `RuntimeError("No executable batch size
-found, reached zero.")` (with the original error as its context). As accelerate's, the size that worked is kept for the function:
-every later call starts at it, from wherever it is called. What toma's engine changes: a call that fits collects
+found, reached zero.")` (with the original error as its context). As accelerate's, the size that worked is kept
+for the function: every later call starts at it, from wherever it is called. What toma's engine changes: a call that fits collects
 no garbage and empties no cache (accelerate does both before every call, and after every error); the size is kept
 by the function's code, so a function decorated anew starts at it too; out-of-memory errors of every backend toma
 knows count; and `policy=` takes a toma sizing policy (`FitToMemory()`).

@@ -13,7 +13,9 @@ How the micro-losses add up to the plain Trainer's loss for the batch, `compute_
 each micro-batch holds a share of the batch (its label items over the batch's, counted as the Trainer counts them,
 or `toma_weight=`'s count, or its rows), is given `num_items_in_batch` times its share and weighted by its share.
 A part of the loss normalised by `num_items_in_batch` then adds up to the batch's, whatever the shares; a part
-added once per batch (a penalty, a router's auxiliary loss) adds up to itself, as the shares add up to 1; and a
+added once per batch (a penalty on the weights, a mean over what the shares count) adds up to itself, as the
+shares add up to 1 (a term that is not linear in the batch, a router's load-balancing loss, is the share-weighted
+mean of the micro-batches' values); and a
 mean the loss takes on its own (ignoring `num_items_in_batch`) is reproduced where it averages over what the shares
 count. The division by the accumulation steps follows the Trainer's rule.
 """
@@ -98,12 +100,13 @@ def _has_labels(inputs: Any) -> bool:
 
 
 def _is_causal_lm(model: Any) -> bool:
-    """Whether the Trainer shifts the model's labels in its own loss (its label smoother's rule: the model class is
-    a causal language model's, and not an encoder-decoder)."""
+    """Whether the model's own loss shifts its labels, by the Trainer's label-smoothing rule (a causal language
+    model's class, not an encoder-decoder), which a subclass of such a class inherits."""
     config = getattr(model, "config", None)
     if getattr(config, "is_encoder_decoder", False) or not isinstance(model, torch.nn.Module):
         return False
-    return model._get_name() in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+    causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    return any(cls.__name__ in causal for cls in type(model).__mro__)
 
 
 def _check_weight(weight: Any) -> Optional[Count]:
@@ -115,15 +118,21 @@ def _check_weight(weight: Any) -> Optional[Count]:
     return weight
 
 
-def _check_additive(shares: _Shares, counted: Optional[float]) -> None:
-    """The micro-batches' counts must add up to the batch's, or their shares would not add up to 1: a part of the
-    batch dropped or counted twice."""
-    total = float(shares.total)
-    if counted is None or abs(counted - total) > 1e-6 * total:
-        name = getattr(shares.count, "__qualname__", repr(shares.count))
+def _check_additive(weight: Count, batch: ArgumentBatch, total: float) -> None:
+    """`toma_weight` must count a batch's items row by row, or micro-batches' shares would not add up to 1 (a part
+    of the batch dropped or counted twice): its two halves must count what the whole does. Checked once, on the
+    first batch, before any forward pass."""
+    if batch.size < 2:
+        return
+    half = batch.size // 2
+    ((first,), _), ((second,), _) = batch.micro_batch(0, half), batch.micro_batch(half, batch.size)
+    counted = float(weight(first) + weight(second))
+    if abs(counted - total) > 1e-6 * total:
+        name = getattr(weight, "__qualname__", repr(weight))
         raise ValueError(
-            f"toma_weight ({name}) must count a batch's items row by row, so that its micro-batches' counts add up to the whole "
-            f"batch's: they add up to {counted}, the batch counts {total:g}"
+            f"toma_weight ({name}) must count a batch's items row by row, so that its micro-batches' counts add up "
+            f"to the whole batch's: the two halves of a batch of {batch.size} rows count {counted:g}, the whole "
+            f"{total:g}"
         )
 
 
@@ -192,6 +201,7 @@ class TomaTrainerMixin(_Trainer):
             else check_size(toma_initial_micro_batch, "toma_initial_micro_batch")
         )
         self.toma_weight = _check_weight(toma_weight)
+        self._toma_weight_checked = False  # whether toma_weight was seen to count row by row
         if not isinstance(toma_log_micro_batch, bool):
             raise TypeError(f"toma_log_micro_batch must be True or False, got {toma_log_micro_batch!r}")
         self.toma_log_micro_batch = toma_log_micro_batch
@@ -216,7 +226,8 @@ class TomaTrainerMixin(_Trainer):
             ),
             (
                 self.args.optim in (OptimizerNames.LOMO, OptimizerNames.ADALOMO),
-                f"args.optim={OptimizerNames(self.args.optim).value!r}, which updates the weights inside each backward pass",
+                f"args.optim={OptimizerNames(self.args.optim).value!r}, which updates the weights inside each "
+                "backward pass",
             ),
             (self.get_tp_size() > 1, "tensor parallelism, whose collectives run inside each forward pass"),
             (self.get_cp_size() > 1, "context parallelism, whose collectives run inside each forward pass"),
@@ -242,9 +253,16 @@ class TomaTrainerMixin(_Trainer):
             return self.toma_weight
         if not _has_labels(inputs):
             return None
-        return self._toma_trainer_count if as_the_trainer_counts else self._toma_model_count
+        return self._toma_evaluation_items if as_the_trainer_counts else self._toma_model_count
 
-    def _toma_shares(self, inputs: Any, batch_rows: int, num_items_in_batch: Any) -> _Shares:
+    def _toma_evaluation_items(self, chunk: Any) -> Any:
+        """The `num_items_in_batch` the Trainer's `prediction_step` normalises a chunk's loss by: summed over the ranks
+        where it averages tokens across devices (the ranks chunk alike), so the chunks are weighted by what divides
+        them."""
+        items = self._get_num_items_in_batch([chunk], self.args.device)
+        return self._toma_trainer_count(chunk) if items is None else items
+
+    def _toma_shares(self, inputs: Any, batch: ArgumentBatch, num_items_in_batch: Any) -> _Shares:
         declared = self.loss_is_scaled_for_ga
         if declared is not None:
             scaled = bool(declared)
@@ -255,28 +273,31 @@ class TomaTrainerMixin(_Trainer):
         divisor = 1 if scaled else int(self.current_gradient_accumulation_steps)
         if declared is True and num_items_in_batch is None:
             # Normalised over the window by compute_loss itself, with nothing to scale: the micro-losses add up.
-            return _Shares(None, None, batch_rows, None, 1, summed=True)
+            return _Shares(None, None, batch.size, None, 1, summed=True)
         count = self._toma_count_for(inputs)
         if count is None:
-            return _Shares(None, None, batch_rows, num_items_in_batch, divisor)
+            return _Shares(None, None, batch.size, num_items_in_batch, divisor)
         total = count(inputs)
         value = float(total)
         if value > 0:
-            return _Shares(count, total, batch_rows, num_items_in_batch, divisor)
+            if count is self.toma_weight and not self._toma_weight_checked:
+                _check_additive(count, batch, value)
+                self._toma_weight_checked = True
+            return _Shares(count, total, batch.size, num_items_in_batch, divisor)
         if not value == 0:
             raise ValueError(
-                f"toma_weight must return a count of at least 0, got {value} for a batch of {batch_rows} rows"
+                f"toma_weight must return a count of at least 0, got {value} for a batch of {batch.size} rows"
             )
         if count is self.toma_weight and _has_labels(inputs):
             labelled = float(self._toma_model_count(inputs))
             if labelled > 0:
                 raise ValueError(
-                    f"toma_weight counted 0 items in a batch of {batch_rows} rows whose labels hold {labelled:g}: "
+                    f"toma_weight counted 0 items in a batch of {batch.size} rows whose labels hold {labelled:g}: "
                     "its micro-batches cannot be weighted, and the plain Trainer would train on this batch's loss. "
                     "toma_weight must return what the batch's loss averages over"
                 )
         # Nothing to average over (every label -100): shares by rows give the plain Trainer's value all the same.
-        return _Shares(None, None, batch_rows, num_items_in_batch, divisor)
+        return _Shares(None, None, batch.size, num_items_in_batch, divisor)
 
     def training_step(
         self, model: torch.nn.Module, inputs: Any, num_items_in_batch: Optional[Any] = None
@@ -290,7 +311,7 @@ class TomaTrainerMixin(_Trainer):
             optimizer.train()
         inputs = self._prepare_inputs(inputs)
         batch = ArgumentBatch((inputs,), {}, name="inputs")
-        shares = self._toma_shares(inputs, batch.size, num_items_in_batch)
+        shares = self._toma_shares(inputs, batch, num_items_in_batch)
 
         def micro_loss(micro: Any) -> torch.Tensor:
             items = shares.num_items_for(micro)
@@ -316,8 +337,6 @@ class TomaTrainerMixin(_Trainer):
             backward=self.accelerator.backward,
             total=shares.total,
         )
-        if shares.count is not None:
-            _check_additive(shares, self.toma_stats.weight)
         del inputs, batch
         steps = self.args.torch_empty_cache_steps
         if steps is not None and self.state.global_step % steps == 0:
