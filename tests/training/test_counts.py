@@ -116,6 +116,27 @@ def test_a_criterion_that_reduces_otherwise_than_the_trainer_is_refused_naming_r
         assert_same_parameters(model, reference)
 
 
+def test_kl_divergence_with_batchmean_is_a_mean_over_rows_and_trains_as_the_full_batch():
+    """`nn.KLDivLoss(reduction="batchmean")`, PyTorch's advice for it, divides the sum by the rows: a mean."""
+    inputs, targets = data(ignored=())
+    reference, model = make_model(), make_model()
+
+    def kl(m, x, y):
+        return F.kl_div(F.log_softmax(m(x), -1), F.one_hot(y, 3).float() * 0.9 + 0.1 / 3, reduction="batchmean")
+
+    full_batch_step(reference, kl, inputs, targets)
+    criterion = nn.KLDivLoss(reduction="batchmean")
+    train_one_step(
+        model,
+        lambda out, y: criterion(F.log_softmax(out, -1), F.one_hot(y, 3).float() * 0.9 + 0.1 / 3),
+        (inputs, targets),
+    )
+    assert_same_parameters(model, reference)
+    sgd_trainer(make_model(), criterion, data())  # accepted as it is
+    with pytest.raises(ValueError, match="reduction='mean'"):
+        sgd_trainer(make_model(), criterion, data(), reduction="sum")
+
+
 # --- (2) a term added once per batch is counted once -----------------------------------------------------------
 
 

@@ -12,20 +12,24 @@ from torch.nn.modules.loss import _Loss
 __all__ = ["check_criterion", "criterion_weight", "TargetCount"]
 
 
+# A criterion's own reduction, as the Trainer's `reduction=` calls it: KLDivLoss's "batchmean" is a mean over rows.
+_AS_REDUCTION = {"mean": "mean", "sum": "sum", "batchmean": "mean"}
+
+
 def check_criterion(loss_fn: Any, reduction: str) -> None:
     """A PyTorch criterion's own reduction must be the Trainer's: micro-batches of a sum weighted as a mean's (or
     the other way round) would give neither the sum's gradients nor the mean's."""
     own = getattr(loss_fn, "reduction", None) if isinstance(loss_fn, _Loss) else None
-    if own is None or own == reduction:
+    if own is None or _AS_REDUCTION.get(own) == reduction:
         return
-    if own not in ("mean", "sum"):
+    if own not in _AS_REDUCTION:
         raise TypeError(
             f"loss_fn(model(inputs), targets) must return a scalar tensor (the batch's loss), but loss_fn "
             f"({type(loss_fn).__name__}) has reduction={own!r}"
         )
     raise ValueError(
         f"reduction={reduction!r}, but loss_fn ({type(loss_fn).__name__}) reduces by {own!r}: pass "
-        f"reduction={own!r} to the Trainer, so that its micro-batches add up to the batch's loss"
+        f"reduction={_AS_REDUCTION[own]!r} to the Trainer, so that its micro-batches add up to the batch's loss"
     )
 
 
