@@ -290,6 +290,43 @@ def test_weight_gives_a_token_mean_loss_the_plain_runs_gradients_and_logged_loss
     assert_same_parameters(module, plain)
 
 
+class SkipsUnlabelled(TokenMean):
+    """Skips a batch with no label token (Lightning's `None`), which `weight=` counts 0 items in."""
+
+    def training_step(self, batch, batch_idx):
+        if label_tokens(batch) == 0:
+            self.log("skipped", 1.0)
+            return None
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_batch_whose_weight_counts_nothing_runs_whole_and_its_none_skips_it_as_in_a_plain_run():
+    """`toma.accumulate` refuses a batch that `weight=` counts 0 items in; MicroBatching runs it whole through the
+    module's own step instead, so its `None` (and what it logs) reach Lightning as in a plain run."""
+
+    def run(module, callbacks):
+        dataset = Padded()
+        dataset.labels[16:32] = -100  # the second batch has nothing to learn from
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            max_steps=3,
+            callbacks=callbacks,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            logger=False,
+            log_every_n_steps=1,
+        )
+        trainer.fit(module, torch.utils.data.DataLoader(dataset, batch_size=16))
+        return trainer
+
+    plain = run(SkipsUnlabelled(), [])
+    trainer = run(SkipsUnlabelled(oom_above=4), [MicroBatching(weight=label_tokens, policy=Halving())])
+    assert_same_parameters(trainer.lightning_module, plain.lightning_module)
+    assert_same_metrics(trainer, plain)
+    assert trainer.callback_metrics["skipped"] == 1.0
+
+
 # --- the training step's contract ---------------------------------------------------------------------------
 
 

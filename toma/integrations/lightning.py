@@ -11,7 +11,8 @@ scaling, the `on_before_backward`/`on_after_backward` hooks, a module's own `bac
 
 What Lightning decides from the step's output stays Lightning's: a step that returns None skips the batch (every
 micro-batch must then return None), an output Lightning refuses reaches it unchanged, and a batch with nothing to
-split (no tensor with a batch dimension, a `dataloader_iter` step) runs whole through the module's own step.
+split (no tensor with a batch dimension, a `dataloader_iter` step) or in which `weight=` counts nothing runs whole
+through the module's own step.
 
 Why not leave the micro-batches' gradients in `.grad` and suppress Lightning's backward: Lightning zeroes the
 gradients after the training step (its closure runs step, `zero_grad`, backward), which would erase them on the
@@ -29,7 +30,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
 
 from toma.accumulation.accumulate import AccumulationStats, accumulate
-from toma.accumulation.options import check_reduction, check_weight
+from toma.accumulation.options import NothingCounted, check_reduction, check_weight
 from toma.accumulation.sync import AgreeingOnly, model_device
 from toma.batching.splitting import ArgumentBatch
 from toma.core.agreement import Agreement, is_distributed
@@ -346,6 +347,10 @@ class MicroBatching(Callback):
         except _AsReturned as returned:
             model.logs.clear()
             return returned.output
+        except NothingCounted:
+            nothing = True
+        else:
+            nothing = False
         finally:
             if own_log is _NOT_SET:
                 del module.log
@@ -353,6 +358,9 @@ class MicroBatching(Callback):
                 module.log = own_log  # type: ignore[method-assign]
             for p, grad in zip(params, held, strict=True):
                 p.grad = grad
+        if nothing:  # no forward pass ran: the batch goes whole to the module's own step (its None skips it)
+            model.logs.clear()
+            return fit.original(batch, *args, **kwargs)
         skipped = model.returned.count(False)
         if skipped and skipped < len(model.returned):
             model.logs.clear()
