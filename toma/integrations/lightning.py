@@ -19,9 +19,10 @@ gradients after the training step (its closure runs step, `zero_grad`, backward)
 first batch of every accumulation window, and DDP reduces only in the backward pass Lightning runs.
 """
 
+import contextlib
 import logging
 from collections.abc import Mapping
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import lightning.pytorch as pl
 import torch
@@ -202,6 +203,26 @@ def _stand_in_for(wrapper: Callable[..., Any], original: Callable[..., Any]) -> 
 _NOT_SET: Any = object()
 
 
+@contextlib.contextmanager
+def _micro_batch_region(module: "pl.LightningModule", params: List[torch.Tensor], logs: StepLogs) -> Iterator[None]:
+    """While the micro-batches run: the gradients so far set aside (the logical batch's start from None) and
+    the module's `self.log` captured; both put back after, whatever happens."""
+    held = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    own_log = module.__dict__.get("log", _NOT_SET)
+    module.log = logs.log  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if own_log is _NOT_SET:
+            del module.log
+        else:
+            module.log = own_log  # type: ignore[method-assign]
+        for p, grad in zip(params, held, strict=True):
+            p.grad = grad
+
+
 class MicroBatching(Callback):
     """Each loader batch as one logical batch, trained in micro-batches that fit: `L.Trainer(callbacks=
     [MicroBatching()])`. The parameters after each optimizer step equal a plain run's on the same batches.
@@ -310,7 +331,8 @@ class MicroBatching(Callback):
     def _logical_batch(self, fit: _Fit, batch: Any, args: tuple, kwargs: Dict[str, Any]) -> Any:
         """The logical batch through toma.accumulate's machinery, its gradients kept apart from `.grad` (which
         Lightning zeroes next) for the backward pass Lightning runs on the returned loss. A batch with nothing
-        to split runs whole through the module's own step, as in a plain run."""
+        to split, or in which `weight=` counts nothing, runs whole through the module's own step, as in a plain
+        run."""
         try:
             split = ArgumentBatch((batch,), {})
         except ValueError as reason:
@@ -318,49 +340,48 @@ class MicroBatching(Callback):
                 fit.told_whole = True
                 log.info("MicroBatching runs batches it cannot split whole, as Lightning does (%s)", reason)
             return fit.original(batch, *args, **kwargs)
-        module, model = fit.module, fit.model
+        model = fit.model
         step = _MicroBatchStep(fit.original, args, kwargs, model)
-        params = [p for p in module.parameters() if p.requires_grad]
-        held = [p.grad for p in params]
-        for p in params:
-            p.grad = None
-        own_log = module.__dict__.get("log", _NOT_SET)
-        module.log = model.logs.log  # type: ignore[method-assign]
+        params: List[torch.Tensor] = [p for p in fit.module.parameters() if p.requires_grad]
         model.returned.clear()
         try:
-            loss = accumulate(
-                step.function(),
-                model,
-                self.initial_micro_batch or split.size,
-                split,
-                reduction=self.reduction,
-                weight=self.weight,
-                scaler=fit.scaler,
-                cache=self.cache,
-                policy=self.policy,
-                stats=self.stats,
-                name="MicroBatching",
-                backward=_backward,
-                sync=fit.sync,
-            )
-            grads = [p.grad for p in params]
+            with _micro_batch_region(fit.module, params, model.logs):
+                loss = accumulate(
+                    step.function(),
+                    model,
+                    self.initial_micro_batch or split.size,
+                    split,
+                    reduction=self.reduction,
+                    weight=self.weight,
+                    scaler=fit.scaler,
+                    cache=self.cache,
+                    policy=self.policy,
+                    stats=self.stats,
+                    name="MicroBatching",
+                    backward=_backward,
+                    sync=fit.sync,
+                )
+                grads = [p.grad for p in params]
         except _AsReturned as returned:
             model.logs.clear()
             return returned.output
-        except NothingCounted:
-            nothing = True
-        else:
-            nothing = False
-        finally:
-            if own_log is _NOT_SET:
-                del module.log
-            else:
-                module.log = own_log  # type: ignore[method-assign]
-            for p, grad in zip(params, held, strict=True):
-                p.grad = grad
-        if nothing:  # no forward pass ran: the batch goes whole to the module's own step (its None skips it)
+        except NothingCounted:  # raised before any forward pass: the module's own step, its own logging
             model.logs.clear()
             return fit.original(batch, *args, **kwargs)
+        return self._output(fit, step, loss, grads, params)
+
+    def _output(
+        self,
+        fit: _Fit,
+        step: _MicroBatchStep,
+        loss: torch.Tensor,
+        grads: List[Optional[torch.Tensor]],
+        params: List[torch.Tensor],
+    ) -> Any:
+        """What the wrapped step returns to Lightning for a logical batch that ran: None when every micro-batch
+        returned None (Lightning skips the batch), else the loss that hands over the batch's gradients; the
+        micro-batches' logs replayed either way."""
+        module, model = fit.module, fit.model
         skipped = model.returned.count(False)
         if skipped and skipped < len(model.returned):
             model.logs.clear()
