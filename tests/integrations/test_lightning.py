@@ -409,20 +409,31 @@ def assert_same_metrics(trainer, reference):
 
 
 def test_the_callback_pickles_and_a_copy_trains_as_the_original(tmp_path):
-    """Lightning pickles its callbacks (`ddp_spawn`'s processes, a pickled Trainer): the copy keeps the options
-    and counts, starts its own size cache, and trains as a plain run."""
+    """Lightning pickles its callbacks (`ddp_spawn`'s processes, a pickled Trainer): the copy keeps the options,
+    the counts and the size found (no out-of-memory error again), and trains as a plain run."""
     import copy
     import pickle
 
     callback = MicroBatching(policy=Halving(), reduction="mean")
     fit(Classifier(oom_above=8), [callback])
     for copied in (pickle.loads(pickle.dumps(callback)), copy.deepcopy(callback)):
-        assert isinstance(copied.policy, Halving) and copied.stats.micro_batch == 8
-        assert copied.stats.oom_retries == callback.stats.oom_retries == 2
+        assert isinstance(copied.policy, Halving) and copied.stats == callback.stats
+        assert copied.stats.micro_batch == 8 and copied.stats.oom_retries == 2
         module = Classifier(oom_above=8)
         fit(module, [copied])
-        assert copied.stats.micro_batch == 8
+        assert copied.stats.micro_batch == 8 and copied.stats.oom_retries == 2, "it starts at the size found"
         assert_same_parameters(module, fit(Classifier()).lightning_module)
+
+
+def test_a_copy_of_the_callback_keeps_what_its_sizing_policy_learned():
+    import copy
+    import pickle
+
+    callback = MicroBatching()  # FitToMemory: what it learned is in stats and on the cache's entry
+    fit(Classifier(oom_above=8), [callback], steps=1)
+    for copied in (pickle.loads(pickle.dumps(callback)), copy.deepcopy(callback)):
+        assert copied.stats.learned is not None and copied.stats == callback.stats
+        assert copied.stats.learned is copied.cache.batchsize.learned
 
 
 class Skipping(Classifier):

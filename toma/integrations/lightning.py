@@ -242,8 +242,8 @@ class MicroBatching(Callback):
             metrics are a plain run's.
 
     `stats` (a `toma.accumulation.accumulate.AccumulationStats`) holds the last size and the retries so far. A copy
-    (pickle, `copy.deepcopy`, the processes of `strategy="ddp_spawn"`) keeps the options and these counts, and
-    starts with its own size cache.
+    (pickle, `copy.deepcopy`, the processes of `strategy="ddp_spawn"`) keeps the options, `stats` and the size found
+    (with what the policy learned), in a size cache of its own: it starts where the original is, not from scratch.
     """
 
     def __init__(
@@ -271,17 +271,11 @@ class MicroBatching(Callback):
     # --- copies -----------------------------------------------------------------------------------------------
 
     def __getstate__(self) -> Dict[str, Any]:
-        """The options and counts; not the size cache (it holds a lock) nor a running fit's wrapped steps."""
+        """All but a running fit's wrapped steps (functions of that fit, which a copy is not part of); the size
+        cache copies itself with a lock of its own."""
         state = self.__dict__.copy()
-        del state["cache"]
         state["_wrapped"] = {}
-        stats = self.stats
-        state["stats"] = AccumulationStats(stats.micro_batch, stats.oom_retries, stats.calls, stats.weight)
         return state
-
-    def __setstate__(self, state: Dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self.cache = GlobalBatchsizeCache()
 
     # --- Lightning's hooks ------------------------------------------------------------------------------------
 
