@@ -523,6 +523,42 @@ def test_logged_values_are_the_whole_batchs_when_it_is_split(module):
     assert_same_metrics(trainer, plain)
 
 
+class LogsMany(TokenMean):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log_dict({f"twice_{index}": 2 * loss for index in range(4)})
+        return loss
+
+
+def test_the_log_replay_counts_each_micro_batch_once_however_many_values_are_logged():
+    """Each count may be a device synchronisation: the replay asks `weight=` once per micro-batch, as
+    `toma.accumulate` does, not once per logged value and micro-batch."""
+    calls = []
+
+    def counted_tokens(batch):
+        calls.append(len(batch["labels"]))
+        return label_tokens(batch)
+
+    def run(callbacks):
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            max_steps=2,
+            callbacks=callbacks,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            logger=False,
+        )
+        trainer.fit(LogsMany(), torch.utils.data.DataLoader(Padded(), batch_size=16))
+        return trainer
+
+    plain = run([])
+    trainer = run([MicroBatching(initial_micro_batch=4, weight=counted_tokens)])
+    assert calls == [4] * 16, "per step: 4 micro-batches counted by toma.accumulate, then by the replay"
+    assert_same_parameters(trainer.lightning_module, plain.lightning_module)
+    assert_same_metrics(trainer, plain)
+
+
 class LogsTwice(Classifier):
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)

@@ -40,6 +40,16 @@ _REDUCTIONS: Dict[Any, str] = {
 }
 
 
+class _MicroBatch:
+    """A micro-batch whose step logged something, and what its loss averages over (rows, or `weight=`'s count),
+    counted once for all its values when a replay needs it."""
+
+    __slots__ = ("batch", "count")
+
+    def __init__(self, batch: Any) -> None:
+        self.batch, self.count = batch, 0.0
+
+
 class _Entry:
     """One `self.log` call of one micro-batch: its value and options (keyword arguments, as Lightning names them).
     `key`: the name and which call with that name it is in its micro-batch (0 for the first), so that a name
@@ -47,7 +57,7 @@ class _Entry:
 
     __slots__ = ("key", "value", "options", "micro_batch")
 
-    def __init__(self, key: Tuple[str, int], value: Any, options: Dict[str, Any], micro_batch: Any) -> None:
+    def __init__(self, key: Tuple[str, int], value: Any, options: Dict[str, Any], micro_batch: _MicroBatch) -> None:
         self.key, self.value, self.options, self.micro_batch = key, value, options, micro_batch
 
 
@@ -60,13 +70,20 @@ def _options(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def _reduction(reduce_fx: Any) -> Optional[str]:
-    """ "mean", "max", "min" or "sum" for the reductions Lightning accepts; None for any other (Lightning refuses it)."""
+    """The reduction Lightning accepts as "mean", "max", "min" or "sum"; None for any other (Lightning refuses it)."""
     if isinstance(reduce_fx, str):
         reduce_fx = reduce_fx.lower()
     try:
         return _REDUCTIONS.get(reduce_fx)
     except TypeError:  # not hashable
         return None
+
+
+def _as_floats(values: List[Any]) -> List[float]:
+    """Counts as floats, the tensors among them in one device synchronisation."""
+    tensors = [value.detach().reshape(()).to(torch.float64) for value in values if isinstance(value, torch.Tensor)]
+    converted = iter(torch.stack([t.to(tensors[0].device) for t in tensors]).tolist() if tensors else [])
+    return [next(converted) if isinstance(value, torch.Tensor) else float(value) for value in values]
 
 
 class StepLogs:
@@ -77,13 +94,13 @@ class StepLogs:
 
     def __init__(self, weight: Optional[Callable[..., Any]]) -> None:
         self.entries: List[_Entry] = []
-        self.micro_batch: Any = None
+        self.micro_batch = _MicroBatch(None)
         self.weight = weight
         self.calls: Dict[str, int] = {}  # the current micro-batch's calls so far, per name
 
     def start(self, micro_batch: Any) -> None:
         """A micro-batch's step begins: what it logs is its own."""
-        self.micro_batch, self.calls = micro_batch, {}
+        self.micro_batch, self.calls = _MicroBatch(micro_batch), {}
 
     def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         """Stands in for the module's `self.log` while the micro-batches run."""
@@ -101,7 +118,7 @@ class StepLogs:
         del self.entries[mark:]
 
     def clear(self) -> None:
-        self.entries, self.micro_batch, self.calls = [], None, {}
+        self.entries, self.micro_batch, self.calls = [], _MicroBatch(None), {}
 
     def replay(self, module: "pl.LightningModule") -> None:
         """Log each name once through Lightning's `log` (as often as one micro-batch logged it), its value
@@ -111,13 +128,26 @@ class StepLogs:
         by_key: Dict[Tuple[str, int], List[_Entry]] = {}
         for entry in entries:
             by_key.setdefault(entry.key, []).append(entry)
+        counted = False
         for (name, _), logged in by_key.items():
             options = logged[-1].options
             value = logged[-1].value
             if len(logged) > 1:
-                value = self._combine(logged, _reduction(options.get("reduce_fx", "mean")))
+                reduction = _reduction(options.get("reduce_fx", "mean"))
+                if reduction == "mean" and not counted:
+                    self._count(entries)
+                    counted = True
+                value = self._combine(logged, reduction)
                 options = self._batch_size(logged, options)
             module.log(name, value, **options)
+
+    def _count(self, entries: List[_Entry]) -> None:
+        """What each micro-batch's loss averages over, once per micro-batch, in one device synchronisation."""
+        micro_batches = list({id(entry.micro_batch): entry.micro_batch for entry in entries}.values())
+        weight = self.weight
+        values = [rows(m.batch) if weight is None else weight(m.batch) for m in micro_batches]
+        for micro_batch, count in zip(micro_batches, _as_floats(values), strict=True):
+            micro_batch.count = count
 
     def _combine(self, logged: List[_Entry], reduction: Optional[str]) -> Any:
         values = [entry.value for entry in logged]
@@ -139,13 +169,11 @@ class StepLogs:
                 combined = combined + tensor
         return combined
 
-    def _count(self, micro_batch: Any) -> float:
-        return float(rows(micro_batch) if self.weight is None else self.weight(micro_batch))
-
-    def _mean(self, logged: List[_Entry]) -> Any:
-        """The micro-batches' values weighted as their losses are."""
+    @staticmethod
+    def _mean(logged: List[_Entry]) -> Any:
+        """The micro-batches' values weighted as their losses are (the counts `_count` gave them)."""
         values = [entry.value for entry in logged]
-        counts = [self._count(entry.micro_batch) for entry in logged]
+        counts = [entry.micro_batch.count for entry in logged]
         total = sum(counts)
         if total <= 0:
             return values[-1]
@@ -159,5 +187,7 @@ class StepLogs:
         sizes = [entry.options.get("batch_size") for entry in logged]
         if any(size is None for size in sizes):
             return {key: value for key, value in options.items() if key != "batch_size"}
-        constant = len(set(sizes)) == 1 and any(size != rows(entry.micro_batch) for size, entry in zip(sizes, logged))
+        constant = len(set(sizes)) == 1 and any(
+            size != rows(entry.micro_batch.batch) for size, entry in zip(sizes, logged)
+        )
         return options if constant else {**options, "batch_size": sum(sizes)}
