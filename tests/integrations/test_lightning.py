@@ -523,6 +523,33 @@ def test_logged_values_are_the_whole_batchs_when_it_is_split(module):
     assert_same_metrics(trainer, plain)
 
 
+class SumLoss(Classifier):
+    """A summed loss, logged as it is returned (twice: the default mean and "max" reduce_fx, which Lightning
+    applies across steps), and a per-row mean that is not the loss."""
+
+    def training_step(self, batch, batch_idx):
+        inputs, targets = batch
+        loss = F.cross_entropy(self.net(inputs), targets, reduction="sum")
+        self.log("train_loss", loss, on_step=True, on_epoch=True)
+        self.log("largest_loss", loss, on_step=True, on_epoch=True, reduce_fx="max")
+        self.log("per_row", loss / len(inputs), on_step=True, on_epoch=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.02)
+
+
+def test_a_logged_value_that_is_the_returned_loss_is_combined_as_the_loss_is():
+    """reduction="sum": the logged loss is the micro-batches' sum, whatever its reduce_fx; any other value
+    keeps its reduce_fx rule (the per-row mean weighted by rows)."""
+    plain = fit(SumLoss(), batch_size=24, steps=6, log_every_n_steps=1)
+    callback = MicroBatching(initial_micro_batch=8, reduction="sum")
+    trainer = fit(SumLoss(), [callback], batch_size=24, steps=6, log_every_n_steps=1)
+    assert callback.stats.micro_batch == 8
+    assert_same_parameters(trainer.lightning_module, plain.lightning_module)
+    assert_same_metrics(trainer, plain)
+
+
 class LogsMany(TokenMean):
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)

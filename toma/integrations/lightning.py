@@ -126,11 +126,13 @@ class _MicroBatchStep:
         self.model.logs.start(micro_batch)
         output = self.step(micro_batch, *self.args, **self.kwargs)
         if output is None:
+            self.model.logs.returned(None)
             self.model.returned.append(False)
             return torch.zeros((), device=self.model.module.device, requires_grad=True)
         loss = output.get("loss") if isinstance(output, Mapping) else output
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise _AsReturned(output)
+        self.model.logs.returned(loss)
         if isinstance(output, Mapping):
             self.extra = {key: value for key, value in output.items() if key != "loss"}
         self.model.returned.append(True)
@@ -304,7 +306,7 @@ class MicroBatching(Callback):
         if self.distributed and isinstance(trainer.strategy, DDPStrategy) and is_distributed():
             sync = AgreeingOnly(Agreement(None, model_device(module.parameters())))
         fit = _Fit(module, original, _scaler_of(trainer.precision_plugin), sync)
-        fit.model = _Accumulated(module, StepLogs(self.weight))
+        fit.model = _Accumulated(module, StepLogs(self.weight, self.reduction))
 
         def training_step(batch: Any, *args: Any, **kwargs: Any) -> Any:
             return self._logical_batch(fit, batch, args, kwargs)

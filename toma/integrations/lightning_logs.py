@@ -1,11 +1,13 @@
 """What a LightningModule logs during the micro-batches of one logical batch, logged once for the logical batch.
 
 `self.log` (and `self.log_dict`, which calls it) is captured while the micro-batches run, then replayed through
-Lightning's own `log` with each value combined over the micro-batches by its `reduce_fx`: "mean" (the default)
-weighted as the loss is, by rows or by `weight=`, so a logged loss is the logical batch's; "max", "min" and "sum"
-as they say. Nothing is logged by a failed attempt (its entries are dropped with its gradients), and no
-`sync_dist` collective runs inside the region toma may retry. Lightning checks every call when it is replayed:
-its own errors for a bad value or option reach the training step as in a plain run.
+Lightning's own `log` with each value combined over the micro-batches into the logical batch's. A value that is
+the loss the step returns (the same tensor) is combined as the loss is: added up under `reduction="sum"`, each
+micro-batch's weighted by its share of the rows (or of `weight=`'s count) under "mean". Any other value by its
+`reduce_fx`: "mean" (the default) weighted by those shares too, "max", "min" and "sum" as they say. Nothing is
+logged by a failed attempt (its entries are dropped with its gradients), and no `sync_dist` collective runs inside
+the region toma may retry. Lightning checks every call when it is replayed: its own errors for a bad value or
+option reach the training step as in a plain run.
 """
 
 import inspect
@@ -53,12 +55,16 @@ class _MicroBatch:
 class _Entry:
     """One `self.log` call of one micro-batch: its value and options (keyword arguments, as Lightning names them).
     `key`: the name and which call with that name it is in its micro-batch (0 for the first), so that a name
-    logged twice in a step is replayed twice and Lightning sees what a plain run shows it."""
+    logged twice in a step is replayed twice and Lightning sees what a plain run shows it. `source`: the value as
+    logged, until the step returns; `is_loss`: whether it is the loss the step returned."""
 
-    __slots__ = ("key", "value", "options", "micro_batch")
+    __slots__ = ("key", "value", "options", "micro_batch", "source", "is_loss")
 
-    def __init__(self, key: Tuple[str, int], value: Any, options: Dict[str, Any], micro_batch: _MicroBatch) -> None:
+    def __init__(
+        self, key: Tuple[str, int], value: Any, options: Dict[str, Any], micro_batch: _MicroBatch, source: Any
+    ) -> None:
         self.key, self.value, self.options, self.micro_batch = key, value, options, micro_batch
+        self.source, self.is_loss = source, False
 
 
 def _options(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Dict[str, Any]:
@@ -88,28 +94,37 @@ def _as_floats(values: List[Any]) -> List[float]:
 
 class StepLogs:
     """The `self.log` calls of the current logical batch's micro-batches (a `PendingState` through the module
-    that trains them: `mark`/`rewind` drop a failed attempt's). `weight`: toma.accumulate's `weight=` (None: rows)."""
+    that trains them: `mark`/`rewind` drop a failed attempt's). `weight` and `reduction`: toma.accumulate's
+    (`weight` None: rows)."""
 
-    __slots__ = ("entries", "micro_batch", "weight", "calls")
+    __slots__ = ("entries", "micro_batch", "first", "weight", "reduction", "calls")
 
-    def __init__(self, weight: Optional[Callable[..., Any]]) -> None:
+    def __init__(self, weight: Optional[Callable[..., Any]], reduction: str = "mean") -> None:
         self.entries: List[_Entry] = []
         self.micro_batch = _MicroBatch(None)
-        self.weight = weight
+        self.first = 0  # the current micro-batch's first entry
+        self.weight, self.reduction = weight, reduction
         self.calls: Dict[str, int] = {}  # the current micro-batch's calls so far, per name
 
     def start(self, micro_batch: Any) -> None:
         """A micro-batch's step begins: what it logs is its own."""
-        self.micro_batch, self.calls = _MicroBatch(micro_batch), {}
+        self.micro_batch, self.first, self.calls = _MicroBatch(micro_batch), len(self.entries), {}
+
+    def returned(self, loss: Any) -> None:
+        """The micro-batch's step returned `loss` (None: no loss): which of its values are that loss."""
+        for entry in self.entries[self.first :]:
+            entry.is_loss = loss is not None and entry.source is loss
+            entry.source = None
 
     def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         """Stands in for the module's `self.log` while the micro-batches run."""
         options = _options(args, kwargs)
+        source = value
         if isinstance(value, torch.Tensor) and not options.get("enable_graph", False):
             value = value.detach()  # as Lightning keeps it; the micro-batch's graph is not held to the replay
         calls = self.calls.get(name, 0)
         self.calls[name] = calls + 1
-        self.entries.append(_Entry((name, calls), value, options, self.micro_batch))
+        self.entries.append(_Entry((name, calls), value, options, self.micro_batch, source))
 
     def mark(self) -> int:
         return len(self.entries)
@@ -118,7 +133,7 @@ class StepLogs:
         del self.entries[mark:]
 
     def clear(self) -> None:
-        self.entries, self.micro_batch, self.calls = [], _MicroBatch(None), {}
+        self.entries, self.micro_batch, self.first, self.calls = [], _MicroBatch(None), 0, {}
 
     def replay(self, module: "pl.LightningModule") -> None:
         """Log each name once through Lightning's `log` (as often as one micro-batch logged it), its value
@@ -133,13 +148,20 @@ class StepLogs:
             options = logged[-1].options
             value = logged[-1].value
             if len(logged) > 1:
-                reduction = _reduction(options.get("reduce_fx", "mean"))
+                reduction = self._reduction(logged, options)
                 if reduction == "mean" and not counted:
                     self._count(entries)
                     counted = True
                 value = self._combine(logged, reduction)
                 options = self._batch_size(logged, options)
             module.log(name, value, **options)
+
+    def _reduction(self, logged: List[_Entry], options: Dict[str, Any]) -> Optional[str]:
+        """The loss the step returned is combined as toma combines the loss (within a step Lightning reduces
+        nothing: reduce_fx is for the epoch's steps); any other value by its reduce_fx."""
+        if all(entry.is_loss for entry in logged):
+            return self.reduction
+        return _reduction(options.get("reduce_fx", "mean"))
 
     def _count(self, entries: List[_Entry]) -> None:
         """What each micro-batch's loss averages over, once per micro-batch, in one device synchronisation."""
