@@ -290,6 +290,43 @@ def test_weight_gives_a_token_mean_loss_the_plain_runs_gradients_and_logged_loss
     assert_same_parameters(module, plain)
 
 
+class SkipsUnlabelled(TokenMean):
+    """Skips a batch with no label token (Lightning's `None`), which `weight=` counts 0 items in."""
+
+    def training_step(self, batch, batch_idx):
+        if label_tokens(batch) == 0:
+            self.log("skipped", 1.0)
+            return None
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_batch_whose_weight_counts_nothing_runs_whole_and_its_none_skips_it_as_in_a_plain_run():
+    """`toma.accumulate` refuses a batch that `weight=` counts 0 items in; MicroBatching runs it whole through the
+    module's own step instead, so its `None` (and what it logs) reach Lightning as in a plain run."""
+
+    def run(module, callbacks):
+        dataset = Padded()
+        dataset.labels[16:32] = -100  # the second batch has nothing to learn from
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            max_steps=3,
+            callbacks=callbacks,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            logger=False,
+            log_every_n_steps=1,
+        )
+        trainer.fit(module, torch.utils.data.DataLoader(dataset, batch_size=16))
+        return trainer
+
+    plain = run(SkipsUnlabelled(), [])
+    trainer = run(SkipsUnlabelled(oom_above=4), [MicroBatching(weight=label_tokens, policy=Halving())])
+    assert_same_parameters(trainer.lightning_module, plain.lightning_module)
+    assert_same_metrics(trainer, plain)
+    assert trainer.callback_metrics["skipped"] == 1.0
+
+
 # --- the training step's contract ---------------------------------------------------------------------------
 
 
@@ -372,20 +409,31 @@ def assert_same_metrics(trainer, reference):
 
 
 def test_the_callback_pickles_and_a_copy_trains_as_the_original(tmp_path):
-    """Lightning pickles its callbacks (`ddp_spawn`'s processes, a pickled Trainer): the copy keeps the options
-    and counts, starts its own size cache, and trains as a plain run."""
+    """Lightning pickles its callbacks (`ddp_spawn`'s processes, a pickled Trainer): the copy keeps the options,
+    the counts and the size found (no out-of-memory error again), and trains as a plain run."""
     import copy
     import pickle
 
     callback = MicroBatching(policy=Halving(), reduction="mean")
     fit(Classifier(oom_above=8), [callback])
     for copied in (pickle.loads(pickle.dumps(callback)), copy.deepcopy(callback)):
-        assert isinstance(copied.policy, Halving) and copied.stats.micro_batch == 8
-        assert copied.stats.oom_retries == callback.stats.oom_retries == 2
+        assert isinstance(copied.policy, Halving) and copied.stats == callback.stats
+        assert copied.stats.micro_batch == 8 and copied.stats.oom_retries == 2
         module = Classifier(oom_above=8)
         fit(module, [copied])
-        assert copied.stats.micro_batch == 8
+        assert copied.stats.micro_batch == 8 and copied.stats.oom_retries == 2, "it starts at the size found"
         assert_same_parameters(module, fit(Classifier()).lightning_module)
+
+
+def test_a_copy_of_the_callback_keeps_what_its_sizing_policy_learned():
+    import copy
+    import pickle
+
+    callback = MicroBatching()  # FitToMemory: what it learned is in stats and on the cache's entry
+    fit(Classifier(oom_above=8), [callback], steps=1)
+    for copied in (pickle.loads(pickle.dumps(callback)), copy.deepcopy(callback)):
+        assert copied.stats.learned is not None and copied.stats == callback.stats
+        assert copied.stats.learned is copied.cache.batchsize.learned
 
 
 class Skipping(Classifier):
@@ -471,6 +519,69 @@ def test_logged_values_are_the_whole_batchs_when_it_is_split(module):
     plain = fit(module(), batch_size=24, steps=6, log_every_n_steps=1)
     callback = MicroBatching(initial_micro_batch=8, log_micro_batch=False)
     trainer = fit(module(), [callback], batch_size=24, steps=6, log_every_n_steps=1)
+    assert_same_parameters(trainer.lightning_module, plain.lightning_module)
+    assert_same_metrics(trainer, plain)
+
+
+class SumLoss(Classifier):
+    """A summed loss, logged as it is returned (twice: the default mean and "max" reduce_fx, which Lightning
+    applies across steps), and a per-row mean that is not the loss."""
+
+    def training_step(self, batch, batch_idx):
+        inputs, targets = batch
+        loss = F.cross_entropy(self.net(inputs), targets, reduction="sum")
+        self.log("train_loss", loss, on_step=True, on_epoch=True)
+        self.log("largest_loss", loss, on_step=True, on_epoch=True, reduce_fx="max")
+        self.log("per_row", loss / len(inputs), on_step=True, on_epoch=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.02)
+
+
+def test_a_logged_value_that_is_the_returned_loss_is_combined_as_the_loss_is():
+    """reduction="sum": the logged loss is the micro-batches' sum, whatever its reduce_fx; any other value
+    keeps its reduce_fx rule (the per-row mean weighted by rows)."""
+    plain = fit(SumLoss(), batch_size=24, steps=6, log_every_n_steps=1)
+    callback = MicroBatching(initial_micro_batch=8, reduction="sum")
+    trainer = fit(SumLoss(), [callback], batch_size=24, steps=6, log_every_n_steps=1)
+    assert callback.stats.micro_batch == 8
+    assert_same_parameters(trainer.lightning_module, plain.lightning_module)
+    assert_same_metrics(trainer, plain)
+
+
+class LogsMany(TokenMean):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log_dict({f"twice_{index}": 2 * loss for index in range(4)})
+        return loss
+
+
+def test_the_log_replay_counts_each_micro_batch_once_however_many_values_are_logged():
+    """Each count may be a device synchronisation: the replay asks `weight=` once per micro-batch, as
+    `toma.accumulate` does, not once per logged value and micro-batch."""
+    calls = []
+
+    def counted_tokens(batch):
+        calls.append(len(batch["labels"]))
+        return label_tokens(batch)
+
+    def run(callbacks):
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            max_steps=2,
+            callbacks=callbacks,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            logger=False,
+        )
+        trainer.fit(LogsMany(), torch.utils.data.DataLoader(Padded(), batch_size=16))
+        return trainer
+
+    plain = run([])
+    trainer = run([MicroBatching(initial_micro_batch=4, weight=counted_tokens)])
+    assert calls == [4] * 16, "per step: 4 micro-batches counted by toma.accumulate, then by the replay"
     assert_same_parameters(trainer.lightning_module, plain.lightning_module)
     assert_same_metrics(trainer, plain)
 

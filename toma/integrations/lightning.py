@@ -11,16 +11,18 @@ scaling, the `on_before_backward`/`on_after_backward` hooks, a module's own `bac
 
 What Lightning decides from the step's output stays Lightning's: a step that returns None skips the batch (every
 micro-batch must then return None), an output Lightning refuses reaches it unchanged, and a batch with nothing to
-split (no tensor with a batch dimension, a `dataloader_iter` step) runs whole through the module's own step.
+split (no tensor with a batch dimension, a `dataloader_iter` step) or in which `weight=` counts nothing runs whole
+through the module's own step.
 
 Why not leave the micro-batches' gradients in `.grad` and suppress Lightning's backward: Lightning zeroes the
 gradients after the training step (its closure runs step, `zero_grad`, backward), which would erase them on the
 first batch of every accumulation window, and DDP reduces only in the backward pass Lightning runs.
 """
 
+import contextlib
 import logging
 from collections.abc import Mapping
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import lightning.pytorch as pl
 import torch
@@ -29,7 +31,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
 
 from toma.accumulation.accumulate import AccumulationStats, accumulate
-from toma.accumulation.options import check_reduction, check_weight
+from toma.accumulation.options import NothingCounted, check_reduction, check_weight
 from toma.accumulation.sync import AgreeingOnly, model_device
 from toma.batching.splitting import ArgumentBatch
 from toma.core.agreement import Agreement, is_distributed
@@ -124,11 +126,13 @@ class _MicroBatchStep:
         self.model.logs.start(micro_batch)
         output = self.step(micro_batch, *self.args, **self.kwargs)
         if output is None:
+            self.model.logs.returned(None)
             self.model.returned.append(False)
             return torch.zeros((), device=self.model.module.device, requires_grad=True)
         loss = output.get("loss") if isinstance(output, Mapping) else output
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise _AsReturned(output)
+        self.model.logs.returned(loss)
         if isinstance(output, Mapping):
             self.extra = {key: value for key, value in output.items() if key != "loss"}
         self.model.returned.append(True)
@@ -201,6 +205,26 @@ def _stand_in_for(wrapper: Callable[..., Any], original: Callable[..., Any]) -> 
 _NOT_SET: Any = object()
 
 
+@contextlib.contextmanager
+def _micro_batch_region(module: "pl.LightningModule", params: List[torch.Tensor], logs: StepLogs) -> Iterator[None]:
+    """While the micro-batches run: the gradients so far set aside (the logical batch's start from None) and
+    the module's `self.log` captured; both put back after, whatever happens."""
+    held = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    own_log = module.__dict__.get("log", _NOT_SET)
+    module.log = logs.log  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if own_log is _NOT_SET:
+            del module.log
+        else:
+            module.log = own_log  # type: ignore[method-assign]
+        for p, grad in zip(params, held, strict=True):
+            p.grad = grad
+
+
 class MicroBatching(Callback):
     """Each loader batch as one logical batch, trained in micro-batches that fit: `L.Trainer(callbacks=
     [MicroBatching()])`. The parameters after each optimizer step equal a plain run's on the same batches.
@@ -220,8 +244,8 @@ class MicroBatching(Callback):
             metrics are a plain run's.
 
     `stats` (a `toma.accumulation.accumulate.AccumulationStats`) holds the last size and the retries so far. A copy
-    (pickle, `copy.deepcopy`, the processes of `strategy="ddp_spawn"`) keeps the options and these counts, and
-    starts with its own size cache.
+    (pickle, `copy.deepcopy`, the processes of `strategy="ddp_spawn"`) keeps the options, `stats` and the size found
+    (with what the policy learned), in a size cache of its own: it starts where the original is, not from scratch.
     """
 
     def __init__(
@@ -249,17 +273,11 @@ class MicroBatching(Callback):
     # --- copies -----------------------------------------------------------------------------------------------
 
     def __getstate__(self) -> Dict[str, Any]:
-        """The options and counts; not the size cache (it holds a lock) nor a running fit's wrapped steps."""
+        """All but a running fit's wrapped steps (functions of that fit, which a copy is not part of); the size
+        cache copies itself with a lock of its own."""
         state = self.__dict__.copy()
-        del state["cache"]
         state["_wrapped"] = {}
-        stats = self.stats
-        state["stats"] = AccumulationStats(stats.micro_batch, stats.oom_retries, stats.calls, stats.weight)
         return state
-
-    def __setstate__(self, state: Dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self.cache = GlobalBatchsizeCache()
 
     # --- Lightning's hooks ------------------------------------------------------------------------------------
 
@@ -288,7 +306,7 @@ class MicroBatching(Callback):
         if self.distributed and isinstance(trainer.strategy, DDPStrategy) and is_distributed():
             sync = AgreeingOnly(Agreement(None, model_device(module.parameters())))
         fit = _Fit(module, original, _scaler_of(trainer.precision_plugin), sync)
-        fit.model = _Accumulated(module, StepLogs(self.weight))
+        fit.model = _Accumulated(module, StepLogs(self.weight, self.reduction))
 
         def training_step(batch: Any, *args: Any, **kwargs: Any) -> Any:
             return self._logical_batch(fit, batch, args, kwargs)
@@ -309,7 +327,8 @@ class MicroBatching(Callback):
     def _logical_batch(self, fit: _Fit, batch: Any, args: tuple, kwargs: Dict[str, Any]) -> Any:
         """The logical batch through toma.accumulate's machinery, its gradients kept apart from `.grad` (which
         Lightning zeroes next) for the backward pass Lightning runs on the returned loss. A batch with nothing
-        to split runs whole through the module's own step, as in a plain run."""
+        to split, or in which `weight=` counts nothing, runs whole through the module's own step, as in a plain
+        run."""
         try:
             split = ArgumentBatch((batch,), {})
         except ValueError as reason:
@@ -317,42 +336,48 @@ class MicroBatching(Callback):
                 fit.told_whole = True
                 log.info("MicroBatching runs batches it cannot split whole, as Lightning does (%s)", reason)
             return fit.original(batch, *args, **kwargs)
-        module, model = fit.module, fit.model
+        model = fit.model
         step = _MicroBatchStep(fit.original, args, kwargs, model)
-        params = [p for p in module.parameters() if p.requires_grad]
-        held = [p.grad for p in params]
-        for p in params:
-            p.grad = None
-        own_log = module.__dict__.get("log", _NOT_SET)
-        module.log = model.logs.log  # type: ignore[method-assign]
+        params: List[torch.Tensor] = [p for p in fit.module.parameters() if p.requires_grad]
         model.returned.clear()
         try:
-            loss = accumulate(
-                step.function(),
-                model,
-                self.initial_micro_batch or split.size,
-                split,
-                reduction=self.reduction,
-                weight=self.weight,
-                scaler=fit.scaler,
-                cache=self.cache,
-                policy=self.policy,
-                stats=self.stats,
-                name="MicroBatching",
-                backward=_backward,
-                sync=fit.sync,
-            )
-            grads = [p.grad for p in params]
+            with _micro_batch_region(fit.module, params, model.logs):
+                loss = accumulate(
+                    step.function(),
+                    model,
+                    self.initial_micro_batch or split.size,
+                    split,
+                    reduction=self.reduction,
+                    weight=self.weight,
+                    scaler=fit.scaler,
+                    cache=self.cache,
+                    policy=self.policy,
+                    stats=self.stats,
+                    name="MicroBatching",
+                    backward=_backward,
+                    sync=fit.sync,
+                )
+                grads = [p.grad for p in params]
         except _AsReturned as returned:
             model.logs.clear()
             return returned.output
-        finally:
-            if own_log is _NOT_SET:
-                del module.log
-            else:
-                module.log = own_log  # type: ignore[method-assign]
-            for p, grad in zip(params, held, strict=True):
-                p.grad = grad
+        except NothingCounted:  # raised before any forward pass: the module's own step, its own logging
+            model.logs.clear()
+            return fit.original(batch, *args, **kwargs)
+        return self._output(fit, step, loss, grads, params)
+
+    def _output(
+        self,
+        fit: _Fit,
+        step: _MicroBatchStep,
+        loss: torch.Tensor,
+        grads: List[Optional[torch.Tensor]],
+        params: List[torch.Tensor],
+    ) -> Any:
+        """What the wrapped step returns to Lightning for a logical batch that ran: None when every micro-batch
+        returned None (Lightning skips the batch), else the loss that hands over the batch's gradients; the
+        micro-batches' logs replayed either way."""
+        module, model = fit.module, fit.model
         skipped = model.returned.count(False)
         if skipped and skipped < len(model.returned):
             model.logs.clear()

@@ -1,11 +1,13 @@
 """What a LightningModule logs during the micro-batches of one logical batch, logged once for the logical batch.
 
 `self.log` (and `self.log_dict`, which calls it) is captured while the micro-batches run, then replayed through
-Lightning's own `log` with each value combined over the micro-batches by its `reduce_fx`: "mean" (the default)
-weighted as the loss is, by rows or by `weight=`, so a logged loss is the logical batch's; "max", "min" and "sum"
-as they say. Nothing is logged by a failed attempt (its entries are dropped with its gradients), and no
-`sync_dist` collective runs inside the region toma may retry. Lightning checks every call when it is replayed:
-its own errors for a bad value or option reach the training step as in a plain run.
+Lightning's own `log` with each value combined over the micro-batches into the logical batch's. A value that is
+the loss the step returns (the same tensor) is combined as the loss is: added up under `reduction="sum"`, each
+micro-batch's weighted by its share of the rows (or of `weight=`'s count) under "mean". Any other value by its
+`reduce_fx`: "mean" (the default) weighted by those shares too, "max", "min" and "sum" as they say. Nothing is
+logged by a failed attempt (its entries are dropped with its gradients), and no `sync_dist` collective runs inside
+the region toma may retry. Lightning checks every call when it is replayed: its own errors for a bad value or
+option reach the training step as in a plain run.
 """
 
 import inspect
@@ -40,15 +42,29 @@ _REDUCTIONS: Dict[Any, str] = {
 }
 
 
+class _MicroBatch:
+    """A micro-batch whose step logged something, and what its loss averages over (rows, or `weight=`'s count),
+    counted once for all its values when a replay needs it."""
+
+    __slots__ = ("batch", "count")
+
+    def __init__(self, batch: Any) -> None:
+        self.batch, self.count = batch, 0.0
+
+
 class _Entry:
     """One `self.log` call of one micro-batch: its value and options (keyword arguments, as Lightning names them).
     `key`: the name and which call with that name it is in its micro-batch (0 for the first), so that a name
-    logged twice in a step is replayed twice and Lightning sees what a plain run shows it."""
+    logged twice in a step is replayed twice and Lightning sees what a plain run shows it. `source`: the value as
+    logged, until the step returns; `is_loss`: whether it is the loss the step returned."""
 
-    __slots__ = ("key", "value", "options", "micro_batch")
+    __slots__ = ("key", "value", "options", "micro_batch", "source", "is_loss")
 
-    def __init__(self, key: Tuple[str, int], value: Any, options: Dict[str, Any], micro_batch: Any) -> None:
+    def __init__(
+        self, key: Tuple[str, int], value: Any, options: Dict[str, Any], micro_batch: _MicroBatch, source: Any
+    ) -> None:
         self.key, self.value, self.options, self.micro_batch = key, value, options, micro_batch
+        self.source, self.is_loss = source, False
 
 
 def _options(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Dict[str, Any]:
@@ -60,7 +76,7 @@ def _options(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def _reduction(reduce_fx: Any) -> Optional[str]:
-    """ "mean", "max", "min" or "sum" for the reductions Lightning accepts; None for any other (Lightning refuses it)."""
+    """The reduction Lightning accepts as "mean", "max", "min" or "sum"; None for any other (Lightning refuses it)."""
     if isinstance(reduce_fx, str):
         reduce_fx = reduce_fx.lower()
     try:
@@ -69,30 +85,46 @@ def _reduction(reduce_fx: Any) -> Optional[str]:
         return None
 
 
+def _as_floats(values: List[Any]) -> List[float]:
+    """Counts as floats, the tensors among them in one device synchronisation."""
+    tensors = [value.detach().reshape(()).to(torch.float64) for value in values if isinstance(value, torch.Tensor)]
+    converted = iter(torch.stack([t.to(tensors[0].device) for t in tensors]).tolist() if tensors else [])
+    return [next(converted) if isinstance(value, torch.Tensor) else float(value) for value in values]
+
+
 class StepLogs:
     """The `self.log` calls of the current logical batch's micro-batches (a `PendingState` through the module
-    that trains them: `mark`/`rewind` drop a failed attempt's). `weight`: toma.accumulate's `weight=` (None: rows)."""
+    that trains them: `mark`/`rewind` drop a failed attempt's). `weight` and `reduction`: toma.accumulate's
+    (`weight` None: rows)."""
 
-    __slots__ = ("entries", "micro_batch", "weight", "calls")
+    __slots__ = ("entries", "micro_batch", "first", "weight", "reduction", "calls")
 
-    def __init__(self, weight: Optional[Callable[..., Any]]) -> None:
+    def __init__(self, weight: Optional[Callable[..., Any]], reduction: str = "mean") -> None:
         self.entries: List[_Entry] = []
-        self.micro_batch: Any = None
-        self.weight = weight
+        self.micro_batch = _MicroBatch(None)
+        self.first = 0  # the current micro-batch's first entry
+        self.weight, self.reduction = weight, reduction
         self.calls: Dict[str, int] = {}  # the current micro-batch's calls so far, per name
 
     def start(self, micro_batch: Any) -> None:
         """A micro-batch's step begins: what it logs is its own."""
-        self.micro_batch, self.calls = micro_batch, {}
+        self.micro_batch, self.first, self.calls = _MicroBatch(micro_batch), len(self.entries), {}
+
+    def returned(self, loss: Any) -> None:
+        """The micro-batch's step returned `loss` (None: no loss): which of its values are that loss."""
+        for entry in self.entries[self.first :]:
+            entry.is_loss = loss is not None and entry.source is loss
+            entry.source = None
 
     def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         """Stands in for the module's `self.log` while the micro-batches run."""
         options = _options(args, kwargs)
+        source = value
         if isinstance(value, torch.Tensor) and not options.get("enable_graph", False):
             value = value.detach()  # as Lightning keeps it; the micro-batch's graph is not held to the replay
         calls = self.calls.get(name, 0)
         self.calls[name] = calls + 1
-        self.entries.append(_Entry((name, calls), value, options, self.micro_batch))
+        self.entries.append(_Entry((name, calls), value, options, self.micro_batch, source))
 
     def mark(self) -> int:
         return len(self.entries)
@@ -101,7 +133,7 @@ class StepLogs:
         del self.entries[mark:]
 
     def clear(self) -> None:
-        self.entries, self.micro_batch, self.calls = [], None, {}
+        self.entries, self.micro_batch, self.first, self.calls = [], _MicroBatch(None), 0, {}
 
     def replay(self, module: "pl.LightningModule") -> None:
         """Log each name once through Lightning's `log` (as often as one micro-batch logged it), its value
@@ -111,13 +143,33 @@ class StepLogs:
         by_key: Dict[Tuple[str, int], List[_Entry]] = {}
         for entry in entries:
             by_key.setdefault(entry.key, []).append(entry)
+        counted = False
         for (name, _), logged in by_key.items():
             options = logged[-1].options
             value = logged[-1].value
             if len(logged) > 1:
-                value = self._combine(logged, _reduction(options.get("reduce_fx", "mean")))
+                reduction = self._reduction(logged, options)
+                if reduction == "mean" and not counted:
+                    self._count(entries)
+                    counted = True
+                value = self._combine(logged, reduction)
                 options = self._batch_size(logged, options)
             module.log(name, value, **options)
+
+    def _reduction(self, logged: List[_Entry], options: Dict[str, Any]) -> Optional[str]:
+        """The loss the step returned is combined as toma combines the loss (within a step Lightning reduces
+        nothing: reduce_fx is for the epoch's steps); any other value by its reduce_fx."""
+        if all(entry.is_loss for entry in logged):
+            return self.reduction
+        return _reduction(options.get("reduce_fx", "mean"))
+
+    def _count(self, entries: List[_Entry]) -> None:
+        """What each micro-batch's loss averages over, once per micro-batch, in one device synchronisation."""
+        micro_batches = list({id(entry.micro_batch): entry.micro_batch for entry in entries}.values())
+        weight = self.weight
+        values = [rows(m.batch) if weight is None else weight(m.batch) for m in micro_batches]
+        for micro_batch, count in zip(micro_batches, _as_floats(values), strict=True):
+            micro_batch.count = count
 
     def _combine(self, logged: List[_Entry], reduction: Optional[str]) -> Any:
         values = [entry.value for entry in logged]
@@ -139,13 +191,11 @@ class StepLogs:
                 combined = combined + tensor
         return combined
 
-    def _count(self, micro_batch: Any) -> float:
-        return float(rows(micro_batch) if self.weight is None else self.weight(micro_batch))
-
-    def _mean(self, logged: List[_Entry]) -> Any:
-        """The micro-batches' values weighted as their losses are."""
+    @staticmethod
+    def _mean(logged: List[_Entry]) -> Any:
+        """The micro-batches' values weighted as their losses are (the counts `_count` gave them)."""
         values = [entry.value for entry in logged]
-        counts = [self._count(entry.micro_batch) for entry in logged]
+        counts = [entry.micro_batch.count for entry in logged]
         total = sum(counts)
         if total <= 0:
             return values[-1]
@@ -159,5 +209,7 @@ class StepLogs:
         sizes = [entry.options.get("batch_size") for entry in logged]
         if any(size is None for size in sizes):
             return {key: value for key, value in options.items() if key != "batch_size"}
-        constant = len(set(sizes)) == 1 and any(size != rows(entry.micro_batch) for size, entry in zip(sizes, logged))
+        constant = len(set(sizes)) == 1 and any(
+            size != rows(entry.micro_batch.batch) for size, entry in zip(sizes, logged)
+        )
         return options if constant else {**options, "batch_size": sum(sizes)}
