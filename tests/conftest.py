@@ -2,7 +2,8 @@ import gc
 
 import pytest
 
-from toma import batchsize_cache, oom, policy
+from toma import batchsize_cache, oom
+from toma.core import policy as core_policy
 from toma.core.caches import StacktraceMemoryBatchsizeCache
 
 from helpers import FixedGauge
@@ -15,7 +16,7 @@ def fresh_toma_state(monkeypatch):
     batchsize_cache._caches_by_context.entries.clear()
     monkeypatch.setattr(batchsize_cache, "_default_cache_type", StacktraceMemoryBatchsizeCache)
     monkeypatch.setattr(oom, "_extra_predicates", ())
-    monkeypatch.setattr(policy, "_default_policy", policy.DEFAULT_POLICY)
+    monkeypatch.setattr(core_policy, "_assigned", None)
     gauge = FixedGauge()
     monkeypatch.setattr(StacktraceMemoryBatchsizeCache, "gauge", gauge)
     yield gauge

@@ -9,6 +9,8 @@ from torch import nn
 from toma.accumulation.accumulate import accumulate
 from toma.batching.splitting import ArgumentBatch
 from toma.core.caches import GlobalBatchsizeCache
+from toma.core.runner import Runner
+from toma.sizing.defaults import ACCUMULATION
 from toma.sizing.policies import Halving
 
 from helpers import raise_fake_oom
@@ -48,8 +50,7 @@ def run(model, batch, initial, fail_above=None, **options):
         ArgumentBatch((batch,), {}),
         reduction="mean",
         scaler=None,
-        cache=GlobalBatchsizeCache(),
-        policy=Halving(),
+        runner=Runner(ACCUMULATION, policy=Halving(), cache=GlobalBatchsizeCache()),
         weight=tokens,
         **options,
     )

@@ -16,7 +16,7 @@ import logging
 import re
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -37,11 +37,11 @@ from toma.accumulation.sync import DDPNoSync, model_device, sync_for
 from toma.batching import transfer
 from toma.batching.splitting import ArgumentBatch, LogicalBatch, MicroBatch
 from toma.batching.transfer import MicroBatchTransfers, Pending, shared_transfers
-from toma.core import engine
-from toma.core.caches import BatchsizeCache, LearnedState
-from toma.core.oom import should_reduce_batch_size
+from toma.core.caches import LearnedState
+from toma.core.oom import add_note, should_reduce_batch_size
+from toma.core.runner import Runner
 from toma.core.steps import Step
-from toma.sizing.fit_to_memory import FitToMemory
+from toma.sizing.defaults import ACCUMULATION
 from toma.sizing.policies import SizePolicy
 
 __all__ = [
@@ -129,11 +129,11 @@ def _hint_whole(error: BaseException, piece: ArgumentBatch, rows: int) -> None:
         f"every tensor with {piece.size} rows: {piece.describe()}. A tensor that is not part of the batch "
         "(class weights, say) goes to every micro-batch whole when wrapped in toma.whole(...)"
     )
-    engine.add_note(error, note)
+    add_note(error, note)
 
 
 # Accumulation sizes a micro-batch by measuring: its size matters for speed, and no 1.1.0 sequence binds it.
-ACCUMULATION_POLICY: SizePolicy = FitToMemory()
+ACCUMULATION_POLICY: SizePolicy = ACCUMULATION  # accumulation's default (toma.sizing.defaults)
 
 
 @dataclass
@@ -337,8 +337,8 @@ def accumulate(
     *,
     reduction: str,
     scaler: Any,
-    cache: BatchsizeCache,
-    policy: Optional[SizePolicy],
+    runner: Runner,
+    context: Optional[Hashable] = None,
     weight: Optional[Callable[..., Any]] = None,
     stats: Optional[AccumulationStats] = None,
     name: Optional[str] = None,
@@ -350,7 +350,8 @@ def accumulate(
     a call's arguments, or `ArgumentPieces` of several) in micro-batches; returns the logical batch's loss, detached.
     Arguments are checked by the caller (`toma.forms`, `toma.training.trainer`). The cached size is the one asked
     for, not capped by this batch's rows: a short batch never shrinks it, only an out-of-memory error does.
-    `policy` None: `ACCUMULATION_POLICY`, a `FitToMemory`.
+    `runner`: the cache and the policy (`toma.sizing.defaults.ACCUMULATION` where none is given); `context`: the
+    cache's context for this call.
 
     For frameworks that run the backward pass and count the items themselves (`toma.integrations`):
     `backward(loss)` replaces `loss.backward()` (an accelerator's backward, which scales for mixed precision);
@@ -361,11 +362,12 @@ def accumulate(
     (`TomaTrainer`). `sync`: how the
     gradients meet other ranks' (one of `toma.accumulation.sync`'s); None: the one `model` calls for
     (`sync_for`)."""
-    policy = policy or ACCUMULATION_POLICY
-    step = AccumulateStep(func, model, batch, reduction, weight, scaler, policy, name, backward, total, sync)
-    entry = cache.get_batchsize(initial_micro_batch)
+    step = AccumulateStep(
+        func, model, batch, reduction, weight, scaler, runner.resolved_policy(), name, backward, total, sync
+    )
+    state = None
     try:
-        engine.run(step, entry, initial_micro_batch, policy, step.sync.agreement)
+        state = runner.drive(step, initial_micro_batch, context, step.sync.agreement)
     finally:
         if stats is not None:
             stats.calls += 1
@@ -373,6 +375,6 @@ def accumulate(
     if stats is not None:
         stats.micro_batch = step.size
         stats.weight = step.total_weight
-        stats.learned = entry.learned
+        stats.learned = state.entry.learned if state is not None else None
     assert step.result is not None
     return step.result

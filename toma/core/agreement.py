@@ -79,8 +79,8 @@ class Agreement:
         self.world_size = dist.get_world_size(group)
         self.work_device = device
         self._device: Optional[torch.device] = None
-        # The size this rank proposes after an out-of-memory error, (size, failed, error) -> next or None;
-        # the engine sets it per attempt for a policy that learns. None: the policy's shrink.
+        # The size this rank proposes after an out-of-memory error, (size, failed, error) -> next or None: the
+        # engine sets it to its run's `CallState.propose` (worked out once per attempt). None: the policy's shrink.
         self.propose: Optional[Callable[[int, int, BaseException], Optional[int]]] = None
 
     @property

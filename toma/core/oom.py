@@ -15,6 +15,7 @@ __all__ = [
     "register_oom_predicate",
     "unregister_oom_predicate",
     "release_memory",
+    "add_note",
 ]
 
 OomPredicate = Callable[[BaseException], bool]
@@ -36,6 +37,14 @@ _COLLECTIVE_ERRORS: Tuple[Type[BaseException], ...] = tuple(
 )
 # NCCL's wording, also where an older torch raises it as a plain RuntimeError ("NCCL error in: ...").
 _NCCL_MARKER = "nccl error"
+
+
+def add_note(exception: BaseException, note: str) -> None:
+    """`exception.add_note(note)`, also on Python 3.10."""
+    if hasattr(exception, "add_note"):
+        exception.add_note(note)
+    else:  # Python 3.10: keep the note where 3.11's traceback printer would look.
+        setattr(exception, "__notes__", [*getattr(exception, "__notes__", ()), note])
 
 
 class ControlException(Exception):

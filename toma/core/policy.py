@@ -10,7 +10,15 @@ import torch
 
 from toma.core.caches import Batchsize
 
-__all__ = ["SizePolicy", "LearningPolicy", "Token", "check_policy", "shrink_below"]
+__all__ = [
+    "SizePolicy",
+    "LearningPolicy",
+    "Token",
+    "check_policy",
+    "shrink_below",
+    "assigned_default",
+    "assign_default",
+]
 
 
 class SizePolicy:
@@ -95,3 +103,20 @@ def shrink_below(policy: SizePolicy, size: int, failed: int) -> Optional[int]:
         if smaller is None or smaller < failed:
             return smaller
         size = smaller
+
+
+_assigned: Optional[SizePolicy] = None  # what `toma.DEFAULT_POLICY = ...` set; None: each capability's own default
+
+
+def assigned_default() -> Optional[SizePolicy]:
+    """The policy assigned to `toma.DEFAULT_POLICY`, every capability's where none is given; None until then."""
+    return _assigned
+
+
+def assign_default(policy: SizePolicy) -> None:
+    """`toma.DEFAULT_POLICY = policy`: from the next call on, the policy of every run given none."""
+    global _assigned
+    checked = check_policy(policy, "DEFAULT_POLICY")
+    if checked is None:
+        raise TypeError("DEFAULT_POLICY must be a sizing policy such as toma.Halving(), got None")
+    _assigned = checked

@@ -8,16 +8,17 @@ import torch
 from toma.core.arguments import check_dimension, check_function, check_index, check_size, check_tensor_dimension
 from toma.core.call_sites import call_site_key
 from toma.core.policy import SizePolicy
+from toma.core.runner import Runner
 from toma.core.steps import BatchStep, ChunkStep, RangeStep
-from toma.forms.options import CacheType, CallOptions
+from toma.forms.options import CacheType, calls
 
 __all__ = ["execute"]
 
 R = TypeVar("R")
 
 
-def _options(cache_type: CacheType, context: Optional[Hashable], policy: Any, distributed: Any) -> CallOptions:
-    return CallOptions(cache_type, call_site_key() if context is None else context, policy, distributed)
+def _options(cache_type: CacheType, context: Optional[Hashable], policy: Any, distributed: Any) -> Runner:
+    return calls(cache_type, call_site_key() if context is None else context, policy, distributed)
 
 
 class execute:

@@ -26,13 +26,13 @@ from toma.batching.transfer import check_device
 from toma.core.arguments import check_dimension, check_function, check_index, check_size, check_tensor_dimension
 from toma.core.caches import (
     BatchsizeCache,
-    BoundedDict,
     GlobalBatchsizeCache,
     NoBatchsizeCache,
     StacktraceMemoryBatchsizeCache,
 )
 from toma.core.call_sites import call_site_key
 from toma.core.policy import SizePolicy
+from toma.core.runner import Runner
 from toma.core.signatures import (
     AccumulateFunction,
     AccumulateOptions,
@@ -49,11 +49,12 @@ from toma.core.signatures import (
 )
 from toma.core.steps import BatchStep, ChunkStep, RangeStep
 from toma.forms.inline import execute
-from toma.forms.options import CacheType, CallOptions, initial_size
+from toma.forms.options import CacheType, calls, initial_size
 from toma.forms.plain import explicit, simple
 from toma.forms.runners import Args, Kwargs, run_accumulate, run_map
 from toma.forms.settings import SettingsNamespace
 from toma.offload.hosted_embedding import HostedEmbedding
+from toma.sizing.defaults import ACCUMULATION
 
 __all__ = ["toma"]
 
@@ -76,22 +77,21 @@ class _Form(NamedTuple):
 def _decorator(
     form: _Form,
     func: Any,
-    options: CallOptions,
-    bind: Callable[[Any], Bound],
+    options: Runner,
+    bind: Callable[[Any, Runner], Bound],
     decorator: Callable[..., Any],
     **again: Any,
 ) -> Any:
     """The skeleton every decorator shares: `@form(...)` without a function returns the decorator with its
     options (`again`, the form's own, and `options`); with one, checks it and wraps it with its own caches
-    (`bind(func)`: the wrapper and attributes to set on it). A staticmethod stays one, so the result works
+    (`bind(func, runner)`: the wrapper and attributes to set on it). A staticmethod stays one, so the result works
     through a class and an instance."""
     if func is None:
         return functools.partial(decorator, **again, **options.as_kwargs(form.agreed))
     check_function(func, form.name, form.size)
 
     def wrap(target: Callable[..., Any]) -> Callable[..., Any]:
-        options.own_caches = BoundedDict(16)
-        call, attributes = bind(target)
+        call, attributes = bind(target, options.owning())
         wrapped = functools.wraps(target)(call)
         for name, value in attributes.items():
             setattr(wrapped, name, value)
@@ -157,9 +157,9 @@ class toma(metaclass=SettingsNamespace):
     ) -> Any:
         """`@toma.batch(initial_batchsize=512)`: the function's first argument becomes the batch size."""
         default = _BATCH.default(initial_batchsize)
-        options = CallOptions(cache_type, context, policy, distributed)
+        options = calls(cache_type, context, policy, distributed)
 
-        def bind(func: Callable[..., Any]) -> Bound:
+        def bind(func: Callable[..., Any], options: Runner) -> Bound:
             def call(initial: int, args: Args, kwargs: Kwargs, context: Optional[Hashable]) -> Any:
                 return options.perform(BatchStep(func, args, kwargs), initial, context).result
 
@@ -187,9 +187,9 @@ class toma(metaclass=SettingsNamespace):
     ) -> Any:
         """`@toma.range(initial_step=32)`: `f(start, end, ...)` runs over `[start, end)` chunk by chunk."""
         default = _RANGE.default(initial_step)
-        options = CallOptions(cache_type, context, policy, distributed)
+        options = calls(cache_type, context, policy, distributed)
 
-        def bind(func: Callable[..., Any]) -> Bound:
+        def bind(func: Callable[..., Any], options: Runner) -> Bound:
             def wrapped(
                 start: int,
                 end: int,
@@ -230,9 +230,9 @@ class toma(metaclass=SettingsNamespace):
         """`@toma.chunked(initial_step=512)`: `f(chunk, start, end, ...)` runs over chunks of a tensor."""
         default = _CHUNKED.default(initial_step)
         default_dimension = check_dimension(dimension, "dimension")
-        options = CallOptions(cache_type, context, policy, distributed)
+        options = calls(cache_type, context, policy, distributed)
 
-        def bind(func: Callable[..., Any]) -> Bound:
+        def bind(func: Callable[..., Any], options: Runner) -> Bound:
             def wrapped(
                 tensor: torch.Tensor,
                 *args: Any,
@@ -285,9 +285,9 @@ class toma(metaclass=SettingsNamespace):
         tokens, say) when that is not its rows."""
         accumulation = AccumulationOptions.checked(model, reduction, weight, scaler)
         default = _ACCUMULATE.default(initial_micro_batch)
-        options = CallOptions(cache_type, context, policy, False)
+        options = calls(cache_type, context, policy, False, default=ACCUMULATION)
 
-        def bind(func: Callable[..., Any]) -> Bound:
+        def bind(func: Callable[..., Any], options: Runner) -> Bound:
             stats = AccumulationStats()
 
             def call(initial: int, args: Args, kwargs: Kwargs, context: Optional[Hashable]) -> torch.Tensor:
@@ -319,5 +319,5 @@ class toma(metaclass=SettingsNamespace):
         target = check_device(device, "device")
         output = check_device(output_device, "output_device")
         initial = None if initial_step is None else check_size(initial_step, "initial_step")
-        options = CallOptions(cache_type, call_site_key() if context is None else context, policy, distributed)
+        options = calls(cache_type, call_site_key() if context is None else context, policy, distributed)
         return run_map(func, inputs, target, output, initial, options)

@@ -8,8 +8,9 @@ from toma.accumulation.options import AccumulationOptions
 from toma.core.arguments import check_dimension, check_function, check_index, check_size, check_tensor_dimension
 from toma.core.policy import SizePolicy
 from toma.core.steps import BatchStep, ChunkStep, RangeStep
-from toma.forms.options import PLAIN, CacheType, CallOptions
+from toma.forms.options import PLAIN, CacheType, calls
 from toma.forms.runners import run_accumulate
+from toma.sizing.defaults import ACCUMULATION
 
 __all__ = ["explicit", "simple"]
 
@@ -70,7 +71,7 @@ class explicit:
         """`func(batchsize, *args, **kwargs)`, shrinking `batchsize` on out-of-memory errors; returns its result."""
         check_function(func, "explicit.batch")
         initial = check_size(initial_batchsize, "initial_batchsize")
-        options = CallOptions(toma_cache_type, toma_context, toma_policy, toma_distributed, prefix="toma_")
+        options = calls(toma_cache_type, toma_context, toma_policy, toma_distributed, prefix="toma_")
         return cast(R, options.perform(BatchStep(func, args, kwargs), initial).result)
 
     @staticmethod
@@ -90,7 +91,7 @@ class explicit:
         check_function(func, "explicit.range")
         start, end = check_index(start, "start"), check_index(end, "end")
         initial = check_size(initial_step, "initial_step")
-        options = CallOptions(toma_cache_type, toma_context, toma_policy, toma_distributed, prefix="toma_")
+        options = calls(toma_cache_type, toma_context, toma_policy, toma_distributed, prefix="toma_")
         options.perform(RangeStep(func, start, end, args, kwargs), initial)
 
     @staticmethod
@@ -112,7 +113,7 @@ class explicit:
         dim = check_tensor_dimension(
             tensor, check_dimension(toma_dimension, "toma_dimension"), "tensor", "toma_dimension"
         )
-        options = CallOptions(toma_cache_type, toma_context, toma_policy, toma_distributed, prefix="toma_")
+        options = calls(toma_cache_type, toma_context, toma_policy, toma_distributed, prefix="toma_")
         options.perform(ChunkStep(func, tensor, dim, args, kwargs), initial)
 
     @staticmethod
@@ -134,5 +135,5 @@ class explicit:
         check_function(func, "explicit.accumulate")
         accumulation = AccumulationOptions.checked(model, toma_reduction, toma_weight, toma_scaler, prefix="toma_")
         initial = check_size(initial_micro_batch, "initial_micro_batch")
-        options = CallOptions(toma_cache_type, toma_context, toma_policy, False, prefix="toma_")
+        options = calls(toma_cache_type, toma_context, toma_policy, False, "toma_", ACCUMULATION)
         return run_accumulate(func, accumulation, options, initial, args, kwargs)

@@ -11,7 +11,7 @@ from toma.accumulation.accumulate import AccumulationStats, accumulate
 from toma.accumulation.options import AccumulationOptions
 from toma.batching.splitting import ArgumentBatch, leaves
 from toma.batching.transfer import Transfers
-from toma.forms.options import CallOptions
+from toma.core.runner import Runner
 from toma.offload.host_map import MapStep
 
 __all__ = ["Args", "Kwargs", "run_accumulate", "run_map"]
@@ -23,7 +23,7 @@ Kwargs = Dict[str, Any]
 def run_accumulate(
     func: Callable[..., torch.Tensor],
     accumulation: AccumulationOptions,
-    options: CallOptions,
+    options: Runner,
     initial: int,
     args: Args,
     kwargs: Kwargs,
@@ -39,8 +39,8 @@ def run_accumulate(
         reduction=accumulation.reduction,
         weight=accumulation.weight,
         scaler=accumulation.scaler,
-        cache=options.cache(func, context),
-        policy=options.policy,
+        runner=options,
+        context=context,
         stats=stats,
     )
 
@@ -51,7 +51,7 @@ def run_map(
     device: torch.device,
     output: torch.device,
     initial_step: Optional[int],
-    options: CallOptions,
+    options: Runner,
 ) -> Any:
     """`func(*chunk)` over row chunks of `inputs` on `device`; the outputs joined on `output`."""
     if not any(isinstance(t, torch.Tensor) and t.dim() > 0 for t in leaves(inputs)):

@@ -19,13 +19,13 @@ from toma.core.arguments import check_function
 from toma.core.caches import GlobalBatchsizeCache
 from toma.core.oom import should_reduce_batch_size
 from toma.core.policy import SizePolicy, check_policy
+from toma.core.runner import Runner
 from toma.core.steps import BatchStep
-from toma.forms.options import CallOptions
-from toma.sizing.policies import ShrinkByFactor
+from toma.sizing.defaults import ACCELERATE
 
 __all__ = ["find_executable_batch_size", "ACCELERATE_POLICY", "NO_BATCH_SIZE"]
 
-ACCELERATE_POLICY: SizePolicy = ShrinkByFactor(0.9)  # accelerate's int(batch_size * 0.9): 128, 115, 103, ...
+ACCELERATE_POLICY: SizePolicy = ACCELERATE  # accelerate's int(batch_size * 0.9): 128, 115, 103, ...
 NO_BATCH_SIZE = "No executable batch size found, reached zero."  # accelerate's words, for code that matches them
 
 
@@ -83,11 +83,12 @@ def find_executable_batch_size(
     if reduce_batch_size_fn is not None and policy is not None:
         raise ValueError("give reduce_batch_size_fn or policy, not both: each decides the size after an error")
     chosen = check_policy(policy, "policy") or (
-        ACCELERATE_POLICY if reduce_batch_size_fn is None else ReduceBatchSizeFn(reduce_batch_size_fn)
+        None if reduce_batch_size_fn is None else ReduceBatchSizeFn(reduce_batch_size_fn)
     )
     # One size per function's code, wherever it is called from (accelerate keeps one per decoration): an inner
     # training function decorated anew on every outer call, as accelerate's documentation does it, finds it too.
-    options = CallOptions(policy=chosen, fixed_cache=CallOptions(cache_type=GlobalBatchsizeCache).cache(function))
+    cache = Runner(ACCELERATE, cache_type=GlobalBatchsizeCache).cache(function)
+    options = Runner(ACCELERATE, policy=chosen, cache=cache)
     initial = max(1, starting_batch_size)
     limit = _positional_limit(function)
     name = getattr(function, "__name__", repr(function))

@@ -38,7 +38,9 @@ from toma.core.agreement import Agreement, is_distributed
 from toma.core.arguments import check_size
 from toma.core.caches import GlobalBatchsizeCache
 from toma.core.policy import SizePolicy, check_policy
+from toma.core.runner import Runner
 from toma.integrations.lightning_logs import StepLogs
+from toma.sizing.defaults import ACCUMULATION
 
 __all__ = ["MicroBatching", "LogicalBatchLoss"]
 
@@ -267,6 +269,7 @@ class MicroBatching(Callback):
         self.distributed, self.log_micro_batch = bool(distributed), bool(log_micro_batch)
         self.stats = AccumulationStats()
         self.cache = GlobalBatchsizeCache()  # one size per callback, wherever the step runs from
+        self._runner = Runner(ACCUMULATION, policy=self.policy, cache=self.cache)
         # id(module) -> (the training_step this callback set, the one the instance had itself or _NOT_SET)
         self._wrapped: Dict[int, Tuple[Callable[..., Any], Any]] = {}
 
@@ -350,8 +353,7 @@ class MicroBatching(Callback):
                     reduction=self.reduction,
                     weight=self.weight,
                     scaler=fit.scaler,
-                    cache=self.cache,
-                    policy=self.policy,
+                    runner=self._runner,
                     stats=self.stats,
                     name="MicroBatching",
                     backward=_backward,

@@ -34,14 +34,15 @@ from transformers.trainer_pt_utils import nested_concat
 from transformers.trainer_utils import unwrap_peft_model
 from transformers.training_args import OptimizerNames
 
-from toma.accumulation.accumulate import ACCUMULATION_POLICY, AccumulationStats, accumulate
+from toma.accumulation.accumulate import AccumulationStats, accumulate
 from toma.batching.batches import rows
 from toma.batching.splitting import ArgumentBatch
 from toma.core.arguments import check_size
 from toma.core.caches import GlobalBatchsizeCache
 from toma.core.policy import SizePolicy, check_policy
+from toma.core.runner import Runner
 from toma.core.steps import RangeStep
-from toma.forms.options import CallOptions
+from toma.sizing.defaults import ACCUMULATION
 from toma.training.data import WHOLE_BATCHES
 
 __all__ = ["TomaTrainerMixin", "TomaTrainer"]
@@ -194,7 +195,7 @@ class TomaTrainerMixin(_Trainer):
                 f"{type(self).__name__} uses TomaTrainerMixin without transformers.Trainer: "
                 "class MyTrainer(TomaTrainerMixin, transformers.Trainer)"
             )
-        self.toma_policy: SizePolicy = check_policy(toma_policy, "toma_policy") or ACCUMULATION_POLICY
+        given = check_policy(toma_policy, "toma_policy")
         self.toma_initial_micro_batch = (
             WHOLE_BATCHES
             if toma_initial_micro_batch is None
@@ -207,13 +208,20 @@ class TomaTrainerMixin(_Trainer):
         self.toma_log_micro_batch = toma_log_micro_batch
         self.toma_stats = AccumulationStats()
         # One size per trainer, for training and for evaluation: set once found, whatever the batch's length.
-        self._toma_training_cache = GlobalBatchsizeCache()
-        self._toma_evaluation_cache = GlobalBatchsizeCache()
+        self._toma_training = Runner(ACCUMULATION, policy=given, cache=GlobalBatchsizeCache())
+        # distributed: per-chunk collectives (the Trainer's token count) need the ranks to chunk alike
+        self._toma_evaluation = Runner(ACCUMULATION, policy=given, cache=GlobalBatchsizeCache(), distributed=True)
         super().__init__(*args, **kwargs)
         self._toma_check_setup()
         self._toma_trainer_count = _LabelCount(self._loss_shifts_labels)
         model = unwrap_peft_model(self.model)
         self._toma_model_count = _LabelCount(self._loss_shifts_labels or _is_causal_lm(model))
+
+    @property
+    def toma_policy(self) -> SizePolicy:
+        """How micro-batch and evaluation chunk sizes are found: `toma_policy=`, else `toma.DEFAULT_POLICY` once
+        assigned, else a FitToMemory (`toma.sizing.defaults.ACCUMULATION`)."""
+        return self._toma_training.resolved_policy()
 
     def _toma_check_setup(self) -> None:
         """Setups whose collectives or optimizers run inside a step cannot be split into micro-batches."""
@@ -330,8 +338,7 @@ class TomaTrainerMixin(_Trainer):
             reduction="sum" if shares.summed else "mean",
             weight=shares.count,
             scaler=None,
-            cache=self._toma_training_cache,
-            policy=self.toma_policy,
+            runner=self._toma_training,
             stats=self.toma_stats,
             name="TomaTrainer.training_step",
             backward=self.accelerator.backward,
@@ -369,9 +376,7 @@ class TomaTrainerMixin(_Trainer):
         count = self._toma_count_for(inputs, as_the_trainer_counts=passes_count)
         summed = self.loss_is_scaled_for_ga is True and not passes_count
         chunks = _PredictionChunks(predict, split, model, prediction_loss_only, ignore_keys, count, summed)
-        # distributed: per-chunk collectives (the Trainer's token count) need the ranks to chunk alike
-        options = CallOptions(policy=self.toma_policy, distributed=True, fixed_cache=self._toma_evaluation_cache)
-        return options.perform(chunks, WHOLE_BATCHES).joined()
+        return self._toma_evaluation.perform(chunks, WHOLE_BATCHES).joined()
 
 
 class _PredictionChunks(RangeStep):

@@ -13,7 +13,7 @@ import torch
 from toma.batching.splitting import ArgumentBatch, map_tensors
 from toma.batching.splitting import leaves as leaf_values
 from toma.batching.transfer import Pending, Transfers
-from toma.core.engine import RangeStep
+from toma.core.steps import RangeStep
 
 __all__ = ["MapStep"]
 

@@ -13,13 +13,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from toma.batching.transfer import Pending, Transfers, check_device
-from toma.core import engine
 from toma.core.arguments import check_size
 from toma.core.caches import GlobalBatchsizeCache
+from toma.core.runner import Runner
+from toma.core.steps import RangeStep
 from toma.memory.backends import backend_for
 from toma.offload import pinned
 from toma.offload.row_optimizer import RowState, clone, initial_state, probe, step_rows
-from toma.sizing.policies import SizePolicy, check_policy, get_default_policy
+from toma.sizing.defaults import CALLS
+from toma.sizing.policies import SizePolicy, check_policy
 
 try:
     from torch.amp import GradScaler
@@ -105,6 +107,7 @@ class HostedEmbedding(nn.Module):
         self._prefetched: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Pending]] = None
         self._transfers = Transfers(self.device)
         self._sizes = GlobalBatchsizeCache()
+        self._runner = Runner(CALLS, policy=self.policy, cache=self._sizes)
         self.resident_rows = 0  # distinct rows the last forward put on the device
         self.step_rows = 0  # rows updated at once on the device in the last step (fewer when memory is short)
 
@@ -230,7 +233,7 @@ class HostedEmbedding(nn.Module):
         try:
             if len(unique):
                 # Sized against the whole table, so a small step never caps the parts of a later, larger one.
-                engine.drive(update, self._sizes, self.num_embeddings, self.policy or get_default_policy())
+                self._runner.perform(update, self.num_embeddings)
             else:  # a lookup of no rows: the shared state (a step count) counts the step, as SparseAdam's does
                 update.call(0, 0)
         finally:  # also when a later part failed for good: the rows written so far stepped with this state
@@ -344,7 +347,7 @@ def _same(saved: torch.Tensor, indices: torch.Tensor) -> bool:
     return saved.shape == indices.shape and bool(torch.equal(saved, indices.detach().to("cpu")))
 
 
-class _RowUpdate(engine.RangeStep):
+class _RowUpdate(RangeStep):
     """The optimizer over the touched rows `[start, stop)` at a time, state moved in and written back."""
 
     size_name = "rows"

@@ -8,7 +8,7 @@ import numbers
 from typing import Optional, SupportsIndex
 
 from toma.core.arguments import check_size
-from toma.core.policy import SizePolicy, check_policy, shrink_below
+from toma.core.policy import SizePolicy, assign_default, assigned_default, check_policy, shrink_below
 
 __all__ = [
     "SizePolicy",
@@ -57,19 +57,14 @@ class Halving(ShrinkByFactor):
         return f"Halving(minimum={self.minimum!r})"
 
 
-DEFAULT_POLICY: SizePolicy = Halving()  # toma 1.1.0's sequences: the forms' default until one is set
-_default_policy: SizePolicy = DEFAULT_POLICY
+DEFAULT_POLICY: SizePolicy = Halving()  # toma 1.1.0's sequences: the forms' default until one is assigned
 
 
 def get_default_policy() -> SizePolicy:
-    """The policy of the forms where none is given (what `toma.DEFAULT_POLICY` reads), read at call time."""
-    return _default_policy
+    """The forms' policy where none is given (what `toma.DEFAULT_POLICY` reads): the assigned one, else Halving."""
+    return assigned_default() or DEFAULT_POLICY
 
 
 def set_default_policy(policy: SizePolicy) -> None:
-    """Change the forms' default policy (what assigning `toma.DEFAULT_POLICY` does)."""
-    global _default_policy
-    checked = check_policy(policy, "DEFAULT_POLICY")
-    if checked is None:
-        raise TypeError("DEFAULT_POLICY must be a sizing policy such as toma.Halving(), got None")
-    _default_policy = checked
+    """What assigning `toma.DEFAULT_POLICY` does: every capability's policy where none is given, from now on."""
+    assign_default(policy)

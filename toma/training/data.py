@@ -6,7 +6,7 @@ from typing import Any, Optional
 import torch
 
 from toma.batching.batches import rows
-from toma.core import engine
+from toma.core.steps import RangeStep
 
 
 def known_length(data: Any) -> Optional[int]:
@@ -48,7 +48,7 @@ def rows_per_epoch(data: Any) -> Optional[int]:
 WHOLE_BATCHES = 2**30
 
 
-class EvaluationChunks(engine.RangeStep):
+class EvaluationChunks(RangeStep):
     """The rows of one evaluation batch, in chunks that fit; named for what the user knows in log lines."""
 
     size_name = "evaluation chunk size"

@@ -14,15 +14,16 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optio
 
 import torch
 
-from toma.accumulation.accumulate import ACCUMULATION_POLICY, AccumulationStats, accumulate
+from toma.accumulation.accumulate import AccumulationStats, accumulate
 from toma.accumulation.options import AccumulationOptions
 from toma.batching.batches import Pieces, logical_batches, rows, take, to_device
 from toma.batching.splitting import ArgumentBatch, ArgumentPieces, LogicalBatch
-from toma.core import engine
 from toma.core.arguments import check_size
 from toma.core.caches import GlobalBatchsizeCache
+from toma.core.runner import Runner
 from toma.memory import MemoryHistory
 from toma.memory.backends import backend_for
+from toma.sizing.defaults import ACCUMULATION
 from toma.sizing.policies import SizePolicy, check_policy
 from toma.training.arguments import check_functions, check_run, place
 from toma.training.callbacks import Callback, StopTraining
@@ -76,8 +77,7 @@ class Trainer:
     ) -> None:
         self.accumulation = AccumulationOptions.checked(model, reduction, weight, scaler)
         self.model = self.accumulation.model
-        # How micro-batch and evaluation chunk sizes are found: measured (FitToMemory) unless given.
-        self.policy: SizePolicy = check_policy(policy, "policy") or ACCUMULATION_POLICY
+        given = check_policy(policy, "policy")
         check_functions(optimizer, loss_fn, forward, targets)
         if forward is None:
             check_criterion(loss_fn, self.accumulation.reduction)
@@ -105,10 +105,16 @@ class Trainer:
         self.stats = AccumulationStats()
         # One cached size per trainer, wherever and at whatever free memory a step runs: once the search
         # has settled, every later step starts at the size that worked.
-        self._training_cache = GlobalBatchsizeCache()
-        self._evaluation_cache = GlobalBatchsizeCache()
+        self._training = Runner(ACCUMULATION, policy=given, cache=GlobalBatchsizeCache())
+        self._evaluation = Runner(ACCUMULATION, policy=given, cache=GlobalBatchsizeCache())
 
     # --- state ---------------------------------------------------------------------------------------
+
+    @property
+    def policy(self) -> SizePolicy:
+        """How micro-batch and evaluation chunk sizes are found: the one given, else `toma.DEFAULT_POLICY` once
+        assigned, else measured (`toma.sizing.defaults.ACCUMULATION`, a FitToMemory); read at each step."""
+        return self._training.resolved_policy()
 
     @property
     def micro_batch(self) -> Optional[int]:
@@ -160,8 +166,7 @@ class Trainer:
             reduction=self.reduction,
             weight=self.weight,
             scaler=self.scaler,
-            cache=self._training_cache,
-            policy=self.policy,
+            runner=self._training,
             stats=self.stats,
             name="Trainer.step",
         )
@@ -325,7 +330,7 @@ class Trainer:
     def _chunks(self, func: Callable[..., None], rows_: int, *args: Any) -> None:
         """`func(start, stop, *args)` over `[0, rows_)` in chunks that fit (the trainer's evaluation size)."""
         step = EvaluationChunks(func, 0, rows_, args, {}, name="Trainer.evaluate", device=self.device)
-        engine.drive(step, self._evaluation_cache, WHOLE_BATCHES, self.policy)
+        self._evaluation.perform(step, WHOLE_BATCHES)
 
     def _predict_rows(self, start: int, stop: int, inputs: Any, outputs: List[torch.Tensor]) -> None:
         outputs.append(self.model(to_device(take(inputs, start, stop), self.device, non_blocking=True)))

@@ -1,0 +1,135 @@
+"""Runner: the one door into the engine. Every form, `toma.accumulate`, the Trainer, `toma.map`, `HostedEmbedding`
+and the integrations build a Runner once, from options checked as they enter, and run their steps through it.
+
+A Runner resolves, per run: the sizing policy (the one given, else the policy assigned to `toma.DEFAULT_POLICY`,
+else the capability's default from `toma.sizing.defaults`), the cache entry (a fixed cache, or one per cache type
+and context or decorated function), the ranks' agreement (`distributed=`, or the one a step that reports to it
+brings) and the observers. Nothing but this module calls `toma.core.engine.run`.
+"""
+
+import types
+from typing import Any, Callable, Dict, Hashable, Optional, Sequence, Type, TypeVar, cast
+
+from toma.core import engine
+from toma.core.agreement import AgreedStep, Agreement, agreement_for
+from toma.core.arguments import innermost_function
+from toma.core.caches import (
+    BatchsizeCache,
+    BoundedDict,
+    check_cache_type,
+    get_cache_for_context,
+    get_default_cache_type,
+)
+from toma.core.observers import Observer
+from toma.core.policy import SizePolicy, assigned_default, check_policy
+from toma.core.state import CallState
+from toma.core.steps import Step
+
+__all__ = ["Runner", "CacheType"]
+
+S = TypeVar("S", bound=Step)
+CacheType = Optional[Type[BatchsizeCache]]
+
+
+def _function_context(func: Callable[..., Any]) -> Hashable:
+    """Identify a function by its code, so that closures, lambdas and bound methods created anew share
+    one cache entry and the cache keeps none of them (nor what they capture) alive."""
+    target = innermost_function(func)
+    code = getattr(target, "__code__", None)
+    if code is not None:
+        return cast(Hashable, code)
+    if isinstance(target, (types.BuiltinFunctionType, type)):
+        return target  # lives as long as the program anyway
+    return cast(Hashable, type(target))  # a callable object: identified by its class, keeping no instance alive
+
+
+class Runner:
+    """Runs steps through the engine with options checked once (`prefix`: `toma_` for the plain calls' names).
+
+    `default`: the capability's policy where none is given and none is assigned to `toma.DEFAULT_POLICY`.
+    `cache`: one cache for every call (else `cache_type` and `context`, or the function's `own_caches` when a
+    decorator made the Runner). `distributed`: False, True (the default process group) or a process group whose
+    ranks agree on every size. `observers`: the engine's (the log, the size file, the gauge) when None.
+    A Runner is not changed after it is built.
+    """
+
+    __slots__ = ("default", "cache_type", "context", "policy", "distributed", "observers", "_fixed", "_own")
+
+    def __init__(
+        self,
+        default: SizePolicy,
+        *,
+        cache_type: CacheType = None,
+        context: Optional[Hashable] = None,
+        policy: Any = None,
+        distributed: Any = False,
+        cache: Optional[BatchsizeCache] = None,
+        own_caches: bool = False,
+        observers: Optional[Sequence[Observer]] = None,
+        prefix: str = "",
+    ) -> None:
+        self.default = default
+        self.cache_type = None if cache_type is None else check_cache_type(cache_type, f"{prefix}cache_type")
+        self.policy: Optional[SizePolicy] = check_policy(policy, f"{prefix}policy")
+        self.context, self.distributed = context, distributed
+        self.observers = engine.OBSERVERS if observers is None else tuple(observers)
+        self._fixed = cache
+        self._own: Optional[BoundedDict] = BoundedDict(16) if own_caches and cache is None else None
+
+    def owning(self) -> "Runner":
+        """The same options with caches of its own: a decorated function's, one per cache type."""
+        return Runner(
+            self.default,
+            cache_type=self.cache_type,
+            context=self.context,
+            policy=self.policy,
+            distributed=self.distributed,
+            cache=self._fixed,
+            own_caches=True,
+            observers=self.observers,
+        )
+
+    def as_kwargs(self, agreed: bool = True) -> Dict[str, Any]:
+        """The options as the decorators' keywords (without `distributed` for a form that does not take it)."""
+        kwargs: Dict[str, Any] = dict(cache_type=self.cache_type, context=self.context, policy=self.policy)
+        if agreed:
+            kwargs["distributed"] = self.distributed
+        return kwargs
+
+    def resolved_policy(self) -> SizePolicy:
+        """The policy of a run starting now (`toma.DEFAULT_POLICY` is read at call time)."""
+        return self.policy or assigned_default() or self.default
+
+    def cache(self, func: Callable[..., Any], context: Optional[Hashable] = None) -> BatchsizeCache:
+        """The cache for a call of `func`: the fixed one, else by context if one is given, else the function's."""
+        if self._fixed is not None:
+            return self._fixed
+        resolved = self.cache_type if self.cache_type is not None else get_default_cache_type()
+        context = self.context if context is None else context
+        if context is None:
+            if self._own is not None:
+                cache: BatchsizeCache = self._own.get_or_create(cast(Hashable, resolved), resolved)
+                return cache
+            context = _function_context(func)
+        return get_cache_for_context(resolved, context)
+
+    def drive(
+        self, step: Step, initial: int, context: Optional[Hashable] = None, agreement: Optional[Agreement] = None
+    ) -> CallState[Step]:
+        """Run `step` to completion from `initial`; returns the run's state (its entry, attempts, last size).
+        `agreement`: the one a step reports to itself (accumulation's gradient sync); else `distributed=` wraps
+        the step so that every attempt ends in the ranks' agreement (checked per call: the group may start after
+        the Runner was built)."""
+        policy = self.resolved_policy()
+        entry = self.cache(step.func, context).get_batchsize(initial)
+        if agreement is None and self.distributed:
+            agreement = agreement_for(self.distributed)
+            if agreement is not None:
+                step = AgreedStep(step, agreement, policy)
+        return engine.run(step, entry, initial, policy, agreement, self.observers)
+
+    def perform(self, step: S, initial: int, context: Optional[Hashable] = None) -> S:
+        """`drive`, returning the step (its result); a step with nothing to do (an empty range) never touches a cache."""
+        if not step.finished:
+            self.drive(step, initial, context)
+        return step
