@@ -2,8 +2,10 @@ import gc
 
 import pytest
 
-from toma import batchsize_cache, oom, policy
+from toma import batchsize_cache
+from toma.core import oom
 from toma.core.caches import StacktraceMemoryBatchsizeCache
+from toma.sizing import policies as policy
 
 from helpers import FixedGauge
 

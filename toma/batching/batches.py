@@ -22,10 +22,6 @@ class Pieces(list[Any]):
     (`toma.batching.splitting.ArgumentPieces` is the same logical batch as a function's arguments)."""
 
 
-Segments = Pieces
-"""The earlier name of `Pieces` (the same class), kept so that code importing it keeps working."""
-
-
 def rows(batch: Any) -> int:
     """The number of rows in `batch` (ValueError if its tensors disagree or it has none)."""
     if isinstance(batch, Pieces):
