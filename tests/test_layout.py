@@ -231,28 +231,6 @@ def test_old_paths_import_in_a_fresh_interpreter_before_anything_else():
     assert done.returncode == 0, done.stderr
 
 
-def test_the_package_namespace_is_the_public_api_and_toma_1_1_0s_module_paths():
-    """`dir(toma)` after `import toma` (in a fresh interpreter: other tests import more): `__all__`, `toma.map`
-    (left out of `__all__`, which a star import would shadow the builtin with) and 1.1.0's module paths."""
-    code = "import toma; print(' '.join(dir(toma))); print(' '.join(toma.__all__))"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
-    assert done.returncode == 0, done.stderr
-    listed, public = (set(line.split()) for line in done.stdout.splitlines())
-    paths = {path.split(".", 1)[1] for path in TOMA_1_1_0_PATHS}
-    dunder = re.compile(r"^__\w+__$")
-    assert {name for name in listed if not dunder.match(name)} == {
-        name for name in public | {"map"} | paths if not dunder.match(name)
-    }
-
-
-def test_an_imported_subpackage_is_reached_as_an_attribute_but_names_the_imports_left_are_not():
-    import toma.offload.pinned
-
-    assert toma.offload.pinned.HOST is importlib.import_module("toma.offload.pinned").HOST
-    for leaked in ("sys", "Type", "accumulate", "engine", "trainer", "PackageModule", "BatchsizeCache"):
-        assert not hasattr(toma, leaked), leaked
-
-
 class _Steady(LearningPolicy):
     """A learning policy that overrides one hook: the others are the base class's defaults."""
 
