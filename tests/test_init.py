@@ -1,4 +1,4 @@
-"""The package namespace: every public name of toma 1.1.0 at its old import path, plus the new ones, and nothing else."""
+"""The package namespace: toma 1.1.0's public names at their old import paths, the new ones, and nothing else."""
 
 import importlib
 import os
