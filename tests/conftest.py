@@ -2,7 +2,8 @@ import gc
 
 import pytest
 
-from toma import batchsize_cache, oom
+from toma import batchsize_cache
+from toma.core import oom
 from toma.core import policy as core_policy
 from toma.core.caches import StacktraceMemoryBatchsizeCache
 

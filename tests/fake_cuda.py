@@ -7,8 +7,7 @@ import threading
 
 import torch
 
-from toma import transfer
-from toma.batching import staging
+from toma.batching import staging, transfer
 
 
 class FakeStream:

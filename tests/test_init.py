@@ -1,13 +1,18 @@
-"""The package namespace: every public name of toma 1.1.0 at its old import path, plus the new ones."""
+"""The package namespace: toma 1.1.0's public names at their old import paths, the new ones, and nothing else."""
 
 import importlib
 import os
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import toma as toma_package
-from toma import NoBatchsizeCache, StacktraceMemoryBatchsizeCache
+from toma import NoBatchsizeCache, StacktraceMemoryBatchsizeCache, old_paths
+
+from helpers import REPO
 
 TOMA_1_1_NAMES = {
     "toma": [
@@ -124,3 +129,25 @@ def test_decorated_functions_keep_their_identity():
     wrapped = toma.batch(initial_batchsize=8)(run_inference)
     assert wrapped.__name__ == "run_inference" and wrapped.__wrapped__ is run_inference
     assert "Runs the model." in wrapped.__doc__ and "toma_initial_batchsize" in wrapped.__doc__
+
+
+def test_the_package_namespace_is_the_public_api_and_toma_1_1_0s_module_paths():
+    """`dir(toma)` after `import toma` (in a fresh interpreter: other tests import more): `__all__`, `toma.map`
+    (left out of `__all__`, which a star import would shadow the builtin with) and 1.1.0's module paths."""
+    code = "import toma; print(' '.join(dir(toma))); print(' '.join(toma.__all__))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert done.returncode == 0, done.stderr
+    listed, public = (set(line.split()) for line in done.stdout.splitlines())
+    paths = {path.split(".", 1)[1] for path in old_paths.MOVED}
+    dunder = re.compile(r"^__\w+__$")
+    assert {name for name in listed if not dunder.match(name)} == {
+        name for name in public | {"map"} | paths if not dunder.match(name)
+    }
+
+
+def test_an_imported_subpackage_is_reached_as_an_attribute_but_names_the_imports_left_are_not():
+    import toma.offload.pinned
+
+    assert toma.offload.pinned.HOST is importlib.import_module("toma.offload.pinned").HOST
+    for leaked in ("sys", "Type", "accumulate", "engine", "trainer", "PackageModule", "BatchsizeCache"):
+        assert not hasattr(toma, leaked), leaked

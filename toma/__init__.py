@@ -5,9 +5,8 @@ remembers the size that worked. A drop-in successor of toma 1.1.0.
 """
 
 import sys
-from typing import Type
 
-from toma import memory, old_paths
+from toma import memory, old_paths, surface
 from toma.accumulation.misuse import AccumulationMisuse
 from toma.batching.splitting import whole
 from toma.core import call_sites as tst
@@ -69,10 +68,11 @@ __all__ = [
 
 # The cache type used where none is given: a live setting (read at call time) that assignments reach, through
 # the package module's class. Declared here so that type checkers know it.
-DEFAULT_CACHE_TYPE: Type[BatchsizeCache]
+DEFAULT_CACHE_TYPE: type[BatchsizeCache]
 DEFAULT_POLICY: SizePolicy  # the forms' sizing policy where none is given (Halving), live like DEFAULT_CACHE_TYPE
 # `toma.map(func, *inputs, device=...)` also from the package (left out of __all__: a star import would shadow
 # the builtin).
 map = toma.map
-old_paths.register(sys.modules[__name__])  # toma 1.1.0's module paths, and this release's before it moved
 sys.modules[__name__].__class__ = PackageModule
+old_paths.register(sys.modules[__name__])  # toma 1.1.0's module paths
+surface.settle(sys.modules[__name__], ["map", *old_paths.NAMES])  # and nothing else: no toma.sys, no toma.core

@@ -1,46 +1,21 @@
-"""Module paths of earlier releases, each the module it moved to (the same object, so that patching a name
-through the old path patches the module that uses it). `toma/__init__.py` registers them on import."""
+"""toma 1.1.0's module paths, each the module it moved to (the same object, so that patching a name through the
+old path patches the module that uses it). `toma/__init__.py` registers them on import."""
 
 import importlib
 import sys
 from types import ModuleType
-from typing import Dict
+from typing import Dict, List
 
-__all__ = ["MOVED", "register"]
+__all__ = ["MOVED", "NAMES", "register"]
 
-# old path -> new path (toma 1.1.0's four modules first)
+# old path -> new path: the four modules of toma 1.1.0, the last release before the package was split
 MOVED: Dict[str, str] = {
     "toma.batchsize_cache": "toma.core.caches",
     "toma.cpu_memory": "toma.memory.cpu",
     "toma.stacktrace": "toma.core.call_sites",
     "toma.torch_cuda_memory": "toma.memory.cuda",
-    "toma.engine": "toma.core.engine",
-    "toma.oom": "toma.core.oom",
-    "toma.arguments": "toma.core.arguments",
-    "toma.distributed": "toma.core.agreement",
-    "toma.signatures": "toma.core.signatures",
-    "toma.size_store": "toma.core.size_file",
-    "toma.policy": "toma.sizing.policies",
-    "toma.fit_to_memory": "toma.sizing.fit_to_memory",
-    "toma.need": "toma.sizing.need",
-    "toma.bracket": "toma.sizing.bracket",
-    "toma.meters": "toma.memory.meters",
-    "toma.free_memory": "toma.memory.free",
-    "toma.splitting": "toma.batching.splitting",
-    "toma.batches": "toma.batching.batches",
-    "toma.transfer": "toma.batching.transfer",
-    "toma.accumulate": "toma.accumulation.accumulate",
-    "toma.gradients": "toma.accumulation.gradients",
-    "toma.rollback": "toma.accumulation.rollback",
-    "toma.misuse": "toma.accumulation.misuse",
-    "toma.trainer": "toma.training.trainer",
-    "toma.history": "toma.training.history",
-    "toma.progress": "toma.training.progress",
-    "toma.host_map": "toma.offload.host_map",
-    "toma.hosted_embedding": "toma.offload.hosted_embedding",
-    "toma.row_optimizer": "toma.offload.row_optimizer",
-    "toma.pinned": "toma.offload.pinned",
 }
+NAMES: List[str] = [old.rsplit(".", 1)[1] for old in MOVED]  # as attributes of the package
 
 
 def register(package: ModuleType) -> None:

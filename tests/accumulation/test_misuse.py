@@ -7,8 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from toma import engine, explicit, toma
+from toma import explicit, toma
 from toma.accumulation.misuse import AccumulationMisuse
+from toma.core import engine
 from toma.core.oom import release_memory
 
 from helpers import raise_fake_oom

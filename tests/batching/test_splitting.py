@@ -174,13 +174,3 @@ def test_placed_moves_what_is_in_whole_once_and_leaves_the_rest():
 def test_placed_is_the_split_itself_when_nothing_moves():
     split = ArgumentBatch((torch.zeros(6, 2), whole(torch.ones(3)), whole((224, 224))), {})
     assert split.placed(lambda tensor: tensor) is split
-
-
-def test_the_earlier_names_of_a_batchs_pieces_are_the_same_objects():
-    """`BatchSplit`, `Parts`, `Window` and `Segments` were renamed; imports of the old names keep working."""
-    from toma.batches import Segments
-    from toma.batching.batches import Pieces
-    from toma.batching.splitting import ArgumentPieces, MicroBatch
-    from toma.splitting import BatchSplit, Parts, Window
-
-    assert BatchSplit is ArgumentBatch and Parts is ArgumentPieces and Window is MicroBatch and Segments is Pieces

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from toma import distributed
+from toma.core import agreement as distributed
 
 from helpers import COLLECT_TOMA_LOG, REPO, run_ranks
 

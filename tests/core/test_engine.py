@@ -8,7 +8,8 @@ import weakref
 import pytest
 import torch
 
-from toma import GlobalBatchsizeCache, NoBatchsizeCache, engine, explicit, simple, toma
+from toma import GlobalBatchsizeCache, NoBatchsizeCache, explicit, simple, toma
+from toma.core import engine
 from toma.core.caches import Batchsize
 from toma.core.oom import should_reduce_batch_size
 from toma.core.policy import LearningPolicy

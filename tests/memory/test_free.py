@@ -1,7 +1,7 @@
 """The throttled free-memory gauge."""
 
-from toma import free_memory
 from toma.memory import backends
+from toma.memory import free as free_memory
 from toma.memory.free import FreeMemoryGauge
 
 

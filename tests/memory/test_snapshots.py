@@ -49,14 +49,6 @@ def test_history_records_around_a_block_keeps_the_last_and_finds_the_peak(tmp_pa
     del block
 
 
-def test_toma_memory_history_is_the_earlier_name_of_memory_history():
-    """`toma.memory.History`, documented before the rename, is the same class (not a copy or a subclass)."""
-    from toma.memory import History
-    from toma.memory.snapshots import History as in_module
-
-    assert History is memory.MemoryHistory and in_module is memory.MemoryHistory
-
-
 def test_a_snapshot_never_initialises_cuda_where_it_is_available(monkeypatch):
     """Where a GPU exists but this process has not used it, no CUDA call is made (each would create a
     context); once CUDA is in use the very calls patched here are the ones read."""

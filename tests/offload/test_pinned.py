@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from toma import pinned
+from toma.offload import pinned
 
 from helpers import requires_cuda
 

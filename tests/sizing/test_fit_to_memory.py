@@ -11,8 +11,7 @@ import torch
 from toma import FitToMemory, GlobalBatchsizeCache, Halving, NoBatchsizeCache, batchsize_cache, explicit
 from toma.memory.meters import Mark, MemoryMeter, failed_bytes
 from toma.sizing.bracket import Evidence
-from toma.sizing.fit_to_memory import LinearNeed
-from toma.sizing.need import fit_need
+from toma.sizing.need import Need, fit_need
 
 from helpers import run_python
 
@@ -464,7 +463,7 @@ def test_the_model_is_a_ceiling_of_what_was_measured():
     assert all(model.need(size) >= need for size, need in fits)
     assert model.largest_within(1000 + 10 * 1000 + 60) >= 990
     assert fit_need(fits, [(1000, 100_000.0)]).need(1000) >= 100_000, "an OOM's lower bound lifts the model"
-    assert LinearNeed(0, 10).largest_within(5) == 0
+    assert Need(0, 10).largest_within(5) == 0
 
 
 def test_failed_bytes_reads_cpu_and_cuda_messages():
@@ -595,7 +594,7 @@ def test_accumulation_stats_and_the_trainer_history_carry_the_model():
 
     x, y = torch.randn(64, 8), torch.randint(0, 2, (64,))
     compute_loss(x, y)
-    assert isinstance(compute_loss.stats.model, LinearNeed)
+    assert isinstance(compute_loss.stats.model, Need)
     # accumulation sizes by elements: a row of x (8) and y (1) holds 9
     assert compute_loss.stats.model.need(16 * 9) >= 16 * 2**20 > compute_loss.stats.model.need(15 * 9)
     batches = [(x[i : i + 16], y[i : i + 16]) for i in range(0, 64, 16)]

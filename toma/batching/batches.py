@@ -22,10 +22,6 @@ class Pieces(list[Any]):
     (`toma.batching.splitting.ArgumentPieces` is the same logical batch as a function's arguments)."""
 
 
-Segments = Pieces
-"""The earlier name of `Pieces` (the same class), kept so that code importing it keeps working."""
-
-
 def rows(batch: Any) -> int:
     """The number of rows in `batch` (ValueError if its tensors disagree or it has none)."""
     if isinstance(batch, Pieces):
@@ -95,7 +91,7 @@ def _cannot_join(path: str, parts: List[Any]) -> ValueError:
 
 def _check_cuttable(batch: Any, count: int, path: str) -> None:
     """Refuse to cut a batch holding a list of plain values that is not one item per row: cut, it would go
-    whole to both pieces and pair its items with the wrong rows."""
+    whole to both parts and pair its items with the wrong rows."""
     if is_row_sequence_candidate(batch):
         if not batch or len(batch) == count:
             return
@@ -139,17 +135,17 @@ def _layout(batch: Any) -> Any:
     return "value"
 
 
-def _logical(pieces: List[Tuple[Any, int]]) -> Any:
+def _logical(taken: List[Tuple[Any, int]]) -> Any:
     """One logical batch from consecutive loader batches (or cuts of them): runs that can be joined are
     joined, and where shapes differ the runs are kept apart, as `Pieces`."""
     runs: List[List[Any]] = []
     layout: Optional[Any] = None
-    for piece, _ in pieces:
-        current = _layout(piece)
+    for loaded, _ in taken:
+        current = _layout(loaded)
         if runs and current == layout:
-            runs[-1].append(piece)
+            runs[-1].append(loaded)
         else:
-            runs.append([piece])
+            runs.append([loaded])
             layout = current
     joined = [concatenate(run) if len(run) > 1 else run[0] for run in runs]
     return joined[0] if len(joined) == 1 else Pieces(joined)
@@ -172,18 +168,18 @@ def logical_batches(data: Iterable[Any], batch_size: int) -> Iterator[Any]:
         pending.append((batch, n))
         pending_rows += n
         while pending_rows >= batch_size:
-            wanted, pieces = batch_size, []
+            wanted, taken = batch_size, []
             while wanted:
-                piece, count = pending.pop(0)
+                loaded, count = pending.pop(0)
                 if count <= wanted:
-                    pieces.append((piece, count))
+                    taken.append((loaded, count))
                     wanted -= count
                 else:  # cut: the rest stays for the next logical batch
-                    _check_cuttable(piece, count, "")
-                    pieces.append((take(piece, 0, wanted), wanted))
-                    pending.insert(0, (take(piece, wanted, count), count - wanted))
+                    _check_cuttable(loaded, count, "")
+                    taken.append((take(loaded, 0, wanted), wanted))
+                    pending.insert(0, (take(loaded, wanted, count), count - wanted))
                     wanted = 0
             pending_rows -= batch_size
-            yield _logical(pieces)
+            yield _logical(taken)
     if pending:
         yield _logical(pending)

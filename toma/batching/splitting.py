@@ -355,8 +355,3 @@ class ArgumentPieces:
 
 LogicalBatch = Union[ArgumentBatch, ArgumentPieces]
 """What `toma.accumulate` works through: a call's arguments, or several loader batches' in pieces."""
-
-# Earlier names, the same objects, so that code importing them keeps working.
-BatchSplit = ArgumentBatch
-Parts = ArgumentPieces
-Window = MicroBatch

@@ -124,9 +124,9 @@ class _MicroBatchStep:
         self.extra: Optional[Dict[str, Any]] = None
         self.name = getattr(step, "__qualname__", "training_step")
 
-    def loss(self, micro_batch: Any) -> Any:
-        self.model.logs.start(micro_batch)
-        output = self.step(micro_batch, *self.args, **self.kwargs)
+    def loss(self, part: Any) -> Any:
+        self.model.logs.start(part)
+        output = self.step(part, *self.args, **self.kwargs)
         if output is None:
             self.model.logs.returned(None)
             self.model.returned.append(False)
@@ -143,8 +143,8 @@ class _MicroBatchStep:
     def function(self) -> Callable[[Any], Any]:
         """`loss` as a function named after the module's training step (for toma's messages and the size file)."""
 
-        def loss(micro_batch: Any) -> Any:
-            return self.loss(micro_batch)
+        def loss(part: Any) -> Any:
+            return self.loss(part)
 
         loss.__qualname__, loss.__module__ = self.name, getattr(self.step, "__module__", loss.__module__)
         return loss

@@ -42,14 +42,14 @@ _REDUCTIONS: Dict[Any, str] = {
 }
 
 
-class _MicroBatch:
-    """A micro-batch whose step logged something, and what its loss averages over (rows, or `weight=`'s count),
-    counted once for all its values when a replay needs it."""
+class _Part:
+    """The data of a micro-batch whose step logged something, and what its loss averages over (rows, or
+    `weight=`'s count), counted once for all its values when a replay needs it."""
 
-    __slots__ = ("batch", "count")
+    __slots__ = ("data", "count")
 
-    def __init__(self, batch: Any) -> None:
-        self.batch, self.count = batch, 0.0
+    def __init__(self, data: Any) -> None:
+        self.data, self.count = data, 0.0
 
 
 class _Entry:
@@ -58,12 +58,10 @@ class _Entry:
     logged twice in a step is replayed twice and Lightning sees what a plain run shows it. `source`: the value as
     logged, until the step returns; `is_loss`: whether it is the loss the step returned."""
 
-    __slots__ = ("key", "value", "options", "micro_batch", "source", "is_loss")
+    __slots__ = ("key", "value", "options", "part", "source", "is_loss")
 
-    def __init__(
-        self, key: Tuple[str, int], value: Any, options: Dict[str, Any], micro_batch: _MicroBatch, source: Any
-    ) -> None:
-        self.key, self.value, self.options, self.micro_batch = key, value, options, micro_batch
+    def __init__(self, key: Tuple[str, int], value: Any, options: Dict[str, Any], part: _Part, source: Any) -> None:
+        self.key, self.value, self.options, self.part = key, value, options, part
         self.source, self.is_loss = source, False
 
 
@@ -97,18 +95,18 @@ class StepLogs:
     that trains them: `mark`/`rewind` drop a failed attempt's). `weight` and `reduction`: toma.accumulate's
     (`weight` None: rows)."""
 
-    __slots__ = ("entries", "micro_batch", "first", "weight", "reduction", "calls")
+    __slots__ = ("entries", "part", "first", "weight", "reduction", "calls")
 
     def __init__(self, weight: Optional[Callable[..., Any]], reduction: str = "mean") -> None:
         self.entries: List[_Entry] = []
-        self.micro_batch = _MicroBatch(None)
+        self.part = _Part(None)
         self.first = 0  # the current micro-batch's first entry
         self.weight, self.reduction = weight, reduction
         self.calls: Dict[str, int] = {}  # the current micro-batch's calls so far, per name
 
-    def start(self, micro_batch: Any) -> None:
-        """A micro-batch's step begins: what it logs is its own."""
-        self.micro_batch, self.first, self.calls = _MicroBatch(micro_batch), len(self.entries), {}
+    def start(self, part: Any) -> None:
+        """A micro-batch's step begins on `part`, its data: what it logs is its own."""
+        self.part, self.first, self.calls = _Part(part), len(self.entries), {}
 
     def returned(self, loss: Any) -> None:
         """The micro-batch's step returned `loss` (None: no loss): which of its values are that loss."""
@@ -124,7 +122,7 @@ class StepLogs:
             value = value.detach()  # as Lightning keeps it; the micro-batch's graph is not held to the replay
         calls = self.calls.get(name, 0)
         self.calls[name] = calls + 1
-        self.entries.append(_Entry((name, calls), value, options, self.micro_batch, source))
+        self.entries.append(_Entry((name, calls), value, options, self.part, source))
 
     def mark(self) -> int:
         return len(self.entries)
@@ -133,7 +131,7 @@ class StepLogs:
         del self.entries[mark:]
 
     def clear(self) -> None:
-        self.entries, self.micro_batch, self.first, self.calls = [], _MicroBatch(None), 0, {}
+        self.entries, self.part, self.first, self.calls = [], _Part(None), 0, {}
 
     def replay(self, module: "pl.LightningModule") -> None:
         """Log each name once through Lightning's `log` (as often as one micro-batch logged it), its value
@@ -165,11 +163,11 @@ class StepLogs:
 
     def _count(self, entries: List[_Entry]) -> None:
         """What each micro-batch's loss averages over, once per micro-batch, in one device synchronisation."""
-        micro_batches = list({id(entry.micro_batch): entry.micro_batch for entry in entries}.values())
+        parts = list({id(entry.part): entry.part for entry in entries}.values())
         weight = self.weight
-        values = [rows(m.batch) if weight is None else weight(m.batch) for m in micro_batches]
-        for micro_batch, count in zip(micro_batches, _as_floats(values), strict=True):
-            micro_batch.count = count
+        values = [rows(part.data) if weight is None else weight(part.data) for part in parts]
+        for part, count in zip(parts, _as_floats(values), strict=True):
+            part.count = count
 
     def _combine(self, logged: List[_Entry], reduction: Optional[str]) -> Any:
         values = [entry.value for entry in logged]
@@ -195,7 +193,7 @@ class StepLogs:
     def _mean(logged: List[_Entry]) -> Any:
         """The micro-batches' values weighted as their losses are (the counts `_count` gave them)."""
         values = [entry.value for entry in logged]
-        counts = [entry.micro_batch.count for entry in logged]
+        counts = [entry.part.count for entry in logged]
         total = sum(counts)
         if total <= 0:
             return values[-1]
@@ -209,7 +207,5 @@ class StepLogs:
         sizes = [entry.options.get("batch_size") for entry in logged]
         if any(size is None for size in sizes):
             return {key: value for key, value in options.items() if key != "batch_size"}
-        constant = len(set(sizes)) == 1 and any(
-            size != rows(entry.micro_batch.batch) for size, entry in zip(sizes, logged)
-        )
+        constant = len(set(sizes)) == 1 and any(size != rows(entry.part.data) for size, entry in zip(sizes, logged))
         return options if constant else {**options, "batch_size": sum(sizes)}

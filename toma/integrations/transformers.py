@@ -397,30 +397,30 @@ class _PredictionChunks(RangeStep):
         super().__init__(self._chunk, 0, split.size, (), {}, name="TomaTrainer.prediction_step")
         self.predict, self.split, self.model, self.count, self.summed = predict, split, model, count, summed
         self.loss_only, self.ignore_keys = prediction_loss_only, ignore_keys
-        self.pieces: List[Tuple[int, Any, Any, Any, Any]] = []  # (start, loss, logits, labels, weight) per chunk
+        self.chunks: List[Tuple[int, Any, Any, Any, Any]] = []  # (start, loss, logits, labels, weight) per chunk
 
     @property
     def device(self) -> Optional[torch.device]:
         return next((p.device for p in self.model.parameters()), None)
 
     def _chunk(self, start: int, stop: int) -> None:
-        while self.pieces and self.pieces[-1][0] >= start:  # chunks of an attempt the ranks agreed to redo
-            self.pieces.pop()
+        while self.chunks and self.chunks[-1][0] >= start:  # chunks of an attempt the ranks agreed to redo
+            self.chunks.pop()
         ((part,), _) = self.split.micro_batch(start, stop)
         weight = self.count(part) if self.count is not None else stop - start
         loss, logits, labels = self.predict(self.model, part, self.loss_only, ignore_keys=self.ignore_keys)
-        self.pieces.append((start, loss, logits, labels, weight))
+        self.chunks.append((start, loss, logits, labels, weight))
 
     def joined(self) -> Tuple[Optional[torch.Tensor], Any, Any]:
-        if len(self.pieces) == 1:
-            _, loss, logits, labels, _ = self.pieces[0]
+        if len(self.chunks) == 1:
+            _, loss, logits, labels, _ = self.chunks[0]
             return loss, logits, labels
         return self._loss(), self._concatenated(2), self._concatenated(3)
 
     def _loss(self) -> Optional[torch.Tensor]:
         """The chunks' losses weighted by their items (chunks with none, a mean over nothing, left out), or
         added up."""
-        losses = [(piece[1], 1.0 if self.summed else float(piece[4])) for piece in self.pieces if piece[1] is not None]
+        losses = [(chunk[1], 1.0 if self.summed else float(chunk[4])) for chunk in self.chunks if chunk[1] is not None]
         if not losses:
             return None
         total = 1.0 if self.summed else sum(weight for _, weight in losses)
@@ -431,9 +431,9 @@ class _PredictionChunks(RangeStep):
 
     def _concatenated(self, index: int) -> Any:
         joined = None
-        for piece in self.pieces:
-            if piece[index] is not None:
-                joined = piece[index] if joined is None else nested_concat(joined, piece[index], padding_index=-100)
+        for chunk in self.chunks:
+            if chunk[index] is not None:
+                joined = chunk[index] if joined is None else nested_concat(joined, chunk[index], padding_index=-100)
         return joined
 
 

@@ -72,8 +72,7 @@ def snapshot(device: Device = None, label: str = "") -> MemorySnapshot:
 
 class MemoryHistory:
     """Memory snapshots in the order they were taken: `record()` one, or `with history.around("step"):`.
-    Not to be confused with `TrainingHistory`, the Trainer's record of losses. Its earlier name,
-    `toma.memory.History`, is this same class."""
+    Not to be confused with `TrainingHistory`, the Trainer's record of losses."""
 
     def __init__(self, device: Device = None, max_length: Optional[int] = None) -> None:
         self.device = device
@@ -117,7 +116,3 @@ class MemoryHistory:
                 writer.writerows(rows)
             else:
                 json.dump(rows, file, indent=1)
-
-
-History = MemoryHistory
-"""The earlier name of `MemoryHistory` (the same class), kept so that `toma.memory.History` keeps working."""

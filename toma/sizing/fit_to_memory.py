@@ -32,9 +32,8 @@ from toma.sizing.bracket import KEPT, SAME_BUDGET, Bracket
 from toma.sizing.learned import Learned, bracket_text, describe_remembered, read_remembered
 from toma.sizing.need import Need, format_bytes
 
-__all__ = ["FitToMemory", "LinearNeed", "Need", "describe_remembered"]
+__all__ = ["FitToMemory", "Need", "describe_remembered"]
 
-LinearNeed = Need  # the name of toma's first model, a line: `Need` with no square term is one
 _bytes = format_bytes  # the name `python -m toma sizes` imported before `toma.sizing.need` existed
 _ERRORS_SHARE = 0.25  # with errors alone, which miss the work an attempt never reached: a quarter of the budget
 _LEARN = 0.8  # with one size measured, the next call runs this much smaller to learn how the need grows

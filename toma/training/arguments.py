@@ -7,7 +7,6 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
-from toma.training.callbacks import Callback
 from toma.training.data import known_length
 from toma.training.progress import VERBOSITY
 
@@ -29,7 +28,7 @@ def check_functions(
         raise TypeError(f"targets must be a function batch -> the batch's targets (for metrics), got {targets!r}")
 
 
-def check_run(verbose: int, callbacks: Sequence[Callback], train_data: Iterable[Any]) -> None:
+def check_run(verbose: int, callbacks: Sequence[object], train_data: Iterable[Any]) -> None:
     """Early, clear errors for what a Trainer's run shows and calls, and for training data known to be empty."""
     if verbose not in VERBOSITY:
         raise ValueError(f"verbose must be 0 (silent), 1 (a line per epoch) or 2 (a progress bar), got {verbose!r}")

@@ -1,12 +1,33 @@
-"""The data as the Trainer reads it: how many batches and rows an epoch holds, and evaluation in chunks that fit
-(a range step)."""
+"""The data as the Trainer reads it: a batch as the arguments of its loss, how many batches and rows an epoch
+holds, and evaluation in chunks that fit (a range step)."""
 
 from typing import Any, Optional
 
 import torch
 
-from toma.batching.batches import rows
+from toma.batching.batches import Pieces, rows
+from toma.batching.splitting import ArgumentBatch, ArgumentPieces, LogicalBatch
 from toma.core.steps import RangeStep
+
+
+def call_arguments(batch: Any, forward: bool) -> tuple:
+    """The arguments the micro-batch loss takes for one data batch: the batch itself with `forward=`, else the
+    `(inputs, targets)` pair it must be."""
+    if forward:
+        return (batch,)
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        raise TypeError(
+            "train_data must yield (inputs, targets) batches for loss_fn(model(inputs), targets); "
+            f"got {type(batch).__name__}. For batches of another shape pass forward=batch -> loss"
+        )
+    return tuple(batch)
+
+
+def logical_batch(batch: Any, forward: bool) -> LogicalBatch:
+    """One logical batch of the loss's arguments (in pieces where the loader batches could not be joined)."""
+    if isinstance(batch, Pieces):
+        return ArgumentPieces([ArgumentBatch(call_arguments(piece, forward), {}) for piece in batch])
+    return ArgumentBatch(call_arguments(batch, forward), {})
 
 
 def known_length(data: Any) -> Optional[int]:

@@ -16,8 +16,7 @@ import torch
 
 from toma.accumulation.accumulate import AccumulationStats, accumulate
 from toma.accumulation.options import AccumulationOptions
-from toma.batching.batches import Pieces, logical_batches, rows, take, to_device
-from toma.batching.splitting import ArgumentBatch, ArgumentPieces, LogicalBatch
+from toma.batching.batches import logical_batches, rows, take, to_device
 from toma.core.arguments import check_size
 from toma.core.caches import GlobalBatchsizeCache
 from toma.core.runner import Runner
@@ -26,9 +25,8 @@ from toma.memory.backends import backend_for
 from toma.sizing.defaults import ACCUMULATION
 from toma.sizing.policies import SizePolicy, check_policy
 from toma.training.arguments import check_functions, check_run, place
-from toma.training.callbacks import Callback, StopTraining
 from toma.training.criteria import check_criterion, criterion_weight
-from toma.training.data import WHOLE_BATCHES, EvaluationChunks, rows_per_epoch
+from toma.training.data import WHOLE_BATCHES, EvaluationChunks, call_arguments, logical_batch, rows_per_epoch
 from toma.training.history import TrainingHistory
 from toma.training.outputs import (
     METRICS,
@@ -43,6 +41,21 @@ from toma.training.outputs import (
 from toma.training.progress import Progress
 
 __all__ = ["Trainer", "Callback", "StopTraining", "accuracy", "METRICS"]
+
+
+class StopTraining(Exception):
+    """Raise it from a callback (or a loss function) to end `fit` cleanly after the current step."""
+
+
+class Callback:
+    """Hooks called with the trainer, which carries the state: `current_epoch` (epochs finished),
+    `global_step`, `last_loss`, `history`, `micro_batch`, `oom_retries`, `memory`, `model`, `optimizer`."""
+
+    def on_step_end(self, trainer: "Trainer") -> None:
+        pass
+
+    def on_epoch_end(self, trainer: "Trainer") -> None:
+        pass
 
 
 class Trainer:
@@ -135,26 +148,10 @@ class Trainer:
         inputs, targets = batch
         return check_scalar(self.loss_fn(self.model(inputs), targets), "loss_fn(model(inputs), targets)")  # type: ignore[misc]
 
-    def _arguments(self, batch: Any) -> tuple:
-        """The arguments a micro-batch function takes for one data batch."""
-        if self.forward is not None:
-            return (batch,)
-        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-            raise TypeError(
-                "train_data must yield (inputs, targets) batches for loss_fn(model(inputs), targets); "
-                f"got {type(batch).__name__}. For batches of another shape pass forward=batch -> loss"
-            )
-        return tuple(batch)
-
-    def _logical_batch(self, batch: Any) -> LogicalBatch:
-        if isinstance(batch, Pieces):
-            return ArgumentPieces([ArgumentBatch(self._arguments(piece), {}) for piece in batch])
-        return ArgumentBatch(self._arguments(batch), {})
-
     def step(self, *batch: Any) -> torch.Tensor:
         """One logical batch: zero_grad, forward and backward in micro-batches, optimizer step. Returns the
         logical batch's loss (detached). `step(inputs, targets)`, or `step(batch)` with `forward=`."""
-        logical = self._logical_batch(batch[0] if len(batch) == 1 else batch)
+        logical = logical_batch(batch[0] if len(batch) == 1 else batch, self.forward is not None)
         # The size the cache keeps is the trainer's, not this batch's: a short batch never shrinks it.
         initial = self.initial_micro_batch or self.batch_size
         self.optimizer.zero_grad()
@@ -373,7 +370,7 @@ class Trainer:
                     if self.forward is not None:
                         self._chunks(self._forward_rows, rows(batch), batch, named, totals)
                         continue
-                    inputs, targets = self._arguments(batch)
+                    inputs, targets = call_arguments(batch, False)
                     n = rows(inputs)
                     count = self._count(inputs, targets) if self.weight is not None else float(n)
                     outputs: List[torch.Tensor] = []
