@@ -17,7 +17,6 @@ bisection above a size that fit, else halving. After a measured success the call
 what the same rule chooses (growth back after memory frees, never above what a call asks for).
 """
 
-from dataclasses import replace
 from typing import Any, Callable, Optional, Tuple
 
 import torch
@@ -153,7 +152,7 @@ class FitToMemory(LearningPolicy):
             return size
         remembered = state.budget if origin is Origin.RECALLED else None
         decision = at_start(state.findings(), remembered, mark.budget, scale, asked, self.settings)
-        self._probed(state, decision.probe)
+        state.probed(decision.probe)
         if decision.size is None:  # about the budget the remembered size was found with: keep it
             return size
         entry.set(decision.size)
@@ -193,14 +192,10 @@ class FitToMemory(LearningPolicy):
     def _record_fit(self, state: Learned, token: Token, ran: int) -> Optional[float]:
         """Note an attempt of `ran` rows that fit; returns the bytes it needed (None: not measured)."""
         meter, mark, scale = token
-        state.budget = mark.budget
-        used = meter.used(mark)
-        items = ran * scale
-        state.evidence.fitted(items, mark.budget)
-        if used is None:
-            return None
-        state.measured_fit(items, float(used), self.settings)
-        return float(used)
+        measured = meter.used(mark)
+        used = None if measured is None else float(measured)
+        state.fitted(ran * scale, mark.budget, used, self.settings)
+        return used
 
     def observed(self, entry: Batchsize, token: Optional[Token], ran: int) -> None:
         """An attempt of `ran` rows that finished on this rank while the ranks agreed to redo it smaller
@@ -219,19 +214,14 @@ class FitToMemory(LearningPolicy):
             return None
         _, mark, scale = token
         decision = after_fit(state.findings(), current, mark.budget, scale, self.settings)
-        self._probed(state, decision.probe)
+        state.probed(decision.probe)
         best = decision.size
-        if best is None:  # noise: a settled size measured again and kept is measured half as often, to a floor
-            if state.quiet >= 2:
-                state.every = self.settings.slower(state.every)
-            state.quiet += 1
+        if best is None:  # a change within the noise
+            state.kept(self.settings)
             return None
-        state.every = 0
         entry.set(best)
-        if best == state.announced:  # another rank holds the agreed size below this one's: said already
-            state.quiet += 1
+        if not state.moved(best):  # said already
             return None
-        state.quiet, state.announced = 0, best
         measured = f"needed {_bytes(used)} of" if used is not None else "fit (not measured: below an earlier peak) in"
         change = "growing" if best > current else "shrinking"
         return f"{ran} {measured} {_bytes(mark.budget)}; {change} to {best} ({decision.why})"
@@ -250,20 +240,13 @@ class FitToMemory(LearningPolicy):
     ) -> Optional[int]:
         state = self.learned(entry)
         halved = shrink_below(self, size, failed)
-        state.quiet, state.note, state.announced, state.every = 0, "", 0, 0
+        state.unsettled()
         if token is None or halved is None:  # not measured (a throttled call: the retry is), or at the minimum
             return halved
         meter, mark, scale = token
-        state.budget = mark.budget
         bound = float(meter.bound(mark, error))
         state.failed(failed * scale, bound, mark.budget, short=failed < size)
         decision = after_failure(state.findings(), failed, bound, mark.budget, scale, self.settings)
-        self._probed(state, decision.probe)
+        state.probed(decision.probe)
         state.note = decision.why
         return decision.size
-
-    @staticmethod
-    def _probed(state: Learned, probe: bool) -> None:
-        """The choice was the one probe of a smaller size: it is not made again."""
-        if probe:
-            state.trust = replace(state.trust, probed=True)

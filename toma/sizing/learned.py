@@ -66,10 +66,14 @@ class Learned(LearnedState):
     def model(self) -> Optional[Need]:
         return fit_need(self.measured, self.evidence.bounds())
 
-    def measured_fit(self, items: float, used: float, settings: FitSettings) -> None:
-        """An attempt of `items` fit and needed `used` bytes (its fit is in `evidence` already): judge the
-        model by it, and keep it as the one measurement of its size (sizes measured once stay, so the model
-        keeps its slope)."""
+    def fitted(self, items: float, budget: float, used: Optional[float], settings: FitSettings) -> None:
+        """An attempt of `items` fit under `budget`, needing `used` bytes (None: not measured): keep it as
+        evidence, judge the model by it, and keep it as the one measurement of its size (sizes measured once
+        stay, so the model keeps its slope)."""
+        self.budget = budget
+        self.evidence.fitted(items, budget)
+        if used is None:
+            return
         before = self.model() if self.measured else None  # errors alone give a floor, not a prediction
         self.trust = judge_fit(self.trust, before, self.measured, items, used, settings)
         others = [(size, need) for size, need in self.measured if abs(size - items) > 0.01 * items]
@@ -78,9 +82,35 @@ class Learned(LearnedState):
     def failed(self, items: float, bound: float, budget: float, short: bool) -> None:
         """An attempt of `items` ran out of memory under `budget`, needing at least `bound` bytes: judge the
         model by it, and keep it as evidence."""
+        self.budget = budget
         before = self.model() if self.measured else None
         self.trust = judge_failure(self.trust, before, items, budget)
         self.evidence.failed(items, bound, budget, short=short)
+
+    def probed(self, probe: bool) -> None:
+        """A choice was the one probe of a smaller size (`probe`): it is not made again."""
+        if probe:
+            self.trust = dataclasses.replace(self.trust, probed=True)
+
+    def kept(self, settings: FitSettings) -> None:
+        """A measurement kept the size: a settled size is measured half as often from now on, to a floor."""
+        if self.quiet >= 2:
+            self.every = settings.slower(self.every)
+        self.quiet += 1
+
+    def moved(self, size: int) -> bool:
+        """A measurement moved the size to `size`: False when this call site announced that size already
+        (another rank holds the agreed size below this one's)."""
+        self.every = 0
+        if size == self.announced:
+            self.quiet += 1
+            return False
+        self.quiet, self.announced = 0, size
+        return True
+
+    def unsettled(self) -> None:
+        """An attempt ran out of memory: the size is searched again, measured at every call."""
+        self.quiet, self.note, self.announced, self.every = 0, "", 0, 0
 
     def describe(self) -> Optional[str]:
         """The model and the evidence as JSON text for the size file (None when nothing was learned)."""
