@@ -12,9 +12,9 @@ for halving whatever its size, so after one the ceiling is halving's largest siz
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, NamedTuple, Optional
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
-__all__ = ["Fit", "Failure", "Bracket", "Evidence", "SAME_BUDGET"]
+__all__ = ["Fit", "Failure", "Bracket", "Evidence", "SAME_BUDGET", "bracket_text"]
 
 SAME_BUDGET = 0.05  # budgets within this share of each other count as the same: free memory is never still
 KEPT = 16  # records kept of each kind: the newest, so that the evidence follows a drifting workload
@@ -82,6 +82,10 @@ class Evidence:
         after.failed(items, 0.0, budget)
         return after.bracket(budget, scale).ceiling
 
+    def bounds(self) -> List[Tuple[float, float]]:
+        """(items, bytes) of the failures that say how much they needed at least: the need model's floors."""
+        return [(f.items, f.bound) for f in self.failures if f.bound > 0]
+
     def failures_under(self, budget: float) -> List[Failure]:
         return [f for f in self.failures if _same_or_more(f.budget, budget)]
 
@@ -110,6 +114,13 @@ class Evidence:
         if any(f.items <= 0 or f.budget < 0 for f in fits) or any(f.items <= 0 or f.budget < 0 for f in failures):
             raise ValueError("sizes must be positive and budgets not negative")
         return cls(fits[-KEPT:], failures[-KEPT:], start)
+
+
+def bracket_text(bracket: Bracket, scale: float) -> str:
+    """The bracket in rows of `scale` items, for the log and `python -m toma sizes` ("-": not known)."""
+    low = f"{bracket.low / scale:.0f}" if bracket.low else "-"
+    high = f"{bracket.high / scale:.0f}" if math.isfinite(bracket.high) else "-"
+    return f"fit {low}, failed {high}"
 
 
 def _same_or_more(budget: float, than: float) -> bool:
