@@ -240,9 +240,9 @@ class _Steady(LearningPolicy):
     def shrink(self, size):
         return size // 2 or None
 
-    def after_oom(self, entry, token, size, failed, error):
-        self.failures.append(failed)
-        return super().after_oom(entry, token, size, failed, error)
+    def after_oom(self, call):
+        self.failures.append(call.failed)
+        return super().after_oom(call)
 
 
 def test_a_learning_policy_needs_only_the_hooks_it_changes():

@@ -218,21 +218,21 @@ class _RecordingPolicy(LearningPolicy, Halving):
         super().__init__()
         self.devices = []
 
-    def start(self, entry, size, asked, scale, device=None):
-        self.devices.append(("start", device))
-        return size
+    def start(self, call):
+        self.devices.append(("start", call.device))
+        return call.size
 
-    def begin(self, entry, size, scale, device=None):
-        self.devices.append(("begin", device))
+    def begin(self, call):
+        self.devices.append(("begin", call.device))
         return None
 
-    def succeeded(self, entry, token, ran):
+    def succeeded(self, call):
         return None
 
-    def after_oom(self, entry, token, size, failed, error):
-        return self.shrink(size)
+    def after_oom(self, call):
+        return self.shrink(call.size)
 
-    def explain(self, entry):
+    def explain(self, call):
         return ""
 
 

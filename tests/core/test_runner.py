@@ -11,8 +11,8 @@ import toma as toma_package
 from toma import GlobalBatchsizeCache, NoBatchsizeCache, ShrinkByFactor, explicit, toma
 from toma.core.caches import Batchsize
 from toma.core.observers import Observer
+from toma.core.policy import CallState
 from toma.core.runner import Runner
-from toma.core.state import CallState
 from toma.core.steps import BatchStep
 from toma.sizing import defaults
 from toma.sizing.fit_to_memory import FitToMemory
@@ -109,9 +109,10 @@ def test_a_learning_policy_is_asked_once_per_failed_attempt():
     asked = []
 
     class Counting(FitToMemory):
-        def after_oom(self, entry, token, size, failed, error):
-            asked.append(size)
-            return super().after_oom(entry, token, size, failed, error)
+        def after_oom(self, call):
+            asked.append(call.size)
+            assert call.error is not None, "the policy sees the error while it decides"
+            return super().after_oom(call)
 
     state = CallState(BatchStep(lambda size: size, (), {}), Batchsize(None), Counting(), 8)
     error = torch.OutOfMemoryError("CUDA out of memory")

@@ -691,9 +691,9 @@ def test_evaluation_chunks_are_measured_on_the_trainers_device():
     seen = []
 
     class Recording(toma.FitToMemory):
-        def begin(self, entry, size, scale=1.0, device=None):
-            seen.append(device)
-            return super().begin(entry, size, scale, device)
+        def begin(self, call):
+            seen.append(call.device)
+            return super().begin(call)
 
     trainer, _ = make_trainer(policy=Recording())
     trainer.evaluate(loader(40, shuffle=False))

@@ -15,9 +15,8 @@ from toma.core.agreement import AgreedRetry, Agreement
 from toma.core.caches import Batchsize
 from toma.core.observers import DEFAULT_OBSERVERS, Observer
 from toma.core.oom import add_note, release_memory, should_reduce_batch_size
-from toma.core.policy import SizePolicy
+from toma.core.policy import CallState, SizePolicy
 from toma.core.size_file_observer import SizeFileObserver
-from toma.core.state import CallState
 from toma.core.steps import BatchStep, ChunkStep, RangeStep, Step, find_device
 
 __all__ = ["Step", "run", "BatchStep", "RangeStep", "ChunkStep", "add_note", "find_device", "OBSERVERS"]
@@ -41,12 +40,12 @@ def _start(state: CallState[S], agreement: Optional[Agreement], observers: Seque
     if learner is not None:
         state.scale = float(step.row_items)
         # a settled call site between measurements: nothing to start, measure or locate
-        state.quick = not state.recalled and agreement is None and learner.quick(entry, state.scale)
+        state.quick = not state.recalled and agreement is None and learner.quick(state)
     if state.device is None and ((learner is not None and not state.quick) or agreement is not None):
         state.device = step.device
     size = state.size = entry.start(state.initial)
     if learner is not None and not state.quick:
-        state.size = learner.start(entry, size, state.initial, state.scale, state.device)
+        state.size = learner.start(state)
         if state.size != size:
             for observer in observers:
                 observer.predicted(state, size)
@@ -61,7 +60,7 @@ def _begin_attempt(state: CallState[S]) -> None:
     """The policy's measurement of the attempt, and the rows of its first chunk when they may be news."""
     state.new_attempt()
     learner, entry, size = state.learner, state.entry, state.size
-    state.token = None if learner is None or state.quick else learner.begin(entry, size, state.scale, state.device)
+    state.token = None if learner is None or state.quick else learner.begin(state)
     fitted = entry.fitted
     news = state.token is not None or fitted is None or size > fitted
     state.ran = state.step.effective(size) if news else 0
@@ -73,7 +72,7 @@ def _succeeded(state: CallState[S], observers: Sequence[Observer]) -> None:
         state.entry.record_fit(state.ran)
     learner = state.learner
     if learner is not None:
-        change = learner.succeeded(state.entry, state.token, state.ran)
+        change = learner.succeeded(state)
         if change:
             for observer in observers:
                 observer.changed(state, change)
@@ -102,13 +101,14 @@ def _agreed(state: CallState[S], retry: AgreedRetry) -> None:
     """The ranks agreed to retry smaller; an attempt that fit here is evidence all the same. Keeps strings only:
     nothing in `state` may hold the cause (this rank's OOM, its frames and tensors) past the except block."""
     state.next_size = retry.size
+    state.failed = None  # an agreed retry records no failure at the entry, this rank's own OOM included
     cause = retry.__cause__
     state.reason = retry.reason + (f": {_first_line(cause)}" if cause is not None else "")
     if state.proposed:  # this rank's own proposal: `state.detail` says why it chose it
         return
     learner = state.learner
     if learner is not None and state.token is not None and state.ran:
-        learner.observed(state.entry, state.token, state.ran)
+        learner.observed(state)
 
 
 def _retry(state: CallState[S], observers: Sequence[Observer]) -> None:

@@ -6,7 +6,7 @@ import logging
 from typing import Any, Tuple
 
 from toma.core import call_sites
-from toma.core.state import CallState
+from toma.core.policy import CallState
 from toma.memory.free import GAUGE
 
 __all__ = ["Observer", "LogLines", "FreeMemoryRefresh"]
@@ -39,7 +39,7 @@ class LogLines(Observer):
         step = state.step
         level = logging.INFO if state.recalled else logging.DEBUG  # a remembered model under another budget
         if log.isEnabledFor(level):
-            explained = state.learner.explain(state.entry) if state.learner is not None else ""
+            explained = state.learner.explain(state) if state.learner is not None else ""
             log.log(
                 level,
                 "%s starts at %s %d instead of %d (%s)",

@@ -1,14 +1,15 @@
-"""The sizing policy interfaces the engine drives, `SizePolicy` and `LearningPolicy`, and the shrink step
-every form shares.
+"""The sizing policy interfaces the engine drives, `SizePolicy` and `LearningPolicy`, the `CallState` their hooks
+receive, and the shrink step every form shares.
 
 Concrete policies live in `toma.sizing`; a new policy is a new subclass there.
 """
 
-from typing import Any, Optional
+from typing import Any, Generic, Optional, TypeVar, Union
 
 import torch
 
 from toma.core.caches import Batchsize
+from toma.core.steps import Step
 
 __all__ = [
     "SizePolicy",
@@ -18,7 +19,11 @@ __all__ = [
     "shrink_below",
     "assigned_default",
     "assign_default",
+    "CallState",
+    "checked_size",
 ]
+
+S = TypeVar("S", bound=Step)
 
 
 class SizePolicy:
@@ -33,46 +38,42 @@ Token = Any  # what `LearningPolicy.begin` returns for an attempt it measures, h
 
 
 class LearningPolicy(SizePolicy):
-    """A policy that learns from measurements: the engine calls these hooks, per call and per attempt. `entry`
-    is the call site's cache entry; the policy keeps what it learned there (`entry.learned`, a
-    `LearnedState`) and may grow its size. A policy measures `device` (where the step's work runs: a model
-    on `cuda:1` runs where the current device is 0), never initialises CUDA for a device that is not CUDA,
-    and on the hot path (`quick`) does no more than a throttled check. Ranks that agree on sizes use
-    `shrink` for the agreed retry and `observed` for what an attempt here showed."""
+    """A policy that learns from measurements: the engine calls these hooks, per call and per attempt, each with
+    the run's `CallState` (`call`): `call.entry` is the call site's cache entry, where the policy keeps what it
+    learned (`entry.learned`, a `LearnedState`) and may grow its size. A policy measures `call.device` (where the
+    step's work runs: a model on `cuda:1` runs where the current device is 0), never initialises CUDA for a
+    device that is not CUDA, and on the hot path (`quick`) does no more than a throttled check. Ranks that agree
+    on sizes use `shrink` for the agreed retry and `observed` for what an attempt here showed."""
 
-    def quick(self, entry: Batchsize, scale: float) -> bool:
+    def quick(self, call: "CallState[Any]") -> bool:
         """True: a settled call site between measurements; the call runs at the entry's size, with no
-        `start`, no `begin` and a token of None."""
+        `start`, no `begin` and a token of None (`call.scale` is set, `call.device` not yet)."""
         return False
 
-    def start(
-        self, entry: Batchsize, size: int, asked: int, scale: float, device: Optional[torch.device] = None
-    ) -> int:
-        """The size a call begins with (at most `asked`, the size the call asked for): `scale` is the items each
-        row holds (the step's `row_items`)."""
-        return size
+    def start(self, call: "CallState[Any]") -> int:
+        """The size a call begins with instead of `call.size` (the entry's), at most `call.initial` (the size the
+        call asked for); `call.scale` is the items each row holds (the step's `row_items`)."""
+        return call.size
 
-    def begin(
-        self, entry: Batchsize, size: int, scale: float = 1.0, device: Optional[torch.device] = None
-    ) -> Optional[Token]:
-        """Before an attempt: a token for its measurement, or None when it measures nothing this time."""
+    def begin(self, call: "CallState[Any]") -> Optional[Token]:
+        """Before an attempt at `call.size`: a token for its measurement, or None when it measures nothing."""
         return None
 
-    def succeeded(self, entry: Batchsize, token: Optional[Token], ran: int) -> Optional[str]:
-        """The attempt fit (`ran`: the rows of its first chunk); a description of a size change to log, or None."""
+    def succeeded(self, call: "CallState[Any]") -> Optional[str]:
+        """The attempt fit (`call.ran`: the rows of its first chunk, `call.token`: its measurement); a description
+        of a size change to log, or None."""
         return None
 
-    def observed(self, entry: Batchsize, token: Optional[Token], ran: int) -> None:
+    def observed(self, call: "CallState[Any]") -> None:
         """This rank's attempt fit, but the ranks agreed to redo it smaller (another rank ran out of memory)."""
 
-    def after_oom(
-        self, entry: Batchsize, token: Optional[Token], size: int, failed: int, error: BaseException
-    ) -> Optional[int]:
-        """The attempt at `size` ran out of memory after `failed` rows: the next size (below `failed`), or None
-        at the smallest."""
-        return shrink_below(self, size, failed)
+    def after_oom(self, call: "CallState[Any]") -> Optional[int]:
+        """The attempt at `call.size` ran out of memory after `call.failed` rows (`call.error`): the next size
+        (below `call.failed`), or None at the smallest."""
+        assert call.failed is not None
+        return shrink_below(self, call.size, call.failed)
 
-    def explain(self, entry: Batchsize) -> str:
+    def explain(self, call: "CallState[Any]") -> str:
         """Why the last size after an error was chosen, for the log line."""
         return ""
 
@@ -120,3 +121,105 @@ def assign_default(policy: SizePolicy) -> None:
     if checked is None:
         raise TypeError("DEFAULT_POLICY must be a sizing policy such as toma.Halving(), got None")
     _assigned = checked
+
+
+def checked_size(policy: SizePolicy, smaller: Optional[int], failed: int) -> Optional[int]:
+    """A learning policy's next size after `failed` ran out of memory, refused unless it is smaller and at least 1."""
+    if smaller is not None and not 1 <= smaller < failed:
+        raise ValueError(
+            f"{policy!r}.after_oom returned {smaller!r} after {failed} ran out of memory: a policy must return a "
+            "smaller size of at least 1, or None when there is none"
+        )
+    return smaller
+
+
+class CallState(Generic[S]):
+    """One run of `step` from its cache `entry` (what a call asked for: `initial`) under `policy`.
+
+    Per run: `device` (where the work runs, when the run needs to know), `scale` (items per row, for a policy
+    that sizes by items), `recalled` (the size file gave the entry its size in this run), `quick` (a settled call
+    site: no start, no measurement). Per attempt: `size`, `token` (the policy's measurement), `ran` (rows of the
+    first chunk, when news to the entry), `attempts`. After an out-of-memory error: `failed` (the work that ran
+    out), `error` (only while the engine handles it: the failed attempt's frames must not outlive the handler),
+    `next_size`, `reason` and `detail` (the log line's words). `failures` counts this run's own OOMs.
+    """
+
+    __slots__ = (
+        "step",
+        "entry",
+        "policy",
+        "learner",
+        "initial",
+        "size",
+        "scale",
+        "device",
+        "recalled",
+        "quick",
+        "token",
+        "ran",
+        "attempts",
+        "failures",
+        "failed",
+        "error",
+        "next_size",
+        "reason",
+        "detail",
+        "_asked",
+        "_outcome",
+    )
+
+    def __init__(self, step: S, entry: Batchsize, policy: SizePolicy, initial: int) -> None:
+        self.step, self.entry, self.policy, self.initial = step, entry, policy, initial
+        self.learner: Optional[LearningPolicy] = policy if isinstance(policy, LearningPolicy) else None
+        self.size = initial
+        self.scale = 1.0
+        self.device: Optional[torch.device] = None
+        self.recalled = self.quick = False
+        self.token: Optional[Token] = None
+        self.ran = self.attempts = self.failures = 0
+        self.failed: Optional[int] = None
+        self.error: Optional[BaseException] = None
+        self.next_size: Optional[int] = None
+        self.reason = self.detail = ""
+        self._asked = False
+        self._outcome: Union[int, None, ValueError] = None
+
+    def new_attempt(self) -> None:
+        """Forget the previous attempt's proposal."""
+        self.attempts += 1
+        self._asked, self.failed, self.detail = False, None, ""
+
+    def propose(self, size: int, failed: int, error: BaseException) -> Optional[int]:
+        """The size this rank would retry at after `error` at `size` (`failed` rows ran out), worked out once per
+        attempt whether the ranks' agreement or the engine asks first; None at the smallest. A broken policy's
+        ValueError is raised to every asker."""
+        if not self._asked:
+            self._asked = True
+            learner = self.learner
+            self.size, self.failed, self.error = size, failed, error
+            try:
+                if learner is None:
+                    self._outcome = shrink_below(self.policy, size, failed)
+                else:
+                    self._outcome = checked_size(learner, learner.after_oom(self), failed)
+            except ValueError as broken:
+                self._outcome = broken
+            finally:
+                self.error = None
+            self.detail = learner.explain(self) if learner is not None else ""
+        outcome = self._outcome
+        if isinstance(outcome, ValueError):
+            raise outcome
+        return outcome
+
+    @property
+    def proposed(self) -> bool:
+        """Whether this attempt's own proposal was asked for (by the engine or the agreement)."""
+        return self._asked
+
+    def label(self) -> str:
+        """What a log line calls the run: the step's function and what its size is."""
+        return self.step.label()
+
+    def __repr__(self) -> str:
+        return f"CallState({self.label()}, size={self.size}, attempts={self.attempts}, failures={self.failures})"

@@ -21,8 +21,7 @@ from toma.core.caches import (
     get_default_cache_type,
 )
 from toma.core.observers import Observer
-from toma.core.policy import SizePolicy, assigned_default, check_policy
-from toma.core.state import CallState
+from toma.core.policy import CallState, SizePolicy, assigned_default, check_policy
 from toma.core.steps import Step
 
 __all__ = ["Runner", "CacheType"]

@@ -7,8 +7,8 @@ from typing import Any
 
 from toma.core import call_sites
 from toma.core.observers import Observer
+from toma.core.policy import CallState
 from toma.core.size_file import active_store, describe_model, device_key
-from toma.core.state import CallState
 
 __all__ = ["SizeFileObserver"]
 

@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional, Tuple
 import torch
 
 from toma.core.caches import Batchsize
-from toma.core.policy import LearningPolicy, shrink_below
+from toma.core.policy import CallState, LearningPolicy, shrink_below
 from toma.memory.backends import default_meter
 from toma.memory.free import GAUGE, FreeMemoryGauge
 from toma.memory.meters import Mark, MemoryMeter
@@ -126,12 +126,11 @@ class FitToMemory(LearningPolicy):
 
     # --- the engine's hooks: gather the evidence, ask `toma.sizing.decision`, apply its decision ---------------
 
-    def start(
-        self, entry: Batchsize, size: int, asked: int, scale: float, device: Optional[torch.device] = None
-    ) -> int:
+    def start(self, call: CallState[Any]) -> int:
         """The size a call begins with when its rows hold `scale` items (elements) each: `size` (the entry's)
         when the scale is the one it was found for, else the size chosen for the budget now on `device`
         (never above `asked`, the size the call asked for). Padded batches of other widths need no new search."""
+        entry, size, asked, scale, device = call.entry, call.size, call.initial, call.scale, call.device
         state = self.known(entry)
         if state is not None and scale == state.scale and state.origin is None:
             if state.evidence.start is not None:  # the call site's size, as it is: the common case, kept fast
@@ -157,9 +156,10 @@ class FitToMemory(LearningPolicy):
         state.note = decision.why
         return decision.size
 
-    def quick(self, entry: Batchsize, scale: float) -> bool:
+    def quick(self, call: CallState[Any]) -> bool:
         """True when this call runs at the entry's size unmeasured (a settled call site between measurements,
         free memory where it was): the engine then skips `start`, `begin` and finding the call's device."""
+        entry, scale = call.entry, call.scale
         state = entry.learned
         if type(state) is not Learned or state.origin is not None or state.evidence.start is None:
             return False
@@ -174,10 +174,9 @@ class FitToMemory(LearningPolicy):
                 return True
         return False
 
-    def begin(
-        self, entry: Batchsize, size: int, scale: float = 1.0, device: Optional[torch.device] = None
-    ) -> Optional[Token]:
+    def begin(self, call: CallState[Any]) -> Optional[Token]:
         """A measurement of the attempt on `device` (None: not measured this time)."""
+        entry, scale, device = call.entry, call.scale, call.device
         state = self.learned(entry)
         if self._between_measurements(state, scale, device):
             return None
@@ -195,13 +194,15 @@ class FitToMemory(LearningPolicy):
         state.fitted(ran * scale, mark.budget, used, self.settings)
         return used
 
-    def observed(self, entry: Batchsize, token: Optional[Token], ran: int) -> None:
+    def observed(self, call: CallState[Any]) -> None:
         """An attempt of `ran` rows that finished on this rank while the ranks agreed to redo it smaller
         (another rank ran out of memory): evidence for this rank, no change of the agreed size."""
+        entry, token, ran = call.entry, call.token, call.ran
         if token is not None and ran >= 1:
             self._record_fit(self.learned(entry), token, ran)
 
-    def succeeded(self, entry: Batchsize, token: Optional[Token], ran: int) -> Optional[str]:
+    def succeeded(self, call: CallState[Any]) -> Optional[str]:
+        entry, token, ran = call.entry, call.token, call.ran
         if token is None or ran < 1:
             return None
         state = self.learned(entry)
@@ -226,18 +227,14 @@ class FitToMemory(LearningPolicy):
         change = "growing" if best > current else "shrinking"
         return f"{ran} {measured} {format_bytes(mark.budget)}; {change} to {best} ({decision.why})"
 
-    def explain(self, entry: Batchsize) -> str:
+    def explain(self, call: CallState[Any]) -> str:
+        entry = call.entry
         state = self.known(entry)
         return "" if state is None else str(state.note)
 
-    def after_oom(
-        self,
-        entry: Batchsize,
-        token: Optional[Token],
-        size: int,
-        failed: int,
-        error: BaseException,
-    ) -> Optional[int]:
+    def after_oom(self, call: CallState[Any]) -> Optional[int]:
+        entry, token, size, failed, error = call.entry, call.token, call.size, call.failed, call.error
+        assert failed is not None and error is not None
         state = self.learned(entry)
         halved = shrink_below(self, size, failed)
         state.unsettled()
