@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from toma.accumulation.accumulate import accumulate
+from toma.accumulation.accumulate import AccumulationOptions, Sizing, accumulate
 from toma.batching.splitting import ArgumentBatch
 from toma.core.caches import GlobalBatchsizeCache
 from toma.sizing.policies import Halving
@@ -41,18 +41,10 @@ def run(model, batch, initial, fail_above=None, **options):
         logits = model(inputs)
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
 
-    return accumulate(
-        lambda part: micro_loss(*part),
-        model,
-        initial,
-        ArgumentBatch((batch,), {}),
-        reduction="mean",
-        scaler=None,
-        cache=GlobalBatchsizeCache(),
-        policy=Halving(),
-        weight=tokens,
-        **options,
-    )
+    total = options.pop("total", None)
+    accumulation = AccumulationOptions(model, "mean", tokens, None, **options)
+    sizing = Sizing(initial, GlobalBatchsizeCache(), Halving())
+    return accumulate(lambda part: micro_loss(*part), ArgumentBatch((batch,), {}), accumulation, sizing, total)
 
 
 @pytest.mark.parametrize("fail_above", [None, 4])

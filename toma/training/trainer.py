@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optio
 
 import torch
 
-from toma.accumulation.accumulate import ACCUMULATION_POLICY, AccumulationStats, accumulate
+from toma.accumulation.accumulate import ACCUMULATION_POLICY, AccumulationStats, Sizing, accumulate
 from toma.accumulation.options import AccumulationOptions
 from toma.batching.batches import Pieces, logical_batches, rows, take, to_device
 from toma.batching.splitting import ArgumentBatch, ArgumentPieces, LogicalBatch
@@ -152,19 +152,9 @@ class Trainer:
         # The size the cache keeps is the trainer's, not this batch's: a short batch never shrinks it.
         initial = self.initial_micro_batch or self.batch_size
         self.optimizer.zero_grad()
-        loss = accumulate(
-            self._micro_batch_loss,
-            self.model,
-            initial,
-            logical,
-            reduction=self.reduction,
-            weight=self.weight,
-            scaler=self.scaler,
-            cache=self._training_cache,
-            policy=self.policy,
-            stats=self.stats,
-            name="Trainer.step",
-        )
+        options = AccumulationOptions(self.model, self.reduction, self.weight, self.scaler, name="Trainer.step")
+        sizing = Sizing(initial, self._training_cache, self.policy, self.stats)
+        loss = accumulate(self._micro_batch_loss, logical, options, sizing)
         # A batch that counted nothing is an error in toma.accumulate; a rank of several that counted nothing holds
         # the other ranks' gradients, so it steps as they do.
         if self.scaler is not None:
