@@ -84,8 +84,12 @@ class MisuseWatch:
         """Remember the gradients after toma's backward pass, and their versions."""
         if self.check_grads:
             self.grads = grads = list(map(_GRAD, self.params))
-            self.tracked = tracked = list(filter(_SOMETHING, grads))
-            self.versions = list(map(_VERSION, tracked))
+            try:  # every parameter has a gradient: the usual case after a backward pass
+                self.versions = list(map(_VERSION, grads))
+                self.tracked = grads  # type: ignore[assignment]
+            except AttributeError:  # some have none (None has no version)
+                self.tracked = tracked = list(filter(_SOMETHING, grads))
+                self.versions = list(map(_VERSION, tracked))
 
     def loss_done(self) -> None:
         """Raise AccumulationMisuse if the function, since the previous backward pass, replaced, removed or
