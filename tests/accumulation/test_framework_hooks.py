@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from toma.accumulation.accumulate import accumulate
+from toma.accumulation.accumulate import AccumulationOptions, Sizing, accumulate
 from toma.batching.splitting import ArgumentBatch
 from toma.core.caches import GlobalBatchsizeCache
 from toma.core.runner import Runner
@@ -43,17 +43,10 @@ def run(model, batch, initial, fail_above=None, **options):
         logits = model(inputs)
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
 
-    return accumulate(
-        lambda part: micro_loss(*part),
-        model,
-        initial,
-        ArgumentBatch((batch,), {}),
-        reduction="mean",
-        scaler=None,
-        runner=Runner(ACCUMULATION, policy=Halving(), cache=GlobalBatchsizeCache()),
-        weight=tokens,
-        **options,
-    )
+    total = options.pop("total", None)
+    accumulation = AccumulationOptions(model, "mean", tokens, None, **options)
+    sizing = Sizing(initial, Runner(ACCUMULATION, policy=Halving(), cache=GlobalBatchsizeCache()))
+    return accumulate(lambda part: micro_loss(*part), ArgumentBatch((batch,), {}), accumulation, sizing, total)
 
 
 @pytest.mark.parametrize("fail_above", [None, 4])

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from toma import HostedEmbedding, NoBatchsizeCache, explicit, toma
-from toma.accumulation.rollback import BufferStash, PendingState, RandomState
+from toma.accumulation.rollback import BufferStash, PendingState, RandomRollback, RandomState, Rollback, Rollbacks
 
 from helpers import raise_fake_oom, requires_cuda
 
@@ -297,3 +297,47 @@ def test_pending_state_of_a_failed_non_oom_attempt_is_rewound_too():
     with pytest.raises(ValueError, match="a bug in the loss"):
         explicit.accumulate(compute_loss, module, 16, inputs, targets, toma_cache_type=NoBatchsizeCache)
     assert module.queue == []
+
+
+# --- Rollback, the interface, and the rollbacks as one ------------------------------------------------------
+
+
+class Recording(Rollback):
+    def __init__(self, name, log, fail=False):
+        self.name, self.log, self.fail = name, log, fail
+
+    def begin(self):
+        if self.fail:
+            raise MemoryError(self.name)
+        self.log.append(f"begin {self.name}")
+
+    def undo(self):
+        self.log.append(f"undo {self.name}")
+
+    def keep(self):
+        self.log.append(f"keep {self.name}")
+
+
+def test_rollbacks_begin_in_order_undo_in_reverse_and_keep_in_order():
+    log = []
+    both = Rollbacks([Recording("a", log), Recording("b", log)])
+    both.begin()
+    both.undo()
+    both.keep()
+    assert log == ["begin a", "begin b", "undo b", "undo a", "keep a", "keep b"]
+
+
+def test_a_rollback_whose_begin_fails_undoes_those_begun_before_it():
+    log = []
+    with pytest.raises(MemoryError):
+        Rollbacks([Recording("a", log), Recording("b", log, fail=True), Recording("c", log)]).begin()
+    assert log == ["begin a", "undo a"]
+
+
+def test_the_random_state_is_taken_at_the_first_begin_and_put_back_at_the_next():
+    rollback = RandomRollback([torch.zeros(1)])
+    rollback.begin()
+    first = torch.rand(3)
+    rollback.undo()  # a failed attempt that is not retried leaves the generator where it is
+    rollback.begin()
+    assert torch.equal(torch.rand(3), first)

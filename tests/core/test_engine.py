@@ -248,7 +248,8 @@ def test_a_learning_policy_is_told_the_device_the_step_runs_on():
 
 
 def test_every_step_says_where_its_work_runs():
-    from toma.accumulation.accumulate import AccumulateStep
+    from toma.accumulation.options import AccumulationOptions
+    from toma.accumulation.step import AccumulateStep
     from toma.batching.splitting import ArgumentBatch
     from toma.batching.transfer import Transfers
     from toma.offload.host_map import MapStep
@@ -271,7 +272,7 @@ def test_every_step_says_where_its_work_runs():
     assert MapStep(f, ArgumentBatch((host,), {}), Transfers("cpu"), cpu).device == cpu  # toma.map(..., device="cpu")
     model = torch.nn.Linear(2, 1)
     policy = Halving()
-    assert AccumulateStep(f, model, ArgumentBatch((host,), {}), "mean", None, None, policy).device == cpu
+    assert AccumulateStep(f, ArgumentBatch((host,), {}), AccumulationOptions(model), policy).device == cpu
     table = HostedEmbedding(10, 2, optimizer=lambda params: torch.optim.SGD(params, lr=0.1), device="cpu")
     ids = torch.arange(3)
     assert _RowUpdate(table, ids, torch.zeros(3, 2), torch.zeros(3, 2)).device == cpu

@@ -11,18 +11,26 @@ Gradients whose memory someone else writes while they are set aside (Distributed
 need their values copied instead: `GradientStash(params, copy=True)`.
 """
 
+import functools
+import operator
 from typing import List, Optional, Sequence
 
 import torch
 
+from toma.accumulation.rollback import Rollback
+
 __all__ = ["GradientStash"]
 
+_GRAD = operator.attrgetter("grad")
+_SOMETHING = functools.partial(operator.is_not, None)
 
-class GradientStash:
+
+class GradientStash(Rollback):
     """`with GradientStash(params):` runs an attempt whose gradients count only if it finishes.
 
     On an exception (any, KeyboardInterrupt included) every parameter's `.grad` is exactly what it was
-    on entry: None stays None, an existing tensor is the same object with the same values.
+    on entry: None stays None, an existing tensor is the same object with the same values. As a `Rollback`:
+    `begin()` sets the gradients aside, `undo()` drops the attempt's, `keep()` adds them to those set aside.
     """
 
     __slots__ = ("params", "copy", "saved", "values")
@@ -33,8 +41,18 @@ class GradientStash:
         self.values: Optional[List[Optional[torch.Tensor]]] = None
 
     def __enter__(self) -> "GradientStash":
-        saved = [p.grad for p in self.params]
-        if any(grad is not None for grad in saved):
+        self.begin()
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, traceback: object) -> None:
+        if exc_type is None:
+            self.keep()
+        else:
+            self.undo()
+
+    def begin(self) -> None:
+        saved = list(map(_GRAD, self.params))
+        if any(map(_SOMETHING, saved)):
             self.saved = saved
             if self.copy:
                 self.values = [None if grad is None else grad.detach().clone() for grad in saved]
@@ -42,18 +60,23 @@ class GradientStash:
                 p.grad = None
         else:
             self.saved = None
-        return self
 
-    def __exit__(self, exc_type: object, exc: object, traceback: object) -> None:
+    def undo(self) -> None:
+        self._end(failed=True)
+
+    def keep(self) -> None:
+        self._end(failed=False)
+
+    def _end(self, failed: bool) -> None:
         saved, values = self.saved, self.values
         self.saved = self.values = None
         if saved is None:
-            if exc_type is not None:
+            if failed:
                 for p in self.params:
                     p.grad = None
             return
         for i, (p, old) in enumerate(zip(self.params, saved, strict=True)):
-            new = None if exc_type is not None else p.grad
+            new = None if failed else p.grad
             if old is None:
                 p.grad = new
             elif values is None:  # set aside untouched: add the attempt's gradient to it

@@ -10,6 +10,7 @@ a gradient several times per backward pass):
   ran, that is between two of toma's backward passes (the function computes a loss; toma runs backward).
 """
 
+import functools
 import operator
 import threading
 from types import TracebackType
@@ -22,6 +23,7 @@ __all__ = ["AccumulationMisuse", "MisuseWatch"]
 
 _GRAD = operator.attrgetter("grad")
 _VERSION = operator.attrgetter("_version")
+_SOMETHING = functools.partial(operator.is_not, None)
 
 _ZEROING = (
     "calling optimizer.zero_grad() (or clipping or otherwise changing gradients) inside it drops the other "
@@ -79,23 +81,27 @@ class MisuseWatch:
             )
 
     def backward_done(self) -> None:
+        """Remember the gradients after toma's backward pass, and their versions."""
         if self.check_grads:
-            self.grads = list(map(_GRAD, self.params))
-            self.tracked = [grad for grad in self.grads if grad is not None]
-            self.versions = list(map(_VERSION, self.tracked))
+            self.grads = grads = list(map(_GRAD, self.params))
+            try:  # every parameter has a gradient: the usual case after a backward pass
+                self.versions = list(map(_VERSION, grads))
+                self.tracked = grads  # type: ignore[assignment]
+            except AttributeError:  # some have none (None has no version)
+                self.tracked = tracked = list(filter(_SOMETHING, grads))
+                self.versions = list(map(_VERSION, tracked))
 
     def loss_done(self) -> None:
         """Raise AccumulationMisuse if the function, since the previous backward pass, replaced, removed or
         changed a gradient in place."""
-        if not self.grads:
+        grads = self.grads
+        if not grads:
             return  # before the attempt's first backward pass nothing of it can be lost
-        if any(map(operator.is_not, map(_GRAD, self.params), self.grads)):
-            self._raise(
-                next(i for i, p in enumerate(self.params) if p.grad is not self.grads[i]), "replaced or removed"
-            )
+        if any(map(operator.is_not, map(_GRAD, self.params), grads)):
+            self._raise(next(i for i, p in enumerate(self.params) if p.grad is not grads[i]), "replaced or removed")
         if list(map(_VERSION, self.tracked)) != self.versions:
             changed = next(g for g, v in zip(self.tracked, self.versions) if g._version != v)
-            self._raise(next(i for i, g in enumerate(self.grads) if g is changed), "changed")
+            self._raise(next(i for i, g in enumerate(grads) if g is changed), "changed")
 
     def _raise(self, index: int, what: str) -> None:
         name = _names(self.params, self.model)[index]

@@ -1,10 +1,13 @@
-"""The options of an accumulation (model, reduction, weight, scaler), checked once where they enter: the
-decorator, the plain call and the Trainer alike."""
+"""The options of an accumulation (model, reduction, weight, scaler; a framework's backward and gradient sync),
+checked once where they enter: the decorator, the plain call and the Trainer alike."""
 
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional
 
 import torch
+
+from toma.accumulation.plan import NothingCounted, nothing_counted
+from toma.accumulation.sync import GradientSync
 
 __all__ = [
     "AccumulationOptions",
@@ -57,34 +60,20 @@ def check_weight(weight: Any, name: str, reduction: str) -> Optional[Callable[..
     return checked
 
 
-class NothingCounted(ValueError):
-    """A logical batch whose `weight=` counts 0 items: its mean loss averages over nothing (in one full-batch pass
-    it is NaN), so there is no gradient to weight. Raised before any forward pass on one process; with several, on
-    every rank before the gradients' all-reduce when no rank counted anything. A framework whose step may skip such
-    a batch (Lightning's `None`) catches it and runs the batch as the plain loop would."""
-
-
-def nothing_counted(weight: Optional[Callable[..., Any]], rows: Optional[int] = None, ranks: int = 1) -> NothingCounted:
-    """The error for a logical batch of `rows` rows (on each of `ranks` ranks) in which `weight` counted nothing."""
-    name = "weight" if weight is None else f"weight ({getattr(weight, '__qualname__', repr(weight))})"
-    where = "the logical batch" if rows is None else f"the logical batch of {rows} rows"
-    if ranks > 1:
-        where += f" on every one of the {ranks} ranks"
-    return NothingCounted(
-        f"{name} counted 0 items in {where}: its mean loss averages over nothing (in one full-batch pass it is "
-        "NaN), so there is no gradient to weight. If the loss does average over something, weight must count it; "
-        "a batch with nothing to learn from (every label padding) must be left out of the data"
-    )
-
-
 @dataclass(frozen=True)
 class AccumulationOptions:
-    """What an accumulation needs besides the loss function and the batch, checked."""
+    """What an accumulation needs besides the loss function and the batch, checked (by `checked`, where the
+    user's options enter). For frameworks (`toma.integrations`): `backward(loss)` replaces `loss.backward()` (an
+    accelerator's backward, which scales for mixed precision); `sync`, how the gradients meet other ranks' (None:
+    the one `model` calls for, `toma.accumulation.sync.sync_for`); `name`, what log lines call the function."""
 
     model: torch.nn.Module
     reduction: str = "mean"
     weight: Optional[Callable[..., Any]] = None
     scaler: Any = None
+    backward: Optional[Callable[[torch.Tensor], Any]] = None
+    sync: Optional[GradientSync] = None
+    name: Optional[str] = None
 
     def as_kwargs(self) -> Dict[str, Any]:
         """The options as `toma.accumulate`'s keywords."""

@@ -1,22 +1,84 @@
-"""Undoing what a failed attempt did besides gradients, so that its retry starts from the same state.
+"""Undoing what a failed attempt did, so that its retry starts from the same state: `Rollback`, the interface,
+and the rollbacks besides gradients (those are `toma.accumulation.gradients.GradientStash`).
 
 - `BufferStash`: the persistent buffers of modules in training mode (BatchNorm's running mean and variance
   and `num_batches_tracked`), which every forward pass updates: a retry must not count the failed forward
   passes again.
-- `RandomState`: the random number generators (CPU and the accelerator devices in use), so that a retried
-  attempt draws the same dropout masks as one that fit at the final size from the same seed
+- `RandomRollback` (over `RandomState`): the random number generators (CPU and the accelerator devices in use),
+  so that a retried attempt draws the same dropout masks as one that fit at the final size from the same seed
   (`torch.utils.checkpoint` keeps RNG state across recomputation the same way).
 - `PendingState` / `PendingStash`: what a module keeps between its forward pass and an optimizer step other
   than gradients (the rows `HostedEmbedding` queued for its `step()`): a failed attempt's share is dropped.
 """
 
-from typing import Any, Dict, Iterable, List, Optional, Protocol, Set, Tuple, runtime_checkable
+from abc import ABC, abstractmethod
+from typing import Any, Dict, Iterable, List, Optional, Protocol, Sequence, Set, Tuple, runtime_checkable
 
 import torch
 
 from toma.memory.backends import DeviceBackend, accelerators_in_use, backend_for
 
-__all__ = ["BufferStash", "RandomState", "PendingState", "PendingStash"]
+__all__ = [
+    "Rollback",
+    "Rollbacks",
+    "BufferStash",
+    "RandomState",
+    "RandomRollback",
+    "PendingState",
+    "PendingStash",
+    "is_pending_state",
+]
+
+
+class Rollback(ABC):
+    """State an attempt changes that a failed attempt must leave as it found it.
+
+    The accumulation step calls, for every attempt at the logical batch: `begin()` before it runs (an
+    exception there is an attempt that failed before it changed anything), then exactly one of `undo()`, after
+    it raised (any exception, KeyboardInterrupt included), or `keep()`, after it finished. A retry calls
+    `begin()` again on the same object: what is saved once per call (buffers, random state) is saved by the
+    first `begin()` and put back by `undo()` or the retry's `begin()`.
+    """
+
+    __slots__ = ()
+
+    @abstractmethod
+    def begin(self) -> None:
+        """Before an attempt: save (or, on a retry, restore) what it may change."""
+
+    @abstractmethod
+    def undo(self) -> None:
+        """After an attempt that raised: put back what it changed."""
+
+    def keep(self) -> None:
+        """After an attempt that finished: keep what it did (most rollbacks have nothing to do)."""
+
+
+class Rollbacks(Rollback):
+    """Several rollbacks as one: begun in order, undone in reverse; one whose `begin()` raised undoes those
+    begun before it."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: Sequence[Rollback]) -> None:
+        self.parts = tuple(parts)
+
+    def begin(self) -> None:
+        for index, part in enumerate(self.parts):
+            try:
+                part.begin()
+            except BaseException:
+                for begun in reversed(self.parts[:index]):
+                    begun.undo()
+                raise
+
+    def undo(self) -> None:
+        for part in reversed(self.parts):
+            part.undo()
+
+    def keep(self) -> None:
+        for part in self.parts:
+            part.keep()
 
 
 @runtime_checkable
@@ -36,7 +98,8 @@ class PendingState(Protocol):
 _keeps_pending: Dict[type, bool] = {}  # per module class: a protocol check costs ~20 us, a dict look-up 50 ns
 
 
-def _is_pending_state(module: torch.nn.Module) -> bool:
+def is_pending_state(module: torch.nn.Module) -> bool:
+    """Whether `module` implements `PendingState` (remembered per class)."""
     kind = type(module)
     known = _keeps_pending.get(kind)
     if known is None:
@@ -44,13 +107,15 @@ def _is_pending_state(module: torch.nn.Module) -> bool:
     return known
 
 
-class PendingStash:
-    """The `PendingState` modules of `model`: marked before an attempt, rewound after it failed."""
+class PendingStash(Rollback):
+    """The `PendingState` modules of `model` (or the `modules` given): marked before every attempt, rewound
+    after one that failed."""
 
     __slots__ = ("modules", "marks")
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.modules: List[PendingState] = [m for m in model.modules() if _is_pending_state(m)]  # type: ignore[misc]
+    def __init__(self, model: Optional[torch.nn.Module] = None, modules: Sequence[PendingState] = ()) -> None:
+        found: List[Any] = [m for m in model.modules() if is_pending_state(m)] if model is not None else []
+        self.modules: List[PendingState] = found + list(modules)
         self.marks: List[Any] = []
 
     def save(self) -> None:
@@ -60,8 +125,22 @@ class PendingStash:
         for module, mark in zip(self.modules, self.marks, strict=True):
             module.pending_rewind(mark)
 
+    begin, undo = save, restore
 
-class BufferStash:
+
+# (module, name, the tensor) for a buffer a forward pass may update
+BufferSlot = Tuple[torch.nn.Module, str, torch.Tensor]
+
+
+def buffer_slots(module: torch.nn.Module) -> List[BufferSlot]:
+    """The persistent buffers of `module` itself (not its children) when it is in training mode."""
+    if not module.training or not module._buffers:
+        return []
+    skipped = module._non_persistent_buffers_set
+    return [(module, name, b) for name, b in module._buffers.items() if b is not None and name not in skipped]
+
+
+class BufferStash(Rollback):
     """The persistent buffers of `model`'s modules in training mode (the state a forward pass updates:
     BatchNorm's statistics, an EMA, spectral norm's vectors), copied once per call and put back after a
     failed attempt. Non-persistent buffers are caches a module rebuilds (rotary tables, causal masks): they
@@ -69,15 +148,9 @@ class BufferStash:
 
     __slots__ = ("slots", "saved")
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        # (module, name, the tensor) for every buffer a forward pass may update
-        self.slots: List[Tuple[torch.nn.Module, str, torch.Tensor]] = [
-            (module, name, buffer)
-            for module in model.modules()
-            if module.training
-            for name, buffer in module._buffers.items()
-            if buffer is not None and name not in module._non_persistent_buffers_set
-        ]
+    def __init__(self, model: Optional[torch.nn.Module] = None, slots: Sequence[BufferSlot] = ()) -> None:
+        found = [slot for module in model.modules() for slot in buffer_slots(module)] if model is not None else []
+        self.slots: List[BufferSlot] = found + list(slots)
         self.saved: Optional[List[torch.Tensor]] = None
 
     def names(self) -> List[str]:
@@ -108,6 +181,8 @@ class BufferStash:
                 buffer.copy_(value)
                 module._buffers[name] = buffer
 
+    begin, undo = save_once, restore
+
 
 def _accelerator_devices(tensors: Iterable[torch.Tensor]) -> List[torch.device]:
     if not accelerators_in_use():  # a CPU-only process: nothing to look at
@@ -134,3 +209,23 @@ class RandomState:
         torch.set_rng_state(self.cpu)
         for backend, device, state in self.devices:
             backend.set_rng_state(state, device)
+
+
+class RandomRollback(Rollback):
+    """The random state at a call's first attempt, put back at the start of every retry (so a failed attempt
+    that is not retried leaves the generators as it left them, as a plain call would)."""
+
+    __slots__ = ("tensors", "state")
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self.tensors = tensors  # where the work runs: the devices whose generators count
+        self.state: Optional[RandomState] = None
+
+    def begin(self) -> None:
+        if self.state is None:
+            self.state = RandomState(self.tensors)
+        else:  # a retry: the same random numbers as the failed attempt drew
+            self.state.restore()
+
+    def undo(self) -> None:
+        pass

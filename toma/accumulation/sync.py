@@ -1,119 +1,156 @@
-"""How an accumulation syncs gradients across ranks: alone (LocalSync), through DDP with `no_sync` on all but the
-last micro-batch (DDPNoSync), through the ranks' agreement and one all-reduce at the end (AgreeingDDP), or through
-the agreement alone when a framework reduces the gradients after the logical batch (AgreeingOnly); and the device
-a model computes on."""
+"""How an accumulation's gradients meet other ranks': `GradientSync`, the interface the accumulation step drives,
+and its strategies: alone (LocalSync), through DDP with `no_sync` on all but the last micro-batch (DDPNoSync),
+through the ranks' agreement and one all-reduce at the end (AgreeingDDP), or through the agreement alone when a
+framework reduces the gradients after the logical batch (AgreeingOnly); `sync_for` picks one for a model."""
 
 import contextlib
-from typing import Any, ContextManager, Iterable, List, Optional
+from abc import ABC, abstractmethod
+from typing import ContextManager, Iterable, Optional, Sequence
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from toma.accumulation.options import nothing_counted
+from toma.accumulation.plan import nothing_counted
 from toma.core.agreement import Agreement, all_reduce_gradients, broadcast_buffers, is_distributed
 
-__all__ = ["LocalSync", "DDPNoSync", "AgreeingDDP", "AgreeingOnly", "model_device", "sync_for"]
+__all__ = ["GradientSync", "LocalSync", "DDPNoSync", "AgreeingDDP", "AgreeingOnly", "model_device", "sync_for"]
+
+_NOTHING: ContextManager[None] = contextlib.nullcontext()
 
 
-class LocalSync:
-    """A module on one process: micro-batches need no synchronisation context."""
+class GradientSync(ABC):
+    """How the gradients of one logical batch meet the other ranks' (or nobody's).
 
-    _nothing = contextlib.nullcontext()
-    copy_grads = False  # the gradients set aside are nobody else's to write
-    agreement = None
+    The accumulation step (`toma.accumulation.step.AccumulateStep`) drives it, for every attempt at the logical
+    batch, with the gradients the call started with set aside (`.grad` holds this attempt's only):
 
-    def micro_batch(self, last: bool) -> ContextManager[Any]:
-        return self._nothing
+    1. `with sync.micro_batch(last):` around each micro-batch's forward and backward pass; `last` is True for
+       the attempt's last micro-batch that runs (what DDP reduces in, or FSDP2 reduce-scatters in).
+    2. After the last micro-batch, with an `agreement`, the ranks agree whether every one of them finished
+       (`Agreement.after_attempt`; a rank that ran out of memory makes all retry together at one size).
+    3. `reduce(params, weight)` once every rank finished: this attempt's gradients only, before they are added
+       to the ones set aside.
+    4. `reset()` after an attempt that raised (any exception, KeyboardInterrupt included), once its gradients,
+       buffers and pending state are rolled back: whatever the strategy holds of the failed attempt goes.
 
-    def abort(self) -> None:
-        pass
+    `agreement` (None: no collective may wait on this rank) is what the engine gives every rank's retry loop.
+    `copy_grads`: whether the gradients set aside must be copied, because someone (DDP's reducer with
+    `gradient_as_bucket_view`) writes into their memory meanwhile. `watch_grads`: whether the misuse watch may
+    compare gradients between micro-batches (not where a reducer swaps them for views of its buckets).
+
+    A new strategy (FSDP2's, say) is a subclass in this module, returned by `sync_for` for its models: its
+    `micro_batch(last)` sets what the model does in that backward pass (FSDP2: whether to reduce-scatter, and
+    reshard, after it: on the last only, or after each micro-batch), `reduce` does a reduction that waits for
+    the agreement (a reduce-scatter once per logical batch), `reset` clears the state a backward pass that failed
+    half-way left behind; with a process group of several ranks it holds an `Agreement` on that group. The step
+    and the engine need no change.
+    """
+
+    __slots__ = ()
+    agreement: Optional[Agreement] = None
+    copy_grads = False
+    watch_grads = True
+
+    @abstractmethod
+    def micro_batch(self, last: bool) -> ContextManager[object]:
+        """The context one micro-batch's forward and backward pass run in."""
+
+    def reduce(self, params: Sequence[torch.Tensor], weight: Optional[float]) -> None:
+        """After an attempt every rank finished: combine this attempt's gradients (in `.grad`) over the ranks.
+        `weight`: the items this rank's mean loss averaged over (from `weight=`), to weigh each rank by its items;
+        None: ranks weigh the same, as DDP does."""
+
+    def reset(self) -> None:
+        """After a failed attempt: forget what it left half-done (nothing, for most strategies)."""
 
 
-class DDPNoSync:
-    """DistributedDataParallel: all micro-batches but the last under `no_sync()`, so the gradients are
-    all-reduced once per logical batch, overlapping the last micro-batch's backward pass."""
+class LocalSync(GradientSync):
+    """A module on one process: micro-batches need no synchronisation context, nothing is reduced."""
 
-    agreement = None  # one rank: DDP's reduction in the last backward pass cannot be left unmatched
+    __slots__ = ()
+
+    def micro_batch(self, last: bool) -> ContextManager[object]:
+        return _NOTHING
+
+
+class DDPNoSync(GradientSync):
+    """DistributedDataParallel on one rank: all micro-batches but the last under `no_sync()`, so the gradients
+    are all-reduced once per logical batch, overlapping the last micro-batch's backward pass. No agreement: DDP's
+    reduction in the last backward pass cannot be left unmatched."""
+
+    __slots__ = ("model", "copy_grads")
+    watch_grads = False  # the reducer may swap gradients for views of its buckets
 
     def __init__(self, model: DistributedDataParallel) -> None:
         self.model = model
         # With gradient_as_bucket_view the reducer writes the reduced gradients into the memory the old
         # `.grad` tensors view, so the gradients a call starts with must be kept as copies.
-        self.copy_grads = bool(getattr(model, "gradient_as_bucket_view", False))
+        self.copy_grads = bool(model.gradient_as_bucket_view)
 
-    def micro_batch(self, last: bool) -> ContextManager[Any]:
-        return contextlib.nullcontext() if last else self.model.no_sync()
+    def micro_batch(self, last: bool) -> ContextManager[object]:
+        return _NOTHING if last else self.model.no_sync()
 
-    def abort(self) -> None:
+    def reset(self) -> None:
         # A backward pass that failed after DDP's hooks fired leaves its reducer expecting the rest of the
         # reduction; without a reset the retry's forward fails with "Expected to have finished reduction".
-        reducer = getattr(self.model, "reducer", None)
-        if reducer is not None and hasattr(reducer, "_reset_state"):
+        reducer = getattr(self.model, "reducer", None)  # absent before DDP built it
+        if reducer is not None and hasattr(reducer, "_reset_state"):  # torch >= 2.2
             reducer._reset_state()
 
 
-class AgreeingDDP:
+class AgreeingDDP(GradientSync):
     """DistributedDataParallel over several ranks: no collective inside the region that may be retried.
 
     Every micro-batch runs under `no_sync()`; after the logical batch the ranks agree (one small all-reduce)
     whether any ran out of memory, and only if none did are the gradients all-reduced, once, in buckets
     (`toma.core.agreement.all_reduce_gradients`). Letting DDP reduce during the last backward pass would overlap
     communication with it, but a rank that runs out of memory there leaves the others' all-reduces unmatched:
-    the hang this design exists to prevent. The lost overlap is the price (see the benchmark).
+    the hang this design exists to prevent. The lost overlap is the price (see the benchmark). DDP's reducer
+    never runs, so nothing writes into the gradients set aside.
     """
 
-    copy_grads = False  # DDP's reducer never runs, so nothing writes into the gradients set aside
+    __slots__ = ("model", "agreement")
 
     def __init__(self, model: DistributedDataParallel) -> None:
         self.model = model
-        self.agreement = Agreement(model.process_group, _ddp_device(model))
+        self.agreement: Agreement = Agreement(model.process_group, _ddp_device(model))
         # Set on construction (and by a synchronised forward pass outside toma), it makes the next forward
-        # pass broadcast buffers; `synchronise` does that outside the retried region instead.
+        # pass broadcast buffers; `reduce` does that outside the retried region instead.
         model.require_forward_param_sync = False
 
-    def micro_batch(self, last: bool) -> ContextManager[Any]:
+    def micro_batch(self, last: bool) -> ContextManager[object]:
         return self.model.no_sync()
 
-    def synchronise(self, params: List[torch.Tensor], weight: Optional[float] = None) -> None:
-        """Average this call's gradients over the ranks; with `weight` (the items this rank's mean loss
-        averaged over, from weight=) weigh each rank by its items, so the result is the mean over all of
-        them rather than a mean of the ranks' means."""
+    def reduce(self, params: Sequence[torch.Tensor], weight: Optional[float]) -> None:
+        """Average this call's gradients over the ranks; with `weight` weigh each rank by its items, so the
+        result is the mean over all of them rather than a mean of the ranks' means."""
         scale = 1.0
         if weight is not None:
             total = self.agreement.sum(weight)
             if total == 0:  # every rank's: the same error on every rank, before the gradients' all-reduce
                 raise nothing_counted(None, ranks=self.agreement.world_size)
             scale = weight * self.agreement.world_size / total
-        all_reduce_gradients(params, self.model.process_group, scale=scale)
-        if getattr(self.model, "broadcast_buffers", False):
+        all_reduce_gradients(list(params), self.model.process_group, scale=scale)
+        if self.model.broadcast_buffers:
             # DDP would broadcast rank 0's buffers (BatchNorm statistics) in the next forward pass, a
             # collective inside the region that may be retried: a rank that skips its forward passes would
             # leave the others waiting. Broadcast them here, after the agreement, and keep DDP's off.
             broadcast_buffers(self.model)
 
-    def abort(self) -> None:
-        pass
 
-
-class AgreeingOnly:
+class AgreeingOnly(GradientSync):
     """Ranks whose gradients a framework reduces after the logical batch, outside the region toma may retry
     (Lightning's DDP, in the backward pass it runs on the logical batch's loss): every attempt is agreed on, as
     under AgreeingDDP, so the ranks start each logical batch at the same size and stop together, and nothing is
     reduced here."""
 
-    copy_grads = False
+    __slots__ = ("agreement",)
 
     def __init__(self, agreement: Agreement) -> None:
-        self.agreement = agreement
+        self.agreement: Agreement = agreement
 
-    def micro_batch(self, last: bool) -> ContextManager[Any]:
-        return contextlib.nullcontext()
-
-    def synchronise(self, params: List[torch.Tensor], weight: Optional[float] = None) -> None:
-        pass
-
-    def abort(self) -> None:
-        pass
+    def micro_batch(self, last: bool) -> ContextManager[object]:
+        return _NOTHING
 
 
 def model_device(params: Iterable[torch.Tensor]) -> Optional[torch.device]:
@@ -134,7 +171,12 @@ def _ddp_device(model: DistributedDataParallel) -> Optional[torch.device]:
     return model_device(model.module.parameters())
 
 
-def sync_for(model: torch.nn.Module) -> Any:
+def sync_for(model: torch.nn.Module) -> GradientSync:
+    """The strategy `model` calls for: DDP's on a DistributedDataParallel (agreeing when several ranks run), else
+    the local one."""
     if not isinstance(model, DistributedDataParallel):
-        return LocalSync()
+        return _LOCAL
     return AgreeingDDP(model) if is_distributed(model.process_group) else DDPNoSync(model)
+
+
+_LOCAL = LocalSync()

@@ -7,7 +7,7 @@ from typing import Any, Callable, Dict, Hashable, Optional, Tuple
 
 import torch
 
-from toma.accumulation.accumulate import AccumulationStats, accumulate
+from toma.accumulation.accumulate import AccumulationStats, Sizing, accumulate
 from toma.accumulation.options import AccumulationOptions
 from toma.batching.splitting import ArgumentBatch, leaves
 from toma.batching.transfer import Transfers
@@ -31,18 +31,8 @@ def run_accumulate(
     stats: Optional[AccumulationStats] = None,
 ) -> torch.Tensor:
     """Forward and backward over the logical batch of `args`/`kwargs` in micro-batches; its loss, detached."""
-    return accumulate(
-        func,
-        accumulation.model,
-        initial,
-        ArgumentBatch(args, kwargs),
-        reduction=accumulation.reduction,
-        weight=accumulation.weight,
-        scaler=accumulation.scaler,
-        runner=options,
-        context=context,
-        stats=stats,
-    )
+    sizing = Sizing(initial, options, context, stats)
+    return accumulate(func, ArgumentBatch(args, kwargs), accumulation, sizing)
 
 
 def run_map(

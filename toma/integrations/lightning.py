@@ -30,8 +30,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
 
-from toma.accumulation.accumulate import AccumulationStats, accumulate
-from toma.accumulation.options import NothingCounted, check_reduction, check_weight
+from toma.accumulation.accumulate import AccumulationStats, Sizing, accumulate
+from toma.accumulation.options import AccumulationOptions, NothingCounted, check_reduction, check_weight
 from toma.accumulation.sync import AgreeingOnly, model_device
 from toma.batching.splitting import ArgumentBatch
 from toma.core.agreement import Agreement, is_distributed
@@ -186,7 +186,9 @@ class _Fit:
 
     __slots__ = ("module", "original", "model", "scaler", "sync", "told_whole")
 
-    def __init__(self, module: "pl.LightningModule", original: Callable[..., Any], scaler: Any, sync: Any) -> None:
+    def __init__(
+        self, module: "pl.LightningModule", original: Callable[..., Any], scaler: Any, sync: Optional[AgreeingOnly]
+    ) -> None:
         self.module, self.original, self.scaler, self.sync = module, original, scaler, sync
         self.model: _Accumulated
         self.told_whole = False
@@ -305,7 +307,7 @@ class MicroBatching(Callback):
         self._unwrap(module)  # a fit that ended without telling the callback
         own = module.__dict__.get("training_step", _NOT_SET)
         original = module.training_step
-        sync = None
+        sync: Optional[AgreeingOnly] = None
         if self.distributed and isinstance(trainer.strategy, DDPStrategy) and is_distributed():
             sync = AgreeingOnly(Agreement(None, model_device(module.parameters())))
         fit = _Fit(module, original, _scaler_of(trainer.precision_plugin), sync)
@@ -345,20 +347,11 @@ class MicroBatching(Callback):
         model.returned.clear()
         try:
             with _micro_batch_region(fit.module, params, model.logs):
-                loss = accumulate(
-                    step.function(),
-                    model,
-                    self.initial_micro_batch or split.size,
-                    split,
-                    reduction=self.reduction,
-                    weight=self.weight,
-                    scaler=fit.scaler,
-                    runner=self._runner,
-                    stats=self.stats,
-                    name="MicroBatching",
-                    backward=_backward,
-                    sync=fit.sync,
+                options = AccumulationOptions(
+                    model, self.reduction, self.weight, fit.scaler, _backward, fit.sync, "MicroBatching"
                 )
+                sizing = Sizing(self.initial_micro_batch or split.size, self._runner, stats=self.stats)
+                loss = accumulate(step.function(), split, options, sizing)
                 grads = [p.grad for p in params]
         except _AsReturned as returned:
             model.logs.clear()

@@ -34,7 +34,8 @@ from transformers.trainer_pt_utils import nested_concat
 from transformers.trainer_utils import unwrap_peft_model
 from transformers.training_args import OptimizerNames
 
-from toma.accumulation.accumulate import AccumulationStats, accumulate
+from toma.accumulation.accumulate import AccumulationStats, Sizing, accumulate
+from toma.accumulation.options import AccumulationOptions
 from toma.batching.batches import rows
 from toma.batching.splitting import ArgumentBatch
 from toma.core.arguments import check_size
@@ -330,20 +331,11 @@ class TomaTrainerMixin(_Trainer):
                 raise TypeError(f"compute_loss must return the loss as a tensor, got {type(loss).__name__}")
             return loss if shares.divisor == 1 else loss / shares.divisor
 
-        loss = accumulate(
-            micro_loss,
-            model,
-            self.toma_initial_micro_batch,
-            batch,
-            reduction="sum" if shares.summed else "mean",
-            weight=shares.count,
-            scaler=None,
-            runner=self._toma_training,
-            stats=self.toma_stats,
-            name="TomaTrainer.training_step",
-            backward=self.accelerator.backward,
-            total=shares.total,
-        )
+        reduction = "sum" if shares.summed else "mean"
+        backward = self.accelerator.backward
+        options = AccumulationOptions(model, reduction, shares.count, None, backward, name="TomaTrainer.training_step")
+        sizing = Sizing(self.toma_initial_micro_batch, self._toma_training, stats=self.toma_stats)
+        loss = accumulate(micro_loss, batch, options, sizing, total=shares.total)
         del inputs, batch
         steps = self.args.torch_empty_cache_steps
         if steps is not None and self.state.global_step % steps == 0:

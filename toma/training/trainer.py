@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optio
 
 import torch
 
-from toma.accumulation.accumulate import AccumulationStats, accumulate
+from toma.accumulation.accumulate import AccumulationStats, Sizing, accumulate
 from toma.accumulation.options import AccumulationOptions
 from toma.batching.batches import logical_batches, rows, take, to_device
 from toma.core.arguments import check_size
@@ -155,18 +155,9 @@ class Trainer:
         # The size the cache keeps is the trainer's, not this batch's: a short batch never shrinks it.
         initial = self.initial_micro_batch or self.batch_size
         self.optimizer.zero_grad()
-        loss = accumulate(
-            self._micro_batch_loss,
-            self.model,
-            initial,
-            logical,
-            reduction=self.reduction,
-            weight=self.weight,
-            scaler=self.scaler,
-            runner=self._training,
-            stats=self.stats,
-            name="Trainer.step",
-        )
+        options = AccumulationOptions(self.model, self.reduction, self.weight, self.scaler, name="Trainer.step")
+        sizing = Sizing(initial, self._training, stats=self.stats)
+        loss = accumulate(self._micro_batch_loss, logical, options, sizing)
         # A batch that counted nothing is an error in toma.accumulate; a rank of several that counted nothing holds
         # the other ranks' gradients, so it steps as they do.
         if self.scaler is not None:

@@ -1,0 +1,213 @@
+"""The accumulation step: one attempt at the whole logical batch, forward and backward of every micro-batch at
+one size, composed of its parts: the rollbacks (`toma.accumulation.rollback`, `gradients`), the gradient sync
+(`sync`), the micro-batch plan (`plan`), the misuse watch (`misuse`) and the backward pass (`backward`).
+
+An out-of-memory error anywhere in an attempt (forward, backward, after some parameters already got gradients)
+drops that attempt's gradients exactly, puts back the training modules' buffers, the random state and the
+modules' pending state, and the engine redoes the whole logical batch at a smaller micro-batch size. The logical
+batch itself never changes.
+"""
+
+from typing import Any, Callable, Iterator, List, Optional, Tuple
+
+import torch
+
+from toma.accumulation.backward import backward_pass
+from toma.accumulation.diagnostics import hint_whole, loss_error, warn_once_about_batchnorm
+from toma.accumulation.gradients import GradientStash
+from toma.accumulation.misuse import AccumulationMisuse, MisuseWatch
+from toma.accumulation.options import AccumulationOptions
+from toma.accumulation.plan import Arguments, MicroBatchPlan, Weighting
+from toma.accumulation.rollback import (
+    BufferSlot,
+    BufferStash,
+    PendingStash,
+    RandomRollback,
+    Rollback,
+    Rollbacks,
+    buffer_slots,
+    is_pending_state,
+)
+from toma.accumulation.sync import model_device, sync_for
+from toma.batching import transfer
+from toma.batching.splitting import LogicalBatch, MicroBatch
+from toma.batching.transfer import MicroBatchTransfers, shared_transfers
+from toma.core.oom import should_reduce_batch_size
+from toma.core.steps import Step
+from toma.sizing.policies import SizePolicy
+
+__all__ = ["AccumulateStep"]
+
+
+def _walk(model: torch.nn.Module) -> Tuple[List[torch.Tensor], List[BufferSlot], List[Any]]:
+    """In one walk over the modules: the parameters that train (in `model.parameters()`'s order), the buffers a
+    forward pass may update, and the modules that keep pending state."""
+    params: List[torch.Tensor] = []
+    slots: List[BufferSlot] = []
+    pending: List[Any] = []
+    seen = set()
+    for module in model.modules():
+        for p in module._parameters.values():
+            if p is not None and p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+        if module.training and module._buffers:
+            slots += buffer_slots(module)
+        if is_pending_state(module):
+            pending.append(module)
+    return params, slots, pending
+
+
+def _pipeline_for(params: List[torch.Tensor], batch: LogicalBatch) -> Optional[MicroBatchTransfers]:
+    """The moves of this call's micro-batches to the model's CUDA device when the logical batch lives on the
+    host: each micro-batch's split tensors move while the previous one computes, `toma.whole` values once per
+    call. None when there is nothing to move (a CPU model, a batch already on the device)."""
+    devices = dict.fromkeys(p.device for p in params)  # each device once, in the parameters' order
+    device = next((d for d in devices if transfer.uses_cuda(d)), None)
+    if device is None:
+        return None
+    if not any(t.device.type == "cpu" for piece in batch.pieces for _, t in piece.tensors):
+        return None
+    return MicroBatchTransfers(shared_transfers(device))
+
+
+class AccumulateStep(Step):
+    """One attempt at the whole logical batch: forward and backward of every micro-batch at `size`. `policy` is
+    the engine's (the ranks' agreement asks it); `total`, with `weight=`, what each micro-batch's count is a share
+    of (see `toma.accumulation.accumulate.accumulate`)."""
+
+    size_name = "micro-batch size"
+    finished = False  # the logical batch is one unit: redone whole after an out-of-memory error
+
+    def __init__(
+        self,
+        func: Callable[..., Any],
+        batch: LogicalBatch,
+        options: AccumulationOptions,
+        policy: SizePolicy,
+        total: Any = None,
+    ) -> None:
+        self.func, self.batch, self.options, self.policy, self.name = func, batch, options, policy, options.name
+        self.model = model = options.model
+        self.sync = sync = sync_for(model) if options.sync is None else options.sync
+        self.weighting = Weighting(options.reduction == "mean", options.weight, total, sync.agreement is not None)
+        # with a `total` that spans the ranks already, their gradients are averaged as DDP does
+        self.rank_weighted = options.weight is not None and total is None
+        self.params, slots, pending = _walk(model)
+        firsts = [tensor for piece in batch.pieces for _, tensor in piece.tensors[:1]]
+        parts: List[Rollback] = [RandomRollback(self.params + firsts)]
+        if pending:
+            parts.append(PendingStash(modules=pending))
+        if slots:
+            parts.append(BufferStash(slots=slots))
+        parts.append(GradientStash(self.params, copy=sync.copy_grads))
+        self.rollbacks = Rollbacks(parts)
+        self.watch = MisuseWatch(self.params, model, check_grads=sync.watch_grads)
+        self.transfers = _pipeline_for(self.params, batch)
+        self.result: Optional[torch.Tensor] = None
+        self.total_weight: Optional[float] = None
+        self.attempts = 0
+        self.size: Optional[int] = None
+
+    @property
+    def row_items(self) -> float:
+        """The elements a row of the batch's widest piece holds, summed over its tensors: a learning policy
+        sizes by elements, so batches padded to other widths need no new search."""
+        return float(max(sum(t.numel() for _, t in piece.tensors) / piece.size for piece in self.batch.pieces))
+
+    @property
+    def device(self) -> Optional[torch.device]:
+        """Where the model computes (see `toma.core.steps.Step`)."""
+        return model_device(self.params)
+
+    def effective(self, size: int) -> int:
+        """A micro-batch never holds more rows than the largest piece of the logical batch."""
+        return min(size, self.batch.largest)
+
+    def __call__(self, size: int) -> bool:
+        self.attempts += 1
+        asked, size = size, self.effective(size)
+        self.size = size
+        self.rollbacks.begin()
+        try:
+            result = self._agreed(asked, size)
+        except BaseException:
+            self.rollbacks.undo()
+            self.sync.reset()
+            raise
+        self.rollbacks.keep()
+        self.result = result
+        return True
+
+    def _agreed(self, asked: int, size: int) -> torch.Tensor:
+        """The attempt, then, with other ranks, their agreement and the gradients' reduction (this call's only:
+        the ones it started with are set aside)."""
+        agreement = self.sync.agreement
+        try:
+            result = self._attempt(size)
+        except Exception as error:
+            if agreement is not None:  # tell the other ranks: the retry restores all
+                agreement.after_attempt(asked, error, self.policy, size)
+            raise
+        if agreement is not None:
+            agreement.after_attempt(asked, None, self.policy)
+        self.sync.reduce(self.params, self.total_weight if self.rank_weighted else None)
+        return result
+
+    def _attempt(self, size: int) -> torch.Tensor:
+        """Forward and backward of every micro-batch of the plan at `size`; the logical batch's loss, detached."""
+        plan = MicroBatchPlan(self.batch, size, self.weighting)
+        self.total_weight = plan.weight
+        if len(plan.micro_batches) > 1:
+            warn_once_about_batchnorm(self.model)
+        backward = backward_pass(self.options.backward, self.options.scaler)
+        func, sync, watch = self.func, self.sync, self.watch
+        last = plan.running[-1][0] if plan.running else -1
+        total: Optional[torch.Tensor] = None
+        with watch:
+            for (index, factor), (args, kwargs) in zip(plan.running, self._arguments(plan)):
+                with sync.micro_batch(index == last):
+                    try:
+                        loss = func(*args, **kwargs)
+                    except AccumulationMisuse:
+                        raise
+                    except Exception as error:
+                        _hint(error, plan.micro_batches[index])
+                        raise
+                    watch.loss_done()
+                    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                        raise loss_error(func, loss)
+                    if factor != 1.0:
+                        loss = loss * factor
+                    backward(loss)
+                if index != last:
+                    watch.backward_done()
+                loss = loss.detach()
+                total = loss if total is None else total + loss
+        if total is None:  # every micro-batch counted 0 items: nothing to learn from, no NaN
+            return torch.zeros((), device=self.params[0].device if self.params else None)
+        return total if total.dim() == 0 else total.reshape(())
+
+    def _arguments(self, plan: MicroBatchPlan) -> Iterator[Arguments]:
+        """The running micro-batches' arguments; moved to the model's device ahead of use when it has a pipeline."""
+        if self.transfers is None:
+            return (plan.arguments[index] for index, _ in plan.running)
+        return _prefetched(self.transfers, [plan.micro_batches[index] for index, _ in plan.running])
+
+
+def _prefetched(moving: MicroBatchTransfers, micro_batches: List[MicroBatch]) -> Iterator[Arguments]:
+    """Each micro-batch's arguments on the device, the next one's copy started before this one computes."""
+    if not micro_batches:
+        return
+    ahead = moving.prefetch(*micro_batches[0])
+    for following in micro_batches[1:]:
+        arguments = ahead.take()
+        ahead = moving.prefetch(*following)
+        yield arguments
+    yield ahead.take()
+
+
+def _hint(error: Exception, micro_batch: MicroBatch) -> None:
+    piece, start, stop = micro_batch
+    if 1 < stop - start < piece.size and not should_reduce_batch_size(error):
+        hint_whole(error, piece, stop - start)
