@@ -8,14 +8,14 @@ again. Completed steps are never repeated. What the run knows is one `CallState`
 integrations do not call this module: they enter through `toma.core.runner.Runner`.
 """
 
-from typing import Optional, Sequence, Tuple, TypeVar
+from typing import Optional, TypeVar
 
 from toma.core import call_sites
 from toma.core.agreement import AgreedRetry, Agreement
 from toma.core.caches import Batchsize
-from toma.core.observers import DEFAULT_OBSERVERS, Observer
+from toma.core.observers import DEFAULT_OBSERVERS, Observers
 from toma.core.oom import add_note, release_memory, should_reduce_batch_size
-from toma.core.policy import CallState, SizePolicy
+from toma.core.policy import CallState, LearningPolicy, SizePolicy
 from toma.core.size_file_observer import SizeFileObserver
 from toma.core.steps import BatchStep, ChunkStep, RangeStep, Step, find_device
 
@@ -23,7 +23,7 @@ __all__ = ["Step", "run", "BatchStep", "RangeStep", "ChunkStep", "add_note", "fi
 
 S = TypeVar("S", bound=Step)
 
-OBSERVERS: Tuple[Observer, ...] = (SizeFileObserver(), *DEFAULT_OBSERVERS)  # every run's, in this order
+OBSERVERS = Observers((SizeFileObserver(), *DEFAULT_OBSERVERS))  # every run's unless a Runner has its own
 
 
 def _first_line(exception: BaseException) -> str:
@@ -31,24 +31,25 @@ def _first_line(exception: BaseException) -> str:
     return f"{type(exception).__name__}: {text.splitlines()[0] if text else ''}"
 
 
-def _start(state: CallState[S], agreement: Optional[Agreement], observers: Sequence[Observer]) -> None:
-    """Choose the first attempt's size: the entry's (or the size file's), what a learning policy predicts for
-    it, and the smallest any rank starts with."""
-    for observer in observers:
-        observer.starting(state)
+def _start(state: CallState[S], agreement: Optional[Agreement], observers: Observers) -> None:
+    """Choose the first attempt's size for a learning policy or ranks that agree: what the policy predicts for
+    the entry's (or the size file's) size, and the smallest any rank starts with."""
     step, entry, learner = state.step, state.entry, state.learner
     if learner is not None:
         state.scale = float(step.row_items)
         # a settled call site between measurements: nothing to start, measure or locate
-        state.quick = not state.recalled and agreement is None and learner.quick(state)
-    if state.device is None and ((learner is not None and not state.quick) or agreement is not None):
+        if not state.recalled and agreement is None and learner.quick(state):
+            state.quick = True
+            state.size = entry.start(state.initial)
+            return
+    if state.device is None:
         state.device = step.device
     size = state.size = entry.start(state.initial)
-    if learner is not None and not state.quick:
+    if learner is not None:
         state.size = learner.start(state)
         if state.size != size:
-            for observer in observers:
-                observer.predicted(state, size)
+            for predicted in observers.predicted:
+                predicted(state, size)
     if agreement is not None:  # the ranks start at the same size; each proposes its own next size
         agreement.work_on(state.device)
         agreement.propose = state.propose
@@ -56,26 +57,12 @@ def _start(state: CallState[S], agreement: Optional[Agreement], observers: Seque
         entry.shrink_to(state.size)
 
 
-def _begin_attempt(state: CallState[S]) -> None:
-    """The policy's measurement of the attempt, and the rows of its first chunk when they may be news."""
-    state.new_attempt()
-    learner, entry, size = state.learner, state.entry, state.size
-    state.token = None if learner is None or state.quick else learner.begin(state)
-    fitted = entry.fitted
-    news = state.token is not None or fitted is None or size > fitted
-    state.ran = state.step.effective(size) if news else 0
-
-
-def _succeeded(state: CallState[S], observers: Sequence[Observer]) -> None:
-    """Note an attempt that finished: the entry's largest fit, and what a learning policy makes of it."""
-    if state.ran:
-        state.entry.record_fit(state.ran)
-    learner = state.learner
-    if learner is not None:
-        change = learner.succeeded(state)
-        if change:
-            for observer in observers:
-                observer.changed(state, change)
+def _learned(state: CallState[S], learner: LearningPolicy, observers: Observers) -> None:
+    """What a learning policy makes of an attempt that finished."""
+    change = learner.succeeded(state)
+    if change:
+        for changed in observers.changed:
+            changed(state, change)
 
 
 def _own_failure(state: CallState[S], exception: BaseException) -> bool:
@@ -111,7 +98,7 @@ def _agreed(state: CallState[S], retry: AgreedRetry) -> None:
         learner.observed(state)
 
 
-def _retry(state: CallState[S], observers: Sequence[Observer]) -> None:
+def _retry(state: CallState[S], observers: Observers) -> None:
     """After a failed attempt, its traceback gone: the entry's new size and failure, the observers, and the
     memory the attempt left; the next attempt runs at `state.next_size`."""
     next_size = state.next_size
@@ -119,8 +106,8 @@ def _retry(state: CallState[S], observers: Sequence[Observer]) -> None:
     state.entry.shrink_to(next_size)
     if state.failed is not None:
         state.entry.record_failure(state.failed)
-    for observer in observers:
-        observer.retrying(state)
+    for retrying in observers.retrying:
+        retrying(state)
     release_memory()
     state.size = next_size
     if state.quick:  # the retry is measured, where its work runs
@@ -133,7 +120,7 @@ def run(
     initial_size: int,
     policy: SizePolicy,
     agreement: Optional[Agreement] = None,
-    observers: Sequence[Observer] = OBSERVERS,
+    observers: Observers = OBSERVERS,
 ) -> CallState[S]:
     """Run `step` to completion from `entry`, shrinking its size on out-of-memory errors; returns the run's state.
 
@@ -142,11 +129,25 @@ def run(
     ranks of a process group start at the same size, and a step raising AgreedRetry is retried at the agreed size.
     """
     state = CallState(step, entry, policy, initial_size)
-    _start(state, agreement, observers)
+    for starting in observers.starting:
+        starting(state)
+    learner = state.learner
+    if learner is None and agreement is None:
+        state.size = entry.start(initial_size)
+    else:
+        _start(state, agreement, observers)
     while True:
-        _begin_attempt(state)
+        state.attempts += 1
+        if state.proposed:  # the previous attempt's proposal is spent
+            state.new_attempt()
+        size = state.size
+        if learner is not None and not state.quick:
+            state.token = learner.begin(state)
+        fitted = entry.fitted  # the attempt's first chunk is worth reading only when it may be news to the entry
+        news = state.token is not None or fitted is None or size > fitted
+        ran = state.ran = step.effective(size) if news else 0
         try:
-            while not step(state.size):
+            while not step(size):
                 pass
         except AgreedRetry as retry:
             _agreed(state, retry)
@@ -154,7 +155,10 @@ def run(
             if not should_reduce_batch_size(exception) or not _own_failure(state, exception):
                 raise
         else:
-            _succeeded(state, observers)
+            if ran:
+                entry.record_fit(ran)
+            if learner is not None:
+                _learned(state, learner, observers)
             return state
         # Only here, with the except block left, is the failed attempt's traceback (and so its frames
         # and tensors) unreachable; collecting inside the block would free nothing.

@@ -3,13 +3,13 @@ free-memory gauge), each a small object the engine tells what happened, as tenac
 and `before_sleep` out of its loop. A new job is a new `Observer` subclass handed to the `Runner`."""
 
 import logging
-from typing import Any, Tuple
+from typing import Any, Callable, Sequence, Tuple
 
 from toma.core import call_sites
 from toma.core.policy import CallState
 from toma.memory.free import GAUGE
 
-__all__ = ["Observer", "LogLines", "FreeMemoryRefresh"]
+__all__ = ["Observer", "Observers", "LogLines", "FreeMemoryRefresh", "DEFAULT_OBSERVERS"]
 
 log = logging.getLogger("toma")
 
@@ -71,6 +71,30 @@ class FreeMemoryRefresh(Observer):
 
     def retrying(self, state: CallState[Any]) -> None:
         GAUGE.invalidate()
+
+
+Hook = Callable[..., None]
+
+
+def _overriding(observers: Sequence[Observer], event: str) -> Tuple[Hook, ...]:
+    return tuple(getattr(o, event) for o in observers if getattr(type(o), event) is not getattr(Observer, event))
+
+
+class Observers:
+    """The observers of a run as the hooks each event calls: only those an observer overrides, found once (when a
+    Runner is built), so an event nobody listens to costs the hot path nothing."""
+
+    __slots__ = ("observers", "starting", "predicted", "changed", "retrying")
+
+    def __init__(self, observers: Sequence[Observer]) -> None:
+        for observer in observers:
+            if not isinstance(observer, Observer):
+                raise TypeError(f"observers must be toma.core.observers.Observer instances, got {observer!r}")
+        self.observers = tuple(observers)
+        self.starting = _overriding(observers, "starting")
+        self.predicted = _overriding(observers, "predicted")
+        self.changed = _overriding(observers, "changed")
+        self.retrying = _overriding(observers, "retrying")
 
 
 DEFAULT_OBSERVERS: Tuple[Observer, ...] = (LogLines(), FreeMemoryRefresh())

@@ -144,6 +144,8 @@ class CallState(Generic[S]):
     `next_size`, `reason` and `detail` (the log line's words). `failures` counts this run's own OOMs.
     """
 
+    # A run that fits sets only the slots; the rest start as these class attributes and go to the instance's
+    # dictionary (made on first use) only when a run changes them: the hot path builds a small object.
     __slots__ = (
         "step",
         "entry",
@@ -151,50 +153,40 @@ class CallState(Generic[S]):
         "learner",
         "initial",
         "size",
-        "scale",
-        "device",
-        "recalled",
-        "quick",
-        "token",
-        "ran",
         "attempts",
-        "failures",
-        "failed",
-        "error",
-        "next_size",
-        "reason",
-        "detail",
-        "_asked",
-        "_outcome",
+        "ran",
+        "scale",
+        "quick",
+        "__dict__",
     )
+    device: Optional[torch.device] = None
+    recalled: bool = False
+    token: Optional[Token] = None
+    failures: int = 0
+    failed: Optional[int] = None
+    error: Optional[BaseException] = None
+    next_size: Optional[int] = None
+    reason: str = ""
+    detail: str = ""
+    proposed: bool = False  # whether this attempt's own proposal was asked for (by the engine or the agreement)
+    _outcome: Union[int, None, ValueError] = None
 
     def __init__(self, step: S, entry: Batchsize, policy: SizePolicy, initial: int) -> None:
-        self.step, self.entry, self.policy, self.initial = step, entry, policy, initial
+        self.step, self.entry, self.policy, self.initial, self.size = step, entry, policy, initial, initial
         self.learner: Optional[LearningPolicy] = policy if isinstance(policy, LearningPolicy) else None
-        self.size = initial
-        self.scale = 1.0
-        self.device: Optional[torch.device] = None
-        self.recalled = self.quick = False
-        self.token: Optional[Token] = None
-        self.ran = self.attempts = self.failures = 0
-        self.failed: Optional[int] = None
-        self.error: Optional[BaseException] = None
-        self.next_size: Optional[int] = None
-        self.reason = self.detail = ""
-        self._asked = False
-        self._outcome: Union[int, None, ValueError] = None
+        self.attempts = self.ran = 0
+        self.scale, self.quick = 1.0, False
 
     def new_attempt(self) -> None:
-        """Forget the previous attempt's proposal."""
-        self.attempts += 1
-        self._asked, self.failed, self.detail = False, None, ""
+        """Forget the previous attempt's proposal, failure and detail."""
+        self.proposed, self.failed, self.detail = False, None, ""
 
     def propose(self, size: int, failed: int, error: BaseException) -> Optional[int]:
         """The size this rank would retry at after `error` at `size` (`failed` rows ran out), worked out once per
         attempt whether the ranks' agreement or the engine asks first; None at the smallest. A broken policy's
         ValueError is raised to every asker."""
-        if not self._asked:
-            self._asked = True
+        if not self.proposed:
+            self.proposed = True
             learner = self.learner
             self.size, self.failed, self.error = size, failed, error
             try:
@@ -211,11 +203,6 @@ class CallState(Generic[S]):
         if isinstance(outcome, ValueError):
             raise outcome
         return outcome
-
-    @property
-    def proposed(self) -> bool:
-        """Whether this attempt's own proposal was asked for (by the engine or the agreement)."""
-        return self._asked
 
     def label(self) -> str:
         """What a log line calls the run: the step's function and what its size is."""

@@ -11,6 +11,7 @@ import types
 from typing import Any, Callable, Dict, Hashable, Optional, Sequence, Type, TypeVar, cast
 
 from toma.core import engine
+from toma.core import policy as policy_setting
 from toma.core.agreement import AgreedStep, Agreement, agreement_for
 from toma.core.arguments import innermost_function
 from toma.core.caches import (
@@ -20,7 +21,7 @@ from toma.core.caches import (
     get_cache_for_context,
     get_default_cache_type,
 )
-from toma.core.observers import Observer
+from toma.core.observers import Observer, Observers
 from toma.core.policy import CallState, SizePolicy, assigned_default, check_policy
 from toma.core.steps import Step
 
@@ -71,7 +72,7 @@ class Runner:
         self.cache_type = None if cache_type is None else check_cache_type(cache_type, f"{prefix}cache_type")
         self.policy: Optional[SizePolicy] = check_policy(policy, f"{prefix}policy")
         self.context, self.distributed = context, distributed
-        self.observers = engine.OBSERVERS if observers is None else tuple(observers)
+        self.observers = engine.OBSERVERS if observers is None else Observers(observers)
         self._fixed = cache
         self._own: Optional[BoundedDict] = BoundedDict(16) if own_caches and cache is None else None
 
@@ -85,7 +86,7 @@ class Runner:
             distributed=self.distributed,
             cache=self._fixed,
             own_caches=True,
-            observers=self.observers,
+            observers=self.observers.observers,
         )
 
     def as_kwargs(self, agreed: bool = True) -> Dict[str, Any]:
@@ -119,7 +120,7 @@ class Runner:
         `agreement`: the one a step reports to itself (accumulation's gradient sync); else `distributed=` wraps
         the step so that every attempt ends in the ranks' agreement (checked per call: the group may start after
         the Runner was built)."""
-        policy = self.resolved_policy()
+        policy = self.policy or policy_setting._assigned or self.default  # resolved_policy(), on the hot path
         entry = self.cache(step.func, context).get_batchsize(initial)
         if agreement is None and self.distributed:
             agreement = agreement_for(self.distributed)
