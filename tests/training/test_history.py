@@ -1,10 +1,11 @@
-"""TrainingHistory: save/load round trips and the plot."""
+"""TrainingHistory: save/load round trips and the plot; EpochTally: an epoch's steps added up."""
 
 import sys
 
 import pytest
+import torch
 
-from toma.training.history import PLOT_HINT, TrainingHistory
+from toma.training.history import PLOT_HINT, EpochTally, TrainingHistory
 
 
 def sample():
@@ -73,3 +74,21 @@ def test_the_plot_shows_evaluation_metrics_epoch_ends_and_a_steady_logical_batch
     boundaries = [line for axes in figure.axes for line in axes.get_lines() if line.get_gid() == "epoch end"]
     assert len(boundaries) == 2 * len(figure.axes) and len(figure.axes) == 3
     assert (tmp_path / "history.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_epoch_tally_means_over_what_the_steps_averaged_over_and_keeps_full_batches_micro_batch():
+    tally = EpochTally(mean=True)
+    tally.add(torch.tensor(1.0), 3.0, 4, micro_batch=2, full=True)
+    tally.add(torch.tensor(2.0), 1.0, 1, micro_batch=1, full=False)
+    assert tally.loss() == pytest.approx((1.0 * 3 + 2.0 * 1) / 4)
+    assert tally.sizes == [4, 1] and tally.micro_batch == 2
+
+
+def test_epoch_tally_of_summed_losses_is_their_mean_per_step_and_of_nothing_counted_zero():
+    summed = EpochTally(mean=False)
+    summed.add(torch.tensor(4.0), 2.0, 2, micro_batch=None, full=False)
+    summed.add(torch.tensor(6.0), 2.0, 2, micro_batch=2, full=True)
+    assert summed.loss() == pytest.approx(5.0) and summed.micro_batch == 2
+    empty = EpochTally(mean=True)
+    empty.add(torch.tensor(float("nan")), 0.0, 3, micro_batch=3, full=True)
+    assert empty.loss() == 0.0

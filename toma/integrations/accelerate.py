@@ -56,6 +56,31 @@ def _positional_limit(function: Callable[..., Any]) -> Optional[int]:
     return max(0, sum(p.kind in positional for p in parameters) - 1)
 
 
+def _chosen_policy(
+    starting_batch_size: int, reduce_batch_size_fn: Optional[Callable[[], int]], policy: Optional[SizePolicy]
+) -> Optional[SizePolicy]:
+    """The decorator's arguments checked, and the sizing policy they choose (None: accelerate's back-off)."""
+    if isinstance(starting_batch_size, bool) or not isinstance(starting_batch_size, int) or starting_batch_size < 0:
+        raise ValueError(f"starting_batch_size must be a whole number of at least 0, got {starting_batch_size!r}")
+    if reduce_batch_size_fn is not None and not callable(reduce_batch_size_fn):
+        raise TypeError(f"reduce_batch_size_fn must be a function of no arguments, got {reduce_batch_size_fn!r}")
+    if reduce_batch_size_fn is not None and policy is not None:
+        raise ValueError("give reduce_batch_size_fn or policy, not both: each decides the size after an error")
+    return check_policy(policy, "policy") or (
+        None if reduce_batch_size_fn is None else ReduceBatchSizeFn(reduce_batch_size_fn)
+    )
+
+
+def _size_passed(function: Callable[..., Any], name: str, args: tuple, kwargs: dict) -> TypeError:
+    """accelerate's error for a call that passes the batch size the decorator passes (one positional too many)."""
+    named = zip(list(inspect.signature(function).parameters)[1:], args[1:])
+    given = ", ".join(f"{p}={v!r}" for p, v in [*named, *kwargs.items()])
+    return TypeError(
+        f"Batch size was passed into `{name}` as the first argument when called. Remove this as the "
+        f"decorator already does so: `{name}({given})`"
+    )
+
+
 def find_executable_batch_size(
     function: Optional[Callable[..., Any]] = None,
     starting_batch_size: int = 128,
@@ -76,15 +101,7 @@ def find_executable_batch_size(
             policy=policy,
         )
     check_function(function, "find_executable_batch_size", "starting_batch_size")
-    if isinstance(starting_batch_size, bool) or not isinstance(starting_batch_size, int) or starting_batch_size < 0:
-        raise ValueError(f"starting_batch_size must be a whole number of at least 0, got {starting_batch_size!r}")
-    if reduce_batch_size_fn is not None and not callable(reduce_batch_size_fn):
-        raise TypeError(f"reduce_batch_size_fn must be a function of no arguments, got {reduce_batch_size_fn!r}")
-    if reduce_batch_size_fn is not None and policy is not None:
-        raise ValueError("give reduce_batch_size_fn or policy, not both: each decides the size after an error")
-    chosen = check_policy(policy, "policy") or (
-        None if reduce_batch_size_fn is None else ReduceBatchSizeFn(reduce_batch_size_fn)
-    )
+    chosen = _chosen_policy(starting_batch_size, reduce_batch_size_fn, policy)
     # One size per function's code, wherever it is called from (accelerate keeps one per decoration): an inner
     # training function decorated anew on every outer call, as accelerate's documentation does it, finds it too.
     cache = Runner(ACCELERATE, cache_type=GlobalBatchsizeCache).cache(function)
@@ -96,12 +113,7 @@ def find_executable_batch_size(
     @functools.wraps(function)
     def decorator(*args: Any, **kwargs: Any) -> Any:
         if limit is not None and len(args) > limit:
-            named = zip(list(inspect.signature(function).parameters)[1:], args[1:])
-            given = ", ".join(f"{p}={v!r}" for p, v in [*named, *kwargs.items()])
-            raise TypeError(
-                f"Batch size was passed into `{name}` as the first argument when called. Remove this as the "
-                f"decorator already does so: `{name}({given})`"
-            )
+            raise _size_passed(function, name, args, kwargs)
         if starting_batch_size == 0:
             raise RuntimeError(NO_BATCH_SIZE)
         try:

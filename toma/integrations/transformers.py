@@ -22,27 +22,32 @@ count. The division by the accumulation steps follows the Trainer's rule.
 
 import copy
 import logging
-from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
 
 import torch
 import transformers
 from accelerate.utils.memory import clear_device_cache  # type: ignore[import-untyped]
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.trainer_pt_utils import nested_concat
 from transformers.trainer_utils import unwrap_peft_model
 from transformers.training_args import OptimizerNames
 
 from toma.accumulation.accumulate import AccumulationStats, Sizing, accumulate
 from toma.accumulation.options import AccumulationOptions
-from toma.batching.batches import rows
 from toma.batching.splitting import ArgumentBatch
 from toma.core.arguments import check_size
 from toma.core.caches import GlobalBatchsizeCache
 from toma.core.policy import SizePolicy, check_policy
 from toma.core.runner import Runner
 from toma.core.steps import RangeStep
+from toma.integrations.transformers_shares import (
+    Count,
+    LabelCount,
+    Shares,
+    check_additive,
+    check_weight,
+    has_labels,
+    is_causal_lm,
+)
 from toma.sizing.defaults import ACCUMULATION
 from toma.training.data import WHOLE_BATCHES
 
@@ -51,91 +56,6 @@ __all__ = ["TomaTrainerMixin", "TomaTrainer"]
 log = logging.getLogger("toma")
 
 OPTIONS = ("toma_policy", "toma_initial_micro_batch", "toma_weight", "toma_log_micro_batch")
-IGNORE_INDEX = -100  # the Trainer's label for a position that is not a target
-
-Count = Callable[[Any], Any]
-
-
-@dataclass(frozen=True)
-class _Shares:
-    """How one logical batch's micro-losses add up to the plain Trainer's loss for it (see the module's docstring):
-    micro-batch i, a share s_i of the batch, is given `num_items_in_batch * s_i` and weighted by s_i."""
-
-    count: Optional[Count]  # what a share is counted in (None: rows)
-    total: Any  # the batch's count (None: rows)
-    rows: int  # the batch's rows
-    num_items: Any  # num_items_in_batch as the Trainer passes it (None: none)
-    divisor: int  # the plain Trainer's division by the gradient-accumulation steps (1: none)
-    summed: bool = False  # normalised by compute_loss itself without num_items_in_batch: the micro-losses add up
-
-    def num_items_for(self, micro: Any) -> Any:
-        """The micro-batch's `num_items_in_batch`: the Trainer's, times its share (as given, for the whole batch)."""
-        if self.num_items is None:
-            return None
-        micro_rows = rows(micro)
-        if micro_rows == self.rows:
-            return self.num_items
-        if self.count is None:
-            return self.num_items * micro_rows / self.rows
-        return self.num_items * self.count(micro) / self.total
-
-
-class _LabelCount:
-    """A batch's label items as the Trainer counts them for `num_items_in_batch`: labels other than -100, after
-    the shift of a causal language model's loss (or its `shift_labels` as given)."""
-
-    def __init__(self, shifted: bool) -> None:
-        self.shifted = shifted
-
-    def __call__(self, batch: Any) -> torch.Tensor:
-        if "shift_labels" in batch:
-            labels = batch["shift_labels"]
-        else:
-            labels = batch["labels"][..., 1:] if self.shifted else batch["labels"]
-        return labels.ne(IGNORE_INDEX).sum()
-
-
-def _has_labels(inputs: Any) -> bool:
-    return isinstance(inputs, Mapping) and any(
-        isinstance(inputs.get(key), torch.Tensor) for key in ("labels", "shift_labels")
-    )
-
-
-def _is_causal_lm(model: Any) -> bool:
-    """Whether the model's own loss shifts its labels, by the Trainer's label-smoothing rule (a causal language
-    model's class, not an encoder-decoder), which a subclass of such a class inherits."""
-    config = getattr(model, "config", None)
-    if getattr(config, "is_encoder_decoder", False) or not isinstance(model, torch.nn.Module):
-        return False
-    causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
-    return any(cls.__name__ in causal for cls in type(model).__mro__)
-
-
-def _check_weight(weight: Any) -> Optional[Count]:
-    if weight is not None and not callable(weight):
-        raise TypeError(
-            "toma_weight must be a function of a batch (the Trainer's inputs) that returns how many items its mean "
-            f"loss averages over, e.g. lambda batch: (batch['labels'] != -100).sum(); got {weight!r}"
-        )
-    return weight
-
-
-def _check_additive(weight: Count, batch: ArgumentBatch, total: float) -> None:
-    """`toma_weight` must count a batch's items row by row, or micro-batches' shares would not add up to 1 (a part
-    of the batch dropped or counted twice): its two halves must count what the whole does. Checked once, on the
-    first batch, before any forward pass."""
-    if batch.size < 2:
-        return
-    half = batch.size // 2
-    ((first,), _), ((second,), _) = batch.micro_batch(0, half), batch.micro_batch(half, batch.size)
-    counted = float(weight(first) + weight(second))
-    if abs(counted - total) > 1e-6 * total:
-        name = getattr(weight, "__qualname__", repr(weight))
-        raise ValueError(
-            f"toma_weight ({name}) must count a batch's items row by row, so that its micro-batches' counts add up "
-            f"to the whole batch's: the two halves of a batch of {batch.size} rows count {counted:g}, the whole "
-            f"{total:g}"
-        )
 
 
 # Type checkers see the mixin as the Trainer it is mixed into; at run time it is a plain class.
@@ -202,7 +122,7 @@ class TomaTrainerMixin(_Trainer):
             if toma_initial_micro_batch is None
             else check_size(toma_initial_micro_batch, "toma_initial_micro_batch")
         )
-        self.toma_weight = _check_weight(toma_weight)
+        self.toma_weight = check_weight(toma_weight)
         self._toma_weight_checked = False  # whether toma_weight was seen to count row by row
         if not isinstance(toma_log_micro_batch, bool):
             raise TypeError(f"toma_log_micro_batch must be True or False, got {toma_log_micro_batch!r}")
@@ -214,9 +134,9 @@ class TomaTrainerMixin(_Trainer):
         self._toma_evaluation = Runner(ACCUMULATION, policy=given, cache=GlobalBatchsizeCache(), distributed=True)
         super().__init__(*args, **kwargs)
         self._toma_check_setup()
-        self._toma_trainer_count = _LabelCount(self._loss_shifts_labels)
+        self._toma_trainer_count = LabelCount(self._loss_shifts_labels)
         model = unwrap_peft_model(self.model)
-        self._toma_model_count = _LabelCount(self._loss_shifts_labels or _is_causal_lm(model))
+        self._toma_model_count = LabelCount(self._loss_shifts_labels or is_causal_lm(model))
 
     @property
     def toma_policy(self) -> SizePolicy:
@@ -260,7 +180,7 @@ class TomaTrainerMixin(_Trainer):
         (the Trainer's label-smoothing rule: a causal language model's labels shifted)."""
         if self.toma_weight is not None:
             return self.toma_weight
-        if not _has_labels(inputs):
+        if not has_labels(inputs):
             return None
         return self._toma_evaluation_items if as_the_trainer_counts else self._toma_model_count
 
@@ -271,7 +191,7 @@ class TomaTrainerMixin(_Trainer):
         items = self._get_num_items_in_batch([chunk], self.args.device)
         return self._toma_trainer_count(chunk) if items is None else items
 
-    def _toma_shares(self, inputs: Any, batch: ArgumentBatch, num_items_in_batch: Any) -> _Shares:
+    def _toma_shares(self, inputs: Any, batch: ArgumentBatch, num_items_in_batch: Any) -> Shares:
         declared = self.loss_is_scaled_for_ga
         if declared is not None:
             scaled = bool(declared)
@@ -282,22 +202,22 @@ class TomaTrainerMixin(_Trainer):
         divisor = 1 if scaled else int(self.current_gradient_accumulation_steps)
         if declared is True and num_items_in_batch is None:
             # Normalised over the window by compute_loss itself, with nothing to scale: the micro-losses add up.
-            return _Shares(None, None, batch.size, None, 1, summed=True)
+            return Shares(None, None, batch.size, None, 1, summed=True)
         count = self._toma_count_for(inputs)
         if count is None:
-            return _Shares(None, None, batch.size, num_items_in_batch, divisor)
+            return Shares(None, None, batch.size, num_items_in_batch, divisor)
         total = count(inputs)
         value = float(total)
         if value > 0:
             if count is self.toma_weight and not self._toma_weight_checked:
-                _check_additive(count, batch, value)
+                check_additive(count, batch, value)
                 self._toma_weight_checked = True
-            return _Shares(count, total, batch.size, num_items_in_batch, divisor)
+            return Shares(count, total, batch.size, num_items_in_batch, divisor)
         if not value == 0:
             raise ValueError(
                 f"toma_weight must return a count of at least 0, got {value} for a batch of {batch.size} rows"
             )
-        if count is self.toma_weight and _has_labels(inputs):
+        if count is self.toma_weight and has_labels(inputs):
             labelled = float(self._toma_model_count(inputs))
             if labelled > 0:
                 raise ValueError(
@@ -306,7 +226,7 @@ class TomaTrainerMixin(_Trainer):
                     "toma_weight must return what the batch's loss averages over"
                 )
         # Nothing to average over (every label -100): shares by rows give the plain Trainer's value all the same.
-        return _Shares(None, None, batch.size, num_items_in_batch, divisor)
+        return Shares(None, None, batch.size, num_items_in_batch, divisor)
 
     def training_step(
         self, model: torch.nn.Module, inputs: Any, num_items_in_batch: Optional[Any] = None

@@ -3,11 +3,43 @@
 import csv
 import json
 import math
+import time
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
+
+import torch
 
 __all__ = ["TrainingHistory"]
 
 PLOT_HINT = "history.plot needs matplotlib: pip install matplotlib (or pip install 'toma[plot]')"
+
+
+@dataclass
+class EpochTally:
+    """An epoch's steps as they run, for its record: each step's loss (times what it averaged over, for a mean
+    loss), its weight and rows, and the micro-batch size full logical batches ran at (a short last one runs whole)."""
+
+    mean: bool  # the loss is a mean (over rows, or what the weight counts), not a sum
+    started: float = field(default_factory=time.perf_counter)
+    weighted: List[torch.Tensor] = field(default_factory=list)
+    weights: List[float] = field(default_factory=list)
+    sizes: List[int] = field(default_factory=list)
+    micro_batch: Optional[int] = None
+
+    def add(self, loss: torch.Tensor, weight: float, rows: int, micro_batch: Optional[int], full: bool) -> None:
+        """A step's loss (still on the device), weight, rows and micro-batch size; `full`: a whole logical batch."""
+        self.weighted.append(loss.float() * weight if self.mean else loss.float())
+        self.weights.append(weight)
+        self.sizes.append(rows)
+        if full or self.micro_batch is None:
+            self.micro_batch = micro_batch
+
+    def loss(self) -> float:
+        """The epoch's loss: a mean over what the steps averaged over, or the steps' summed losses per step."""
+        total = float(torch.stack(self.weighted).sum())
+        if self.mean:
+            return total / sum(self.weights) if sum(self.weights) > 0 else 0.0
+        return total / len(self.sizes)
 
 
 def _parse(text: str) -> Any:

@@ -27,7 +27,7 @@ from toma.sizing.policies import SizePolicy, check_policy
 from toma.training.arguments import check_functions, check_run, place
 from toma.training.criteria import check_criterion, criterion_weight
 from toma.training.data import WHOLE_BATCHES, EvaluationChunks, call_arguments, logical_batch, rows_per_epoch
-from toma.training.history import TrainingHistory
+from toma.training.history import EpochTally, TrainingHistory
 from toma.training.outputs import (
     METRICS,
     Metric,
@@ -109,7 +109,11 @@ class Trainer:
         self.device = place(self.model, device)
         self.callbacks = list(callbacks)
         self.verbose, self.file = verbose, file
+        self._start_state(given)
 
+    def _start_state(self, policy: Optional[SizePolicy]) -> None:
+        """What the trainer keeps across steps: the history, the memory record, the counters, and the Runners
+        that keep the micro-batch and evaluation sizes."""
         self.history = TrainingHistory()
         self.memory = MemoryHistory(self.device, max_length=10_000)
         self.current_epoch = 0  # epochs finished
@@ -118,8 +122,8 @@ class Trainer:
         self.stats = AccumulationStats()
         # One cached size per trainer, wherever and at whatever free memory a step runs: once the search
         # has settled, every later step starts at the size that worked.
-        self._training = Runner(ACCUMULATION, policy=given, cache=GlobalBatchsizeCache())
-        self._evaluation = Runner(ACCUMULATION, policy=given, cache=GlobalBatchsizeCache())
+        self._training = Runner(ACCUMULATION, policy=policy, cache=GlobalBatchsizeCache())
+        self._evaluation = Runner(ACCUMULATION, policy=policy, cache=GlobalBatchsizeCache())
 
     # --- state ---------------------------------------------------------------------------------------
 
@@ -204,11 +208,8 @@ class Trainer:
         self.memory.clear()
         self._reset_cuda_peak()
         progress.start_epoch(shown, epochs, self._total_steps())
-        settled_micro_batch = None  # the size full logical batches ran at (a short last one runs whole)
-        started, retries_before, first_step = time.perf_counter(), self.oom_retries, len(self.history.steps)
-        weighted: List[torch.Tensor] = []  # each step's loss, times what it averaged over for a mean loss
-        weights: List[float] = []
-        sizes: List[int] = []
+        tally = EpochTally(mean=self.reduction == "mean")
+        retries_before, first_step = self.oom_retries, len(self.history.steps)
         stopped = False
         try:
             for batch in logical_batches(self.train_data, self.batch_size):
@@ -216,36 +217,27 @@ class Trainer:
                 retries = self.oom_retries
                 loss = self.step(batch)
                 weight = self.stats.weight if self.stats.weight is not None else float(n)
-                weighted.append(loss.float() * weight if self.reduction == "mean" else loss.float())
-                weights.append(weight)
-                sizes.append(n)
-                if n == self.batch_size or settled_micro_batch is None:
-                    settled_micro_batch = self.micro_batch
-                self._record_step(loss, n, retries, progress, sum(sizes) / (time.perf_counter() - started))
+                tally.add(loss, weight, n, self.micro_batch, full=n == self.batch_size)
+                self._record_step(loss, n, retries, progress, sum(tally.sizes) / (time.perf_counter() - tally.started))
                 self._callbacks("on_step_end")
         except StopTraining:
             stopped = True
         finally:
             for record in self.history.steps[first_step:]:
                 record["loss"] = float(record["loss"])  # one device sync per step, once per epoch
-        if not sizes:
+        if not tally.sizes:
             progress.close()
             if stopped:
                 return {}, True
             raise ValueError("train_data yielded no batches: there is nothing to train on")
-        seconds = time.perf_counter() - started
-        total = float(torch.stack(weighted).sum())
-        if self.reduction == "mean":
-            loss_value = total / sum(weights) if sum(weights) > 0 else 0.0
-        else:
-            loss_value = total / len(sizes)
+        seconds = time.perf_counter() - tally.started
         record = dict(
             epoch=self.current_epoch + 1,
             step=self.global_step,
-            loss=loss_value,
+            loss=tally.loss(),
             time=seconds,
-            samples_per_s=sum(sizes) / seconds if seconds > 0 else float("inf"),
-            micro_batch=settled_micro_batch,
+            samples_per_s=sum(tally.sizes) / seconds if seconds > 0 else float("inf"),
+            micro_batch=tally.micro_batch,
             oom_retries=self.oom_retries - retries_before,
             peak_rss=self.memory.peak("rss"),
             peak_cuda_allocated=self._cuda_peak(),

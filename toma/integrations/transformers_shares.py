@@ -1,0 +1,101 @@
+"""How `TomaTrainer` weights a logical batch's micro-batches so that their losses add up to the plain Trainer's:
+each micro-batch's share of the batch, counted in label items as the Trainer counts them, in `toma_weight=`'s
+items, or in rows (see `toma.integrations.transformers`'s docstring)."""
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from toma.batching.batches import rows
+from toma.batching.splitting import ArgumentBatch
+
+IGNORE_INDEX = -100  # the Trainer's label for a position that is not a target
+
+Count = Callable[[Any], Any]
+
+
+@dataclass(frozen=True)
+class Shares:
+    """How one logical batch's micro-losses add up to the plain Trainer's loss for it: micro-batch i, a share s_i
+    of the batch, is given `num_items_in_batch * s_i` and weighted by s_i."""
+
+    count: Optional[Count]  # what a share is counted in (None: rows)
+    total: Any  # the batch's count (None: rows)
+    rows: int  # the batch's rows
+    num_items: Any  # num_items_in_batch as the Trainer passes it (None: none)
+    divisor: int  # the plain Trainer's division by the gradient-accumulation steps (1: none)
+    summed: bool = False  # normalised by compute_loss itself without num_items_in_batch: the micro-losses add up
+
+    def num_items_for(self, micro: Any) -> Any:
+        """The micro-batch's `num_items_in_batch`: the Trainer's, times its share (as given, for the whole batch)."""
+        if self.num_items is None:
+            return None
+        micro_rows = rows(micro)
+        if micro_rows == self.rows:
+            return self.num_items
+        if self.count is None:
+            return self.num_items * micro_rows / self.rows
+        return self.num_items * self.count(micro) / self.total
+
+
+class LabelCount:
+    """A batch's label items as the Trainer counts them for `num_items_in_batch`: labels other than -100, after
+    the shift of a causal language model's loss (or its `shift_labels` as given)."""
+
+    def __init__(self, shifted: bool) -> None:
+        self.shifted = shifted
+
+    def __call__(self, batch: Any) -> torch.Tensor:
+        if "shift_labels" in batch:
+            labels = batch["shift_labels"]
+        else:
+            labels = batch["labels"][..., 1:] if self.shifted else batch["labels"]
+        return labels.ne(IGNORE_INDEX).sum()
+
+
+def has_labels(inputs: Any) -> bool:
+    """Whether the Trainer's inputs carry labels (`labels` or `shift_labels`) to count."""
+    return isinstance(inputs, Mapping) and any(
+        isinstance(inputs.get(key), torch.Tensor) for key in ("labels", "shift_labels")
+    )
+
+
+def is_causal_lm(model: Any) -> bool:
+    """Whether the model's own loss shifts its labels, by the Trainer's label-smoothing rule (a causal language
+    model's class, not an encoder-decoder), which a subclass of such a class inherits."""
+    config = getattr(model, "config", None)
+    if getattr(config, "is_encoder_decoder", False) or not isinstance(model, torch.nn.Module):
+        return False
+    causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    return any(cls.__name__ in causal for cls in type(model).__mro__)
+
+
+def check_weight(weight: Any) -> Optional[Count]:
+    """`toma_weight=` checked: None, or a function of a batch."""
+    if weight is not None and not callable(weight):
+        raise TypeError(
+            "toma_weight must be a function of a batch (the Trainer's inputs) that returns how many items its mean "
+            f"loss averages over, e.g. lambda batch: (batch['labels'] != -100).sum(); got {weight!r}"
+        )
+    return weight
+
+
+def check_additive(weight: Count, batch: ArgumentBatch, total: float) -> None:
+    """`toma_weight` must count a batch's items row by row, or micro-batches' shares would not add up to 1 (a part
+    of the batch dropped or counted twice): its two halves must count what the whole does. Checked once, on the
+    first batch, before any forward pass."""
+    if batch.size < 2:
+        return
+    half = batch.size // 2
+    ((first,), _), ((second,), _) = batch.micro_batch(0, half), batch.micro_batch(half, batch.size)
+    counted = float(weight(first) + weight(second))
+    if abs(counted - total) > 1e-6 * total:
+        name = getattr(weight, "__qualname__", repr(weight))
+        raise ValueError(
+            f"toma_weight ({name}) must count a batch's items row by row, so that its micro-batches' counts add up "
+            f"to the whole batch's: the two halves of a batch of {batch.size} rows count {counted:g}, the whole "
+            f"{total:g}"
+        )
