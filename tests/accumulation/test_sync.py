@@ -23,7 +23,7 @@ def test_a_module_on_one_process_syncs_locally_with_nothing_to_do():
     local = sync_for(nn.Linear(2, 1))
     assert isinstance(local, LocalSync) and local.agreement is None
     assert not local.copy_grads and local.watch_grads
-    with local.micro_batch(last=False), local.micro_batch(last=True):
+    with local.scope(last=False), local.scope(last=True):
         pass
     local.reduce([torch.zeros(1)], None)
     local.reset()

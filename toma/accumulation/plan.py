@@ -99,6 +99,6 @@ class MicroBatchPlan:
 
     def __init__(self, batch: LogicalBatch, size: int, weighting: Weighting) -> None:
         self.micro_batches: List[MicroBatch] = batch.micro_batches(size)
-        self.arguments: List[Arguments] = [piece.micro_batch(start, stop) for piece, start, stop in self.micro_batches]
+        self.arguments: List[Arguments] = [piece.arguments(start, stop) for piece, start, stop in self.micro_batches]
         factors, self.weight = weighting.factors(self.micro_batches, self.arguments, batch.size)
         self.running: List[Tuple[int, float]] = [(i, f) for i, f in enumerate(factors) if f is not None]

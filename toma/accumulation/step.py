@@ -166,7 +166,7 @@ class AccumulateStep(Step):
         total: Optional[torch.Tensor] = None
         with watch:
             for (index, factor), (args, kwargs) in zip(plan.running, self._arguments(plan)):
-                with sync.micro_batch(index == last):
+                with sync.scope(index == last):
                     try:
                         loss = func(*args, **kwargs)
                     except AccumulationMisuse:

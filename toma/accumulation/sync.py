@@ -24,7 +24,7 @@ class GradientSync(ABC):
     The accumulation step (`toma.accumulation.step.AccumulateStep`) drives it, for every attempt at the logical
     batch, with the gradients the call started with set aside (`.grad` holds this attempt's only):
 
-    1. `with sync.micro_batch(last):` around each micro-batch's forward and backward pass; `last` is True for
+    1. `with sync.scope(last):` around each micro-batch's forward and backward pass; `last` is True for
        the attempt's last micro-batch that runs (what DDP reduces in, or FSDP2 reduce-scatters in).
     2. After the last micro-batch, with an `agreement`, the ranks agree whether every one of them finished
        (`Agreement.after_attempt`; a rank that ran out of memory makes all retry together at one size).
@@ -39,7 +39,7 @@ class GradientSync(ABC):
     compare gradients between micro-batches (not where a reducer swaps them for views of its buckets).
 
     A new strategy (FSDP2's, say) is a subclass in this module, returned by `sync_for` for its models: its
-    `micro_batch(last)` sets what the model does in that backward pass (FSDP2: whether to reduce-scatter, and
+    `scope(last)` sets what the model does in that backward pass (FSDP2: whether to reduce-scatter, and
     reshard, after it: on the last only, or after each micro-batch), `reduce` does a reduction that waits for
     the agreement (a reduce-scatter once per logical batch), `reset` clears the state a backward pass that failed
     half-way left behind; with a process group of several ranks it holds an `Agreement` on that group. The step
@@ -52,7 +52,7 @@ class GradientSync(ABC):
     watch_grads = True
 
     @abstractmethod
-    def micro_batch(self, last: bool) -> ContextManager[object]:
+    def scope(self, last: bool) -> ContextManager[object]:
         """The context one micro-batch's forward and backward pass run in."""
 
     def reduce(self, params: Sequence[torch.Tensor], weight: Optional[float]) -> None:
@@ -69,7 +69,7 @@ class LocalSync(GradientSync):
 
     __slots__ = ()
 
-    def micro_batch(self, last: bool) -> ContextManager[object]:
+    def scope(self, last: bool) -> ContextManager[object]:
         return _NOTHING
 
 
@@ -87,7 +87,7 @@ class DDPNoSync(GradientSync):
         # `.grad` tensors view, so the gradients a call starts with must be kept as copies.
         self.copy_grads = bool(model.gradient_as_bucket_view)
 
-    def micro_batch(self, last: bool) -> ContextManager[object]:
+    def scope(self, last: bool) -> ContextManager[object]:
         return _NOTHING if last else self.model.no_sync()
 
     def reset(self) -> None:
@@ -118,7 +118,7 @@ class AgreeingDDP(GradientSync):
         # pass broadcast buffers; `reduce` does that outside the retried region instead.
         model.require_forward_param_sync = False
 
-    def micro_batch(self, last: bool) -> ContextManager[object]:
+    def scope(self, last: bool) -> ContextManager[object]:
         return self.model.no_sync()
 
     def reduce(self, params: Sequence[torch.Tensor], weight: Optional[float]) -> None:
@@ -149,7 +149,7 @@ class AgreeingOnly(GradientSync):
     def __init__(self, agreement: Agreement) -> None:
         self.agreement: Agreement = agreement
 
-    def micro_batch(self, last: bool) -> ContextManager[object]:
+    def scope(self, last: bool) -> ContextManager[object]:
         return _NOTHING
 
 

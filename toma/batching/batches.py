@@ -31,7 +31,7 @@ def rows(batch: Any) -> int:
 
 def take(batch: Any, start: int, stop: int) -> Any:
     """Rows `[start, stop)` of `batch`, as views (lists of one item per row are sliced)."""
-    (part,), _ = ArgumentBatch((batch,), {}).micro_batch(start, stop)
+    (part,), _ = ArgumentBatch((batch,), {}).arguments(start, stop)
     return part
 
 

@@ -283,7 +283,7 @@ class ArgumentBatch:
                 rows.append(container[slot])
         return container
 
-    def micro_batch(
+    def arguments(
         self, start: int, stop: int, rows: Optional[List[torch.Tensor]] = None
     ) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
         """The arguments for rows `[start, stop)`; the call's own arguments when that is all of them. `rows`,

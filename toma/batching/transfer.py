@@ -348,7 +348,7 @@ class MicroBatchTransfers:
         if entry is None:
             entry = self._placed[id(split)] = (split, split.placed(self.transfers.place))
         rows: List[torch.Tensor] = []
-        arguments = entry[1].micro_batch(start, stop, rows)
+        arguments = entry[1].arguments(start, stop, rows)
         return self.transfers.prefetch(arguments, stage=rows)
 
 

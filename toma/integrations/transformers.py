@@ -318,7 +318,7 @@ class _PredictionChunks(RangeStep):
     def _chunk(self, start: int, stop: int) -> None:
         while self.chunks and self.chunks[-1][0] >= start:  # chunks of an attempt the ranks agreed to redo
             self.chunks.pop()
-        ((part,), _) = self.split.micro_batch(start, stop)
+        ((part,), _) = self.split.arguments(start, stop)
         weight = self.count(part) if self.count is not None else stop - start
         loss, logits, labels = self.predict(self.model, part, self.loss_only, ignore_keys=self.ignore_keys)
         self.chunks.append((start, loss, logits, labels, weight))

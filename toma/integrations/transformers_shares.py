@@ -90,7 +90,7 @@ def check_additive(weight: Count, batch: ArgumentBatch, total: float) -> None:
     if batch.size < 2:
         return
     half = batch.size // 2
-    ((first,), _), ((second,), _) = batch.micro_batch(0, half), batch.micro_batch(half, batch.size)
+    ((first,), _), ((second,), _) = batch.arguments(0, half), batch.arguments(half, batch.size)
     counted = float(weight(first) + weight(second))
     if abs(counted - total) > 1e-6 * total:
         name = getattr(weight, "__qualname__", repr(weight))

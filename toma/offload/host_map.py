@@ -98,7 +98,7 @@ class MapStep(RangeStep):
     def _send(self, start: int, stop: int) -> Pending:
         """Start moving the chunk's split tensors; `toma.whole` values were moved once (`ArgumentBatch.placed`)."""
         rows: List[torch.Tensor] = []
-        args, _ = self.split.micro_batch(start, stop, rows)
+        args, _ = self.split.arguments(start, stop, rows)
         return self.transfers.prefetch(args, stage=rows)
 
     def call(self, start: int, stop: int) -> None:
