@@ -155,10 +155,10 @@ class CallState(Generic[S]):
         "size",
         "attempts",
         "ran",
-        "scale",
-        "quick",
         "__dict__",
     )
+    scale: float = 1.0
+    quick: bool = False
     device: Optional[torch.device] = None
     recalled: bool = False
     token: Optional[Token] = None
@@ -172,10 +172,12 @@ class CallState(Generic[S]):
     _outcome: Union[int, None, ValueError] = None
 
     def __init__(self, step: S, entry: Batchsize, policy: SizePolicy, initial: int) -> None:
-        self.step, self.entry, self.policy, self.initial, self.size = step, entry, policy, initial, initial
+        self.step = step
+        self.entry = entry
+        self.policy = policy
+        self.initial = self.size = initial
         self.learner: Optional[LearningPolicy] = policy if isinstance(policy, LearningPolicy) else None
         self.attempts = self.ran = 0
-        self.scale, self.quick = 1.0, False
 
     def new_attempt(self) -> None:
         """Forget the previous attempt's proposal, failure and detail."""
