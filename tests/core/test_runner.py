@@ -155,3 +155,25 @@ def test_the_decorators_still_keep_caches_of_their_own():
         first()
         seen.append(list(sizes))
     assert seen == [[64, 32, 16], [16]], "the decorated function's own cache remembers"
+
+
+def test_assigning_an_owners_policy_is_honoured_from_the_next_run():
+    """A trainer's or an embedding's `policy` is built into its Runners; assigning it rebuilds them, keeping the
+    caches, instead of being silently ignored."""
+    model = torch.nn.Linear(3, 1)
+    data = [(torch.randn(4, 3), torch.randn(4, 1))]
+    trainer = toma_package.Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.MSELoss(), data, batch_size=4, verbose=0
+    )
+    cache = trainer._training.cache(None)
+    trainer.policy = chosen = ShrinkByFactor(0.9)
+    assert trainer.policy is chosen and trainer._evaluation.resolved_policy() is chosen
+    assert trainer._training.cache(None) is cache, "the sizes learned so far are kept"
+    with pytest.raises(TypeError, match="policy"):
+        trainer.policy = 3
+    embedding = toma_package.HostedEmbedding(10, 2, optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+    assert embedding.policy is None
+    embedding.policy = chosen
+    assert embedding.policy is chosen and embedding._runner.resolved_policy() is chosen
+    runner = Runner(defaults.CALLS, cache=GlobalBatchsizeCache())
+    assert runner.with_policy(chosen).cache(None) is runner.cache(None)

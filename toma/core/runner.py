@@ -7,6 +7,7 @@ and context or decorated function), the ranks' agreement (`distributed=`, or the
 brings) and the observers. Nothing but this module calls `toma.core.engine.run`.
 """
 
+import copy
 import types
 from typing import Any, Callable, Dict, Hashable, Optional, Sequence, Type, TypeVar, cast
 
@@ -88,6 +89,13 @@ class Runner:
             own_caches=True,
             observers=self.observers.observers,
         )
+
+    def with_policy(self, policy: Any) -> "Runner":
+        """The same options and caches with another policy (checked; None: the default): what assigning an
+        owner's `policy` attribute builds, so the assignment is honoured from the next run on."""
+        runner: Runner = copy.copy(self)
+        runner.policy = check_policy(policy, "policy")
+        return runner
 
     def as_kwargs(self, agreed: bool = True) -> Dict[str, Any]:
         """The options as the decorators' keywords (without `distributed` for a form that does not take it)."""

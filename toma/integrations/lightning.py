@@ -37,7 +37,7 @@ from toma.batching.splitting import ArgumentBatch
 from toma.core.agreement import Agreement, is_distributed
 from toma.core.arguments import check_size
 from toma.core.caches import GlobalBatchsizeCache
-from toma.core.policy import SizePolicy, check_policy
+from toma.core.policy import SizePolicy
 from toma.core.runner import Runner
 from toma.integrations.lightning_logs import StepLogs
 from toma.sizing.defaults import ACCUMULATION
@@ -265,15 +265,23 @@ class MicroBatching(Callback):
         self.initial_micro_batch = (
             None if initial_micro_batch is None else check_size(initial_micro_batch, "initial_micro_batch")
         )
-        self.policy = check_policy(policy, "policy")
         self.reduction = check_reduction(reduction, "reduction")
         self.weight = check_weight(weight, "weight", self.reduction)
         self.distributed, self.log_micro_batch = bool(distributed), bool(log_micro_batch)
         self.stats = AccumulationStats()
         self.cache = GlobalBatchsizeCache()  # one size per callback, wherever the step runs from
-        self._runner = Runner(ACCUMULATION, policy=self.policy, cache=self.cache)
+        self._runner = Runner(ACCUMULATION, policy=policy, cache=self.cache)
         # id(module) -> (the training_step this callback set, the one the instance had itself or _NOT_SET)
         self._wrapped: Dict[int, Tuple[Callable[..., Any], Any]] = {}
+
+    @property
+    def policy(self) -> Optional[SizePolicy]:
+        """The sizing policy given (None: `toma.DEFAULT_POLICY` once assigned, else a FitToMemory); assignable."""
+        return self._runner.policy
+
+    @policy.setter
+    def policy(self, policy: Optional[SizePolicy]) -> None:
+        self._runner = self._runner.with_policy(policy)
 
     # --- copies -----------------------------------------------------------------------------------------------
 

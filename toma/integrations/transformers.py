@@ -144,6 +144,11 @@ class TomaTrainerMixin(_Trainer):
         assigned, else a FitToMemory (`toma.sizing.defaults.ACCUMULATION`)."""
         return self._toma_training.resolved_policy()
 
+    @toma_policy.setter
+    def toma_policy(self, policy: Optional[SizePolicy]) -> None:
+        self._toma_training = self._toma_training.with_policy(policy)
+        self._toma_evaluation = self._toma_evaluation.with_policy(policy)
+
     def _toma_check_setup(self) -> None:
         """Setups whose collectives or optimizers run inside a step cannot be split into micro-batches."""
         refused = [

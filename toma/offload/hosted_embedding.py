@@ -88,7 +88,7 @@ class HostedEmbedding(nn.Module):
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
         self.device = check_device(device, "device")
-        self.policy = check_policy(policy, "policy")
+        given = check_policy(policy, "policy")
         self._factory = optimizer
         placeholder = torch.zeros(1, self.embedding_dim, dtype=dtype, device=self.device)
         built = self._build([placeholder])
@@ -107,9 +107,19 @@ class HostedEmbedding(nn.Module):
         self._prefetched: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Pending]] = None
         self._transfers = Transfers(self.device)
         self._sizes = GlobalBatchsizeCache()
-        self._runner = Runner(CALLS, policy=self.policy, cache=self._sizes)
+        self._runner = Runner(CALLS, policy=given, cache=self._sizes)
         self.resident_rows = 0  # distinct rows the last forward put on the device
         self.step_rows = 0  # rows updated at once on the device in the last step (fewer when memory is short)
+
+    @property
+    def policy(self) -> Optional[SizePolicy]:
+        """The sizing policy given for the steps' parts (None: `toma.DEFAULT_POLICY` once assigned, else Halving);
+        assignable."""
+        return self._runner.policy
+
+    @policy.setter
+    def policy(self, policy: Optional[SizePolicy]) -> None:
+        self._runner = self._runner.with_policy(policy)
 
     def _build(self, params: List[torch.Tensor]) -> torch.optim.Optimizer:
         built = self._factory(params)

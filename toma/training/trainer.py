@@ -133,6 +133,11 @@ class Trainer:
         assigned, else measured (`toma.sizing.defaults.ACCUMULATION`, a FitToMemory); read at each step."""
         return self._training.resolved_policy()
 
+    @policy.setter
+    def policy(self, policy: Optional[SizePolicy]) -> None:
+        self._training = self._training.with_policy(policy)
+        self._evaluation = self._evaluation.with_policy(policy)
+
     @property
     def micro_batch(self) -> Optional[int]:
         """The micro-batch size the last step ran at."""
