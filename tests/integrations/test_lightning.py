@@ -72,10 +72,11 @@ def loader(batch_size=BATCH):
     return torch.utils.data.DataLoader(data, batch_size=batch_size)
 
 
-def fit(module, callbacks=(), batch_size=BATCH, steps=4, **options):
+def quiet_trainer(steps, callbacks=(), **options):
+    """A CPU Lightning Trainer of `steps` steps that shows, checks and saves nothing (no logger unless given)."""
     options.setdefault("logger", False)
     options.setdefault("accelerator", "cpu")
-    trainer = pl.Trainer(
+    return pl.Trainer(
         max_steps=steps,
         callbacks=list(callbacks),
         enable_progress_bar=False,
@@ -83,6 +84,10 @@ def fit(module, callbacks=(), batch_size=BATCH, steps=4, **options):
         enable_checkpointing=False,
         **options,
     )
+
+
+def fit(module, callbacks=(), batch_size=BATCH, steps=4, **options):
+    trainer = quiet_trainer(steps, callbacks, **options)
     trainer.fit(module, loader(batch_size))
     return trainer
 
@@ -267,16 +272,7 @@ def label_tokens(batch):
 
 def test_weight_gives_a_token_mean_loss_the_plain_runs_gradients_and_logged_loss(tmp_path):
     def run(module, callbacks, name):
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            max_steps=3,
-            callbacks=callbacks,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            enable_checkpointing=False,
-            logger=CSVLogger(tmp_path / name),
-            log_every_n_steps=1,
-        )
+        trainer = quiet_trainer(3, callbacks, logger=CSVLogger(tmp_path / name), log_every_n_steps=1)
         trainer.fit(module, torch.utils.data.DataLoader(Padded(), batch_size=16))
         return logged_rows(trainer)
 
@@ -307,16 +303,7 @@ def test_a_batch_whose_weight_counts_nothing_runs_whole_and_its_none_skips_it_as
     def run(module, callbacks):
         dataset = Padded()
         dataset.labels[16:32] = -100  # the second batch has nothing to learn from
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            max_steps=3,
-            callbacks=callbacks,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            enable_checkpointing=False,
-            logger=False,
-            log_every_n_steps=1,
-        )
+        trainer = quiet_trainer(3, callbacks, log_every_n_steps=1)
         trainer.fit(module, torch.utils.data.DataLoader(dataset, batch_size=16))
         return trainer
 
@@ -567,15 +554,7 @@ def test_the_log_replay_counts_each_micro_batch_once_however_many_values_are_log
         return label_tokens(batch)
 
     def run(callbacks):
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            max_steps=2,
-            callbacks=callbacks,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            enable_checkpointing=False,
-            logger=False,
-        )
+        trainer = quiet_trainer(2, callbacks)
         trainer.fit(LogsMany(), torch.utils.data.DataLoader(Padded(), batch_size=16))
         return trainer
 
@@ -717,15 +696,7 @@ def test_a_batch_that_cannot_be_split_runs_whole_as_in_a_plain_run(kind):
         batches = torch.utils.data.DataLoader(
             data, batch_size=BATCH, collate_fn=Opaque if kind == "opaque batch" else None
         )
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            max_steps=4,
-            callbacks=callbacks,
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            enable_checkpointing=False,
-        )
+        trainer = quiet_trainer(4, callbacks)
         trainer.fit(module, batches)
         return module
 
