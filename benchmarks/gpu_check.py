@@ -35,8 +35,10 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -72,6 +74,7 @@ class Part:
     judge: Callable[[str], Judged]
     env: Dict[str, str] = field(default_factory=dict)
     skip: Optional[str] = None  # why it cannot run here (a missing optional package)
+    alone: bool = False  # runs after the parts run side by side, with nothing else on the GPU
 
 
 @dataclass
@@ -114,10 +117,15 @@ def judge_tests(output: str) -> Judged:
     return checks, [figure(f"cuda tests {state.lower()}", count) for state, count in sorted(counts.items())]
 
 
+OUTCOMES = "PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS"
+
+
 def test_results(output: str) -> Dict[str, str]:
-    """pytest -v's outcome per test, from its progress lines (there even when the run was killed)."""
-    pattern = r"^(\S+::.+?) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b"
-    return {name: state for name, state in re.findall(pattern, output, flags=re.M)}
+    """pytest -v's outcome per test, from its progress lines (there even when the run was killed); with
+    pytest-xdist the lines read `[gw0] [ 10%] PASSED path::name`."""
+    plain = re.findall(rf"^(\S+::.+?) ({OUTCOMES})\b", output, flags=re.M)
+    spread = re.findall(rf"^\[gw\d+\] \[\s*\d+%\] ({OUTCOMES}) (\S+::.*?)\s*$", output, flags=re.M)
+    return {**{name: state for name, state in plain}, **{name: state for state, name in spread}}
 
 
 def judge_digits(output: str) -> Judged:
@@ -219,8 +227,9 @@ def has(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def gpu_parts(total_memory: int, logs: str, kinds: List[str]) -> List[Part]:
-    """Every part after the probe. Memory caps are in MiB, turned into this GPU's fraction."""
+def gpu_parts(total_memory: int, logs: str, kinds: List[str], jobs: int = 1) -> List[Part]:
+    """Every part after the probe. Memory caps are in MiB, turned into this GPU's fraction. With `jobs` > 1 and
+    pytest-xdist installed, the cuda tests run in that many processes (each has its own memory fraction)."""
 
     def fraction(mib: float) -> str:
         return f"{mib * MiB / total_memory:.8f}"
@@ -228,16 +237,31 @@ def gpu_parts(total_memory: int, logs: str, kinds: List[str]) -> List[Part]:
     parts: List[Part] = []
     if "tests" in kinds:
         paths = ["tests"] + (["benchmarks", "--benchmark-disable"] if has("pytest_benchmark") else [])
-        parts.append(
-            Part(
-                "cuda tests",
-                "tests",
-                python("-m", "pytest", *paths, "-m", "cuda", "-v", "-rs", "-p", "no:cacheprovider"),
-                480,
-                judge_tests,
-                skip=None if has("pytest") else "pytest is not installed",
-            )
-        )
+        pytest = python("-m", "pytest", *paths, "-v", "-rs", "-p", "no:cacheprovider")
+        skip = None if has("pytest") else "pytest is not installed"
+        if jobs > 1 and has("xdist"):
+            # A test that fills the whole device would make the others run out of memory: it runs alone, after.
+            parts += [
+                Part(
+                    "cuda tests",
+                    "tests",
+                    pytest + ["-n", str(jobs), "-m", "cuda and not whole_device"],
+                    480,
+                    judge_tests,
+                    skip=skip,
+                ),
+                Part(
+                    "cuda tests that fill the device",
+                    "tests",
+                    pytest + ["-m", "cuda and whole_device"],
+                    300,
+                    judge_tests,
+                    skip=skip,
+                    alone=True,
+                ),
+            ]
+        else:
+            parts.append(Part("cuda tests", "tests", pytest + ["-m", "cuda"], 480, judge_tests, skip=skip))
     if "examples" in kinds:
         parts += [
             Part(
@@ -297,6 +321,7 @@ def gpu_parts(total_memory: int, logs: str, kinds: List[str]) -> List[Part]:
                     300,
                     judge_benchmark(figures_path),
                     env=dict(TOMA_FIGURES=figures_path),
+                    alone=True,
                 )
             )
     return parts
@@ -484,6 +509,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--out", default="gpu-report", help="the folder for report.json, report.md and logs/")
     parser.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for all parts together")
     parser.add_argument("--parts", default=",".join(KINDS), help="which kinds of parts run: " + ", ".join(KINDS))
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="run the tests and examples this many at a time (tests through pytest-xdist, when installed); the "
+        "benchmarks and a test that fills the device run alone, after them, sharing the GPU with nothing",
+    )
     options = parser.parse_args(argv)
     kinds = [kind.strip() for kind in options.parts.split(",") if kind.strip()]
     if not set(kinds) <= set(KINDS):
@@ -526,10 +558,21 @@ def main(argv: Optional[List[str]] = None) -> int:
             device = probe_result(log.read())
     report["device"] = device
     if device is not None:
-        for part in gpu_parts(int(device["total_memory"]), logs, kinds):
-            outcomes.append(run(part, logs, deadline))
-            report.update(parts=[asdict(o) for o in outcomes], seconds=round(time.monotonic() - started, 1))
-            write(report, out)  # the report so far, should the machine be taken away
+        parts = gpu_parts(int(device["total_memory"]), logs, kinds, max(1, options.jobs))
+        lock = threading.Lock()
+
+        def run_and_report(part: Part) -> None:
+            outcome = run(part, logs, deadline)
+            with lock:
+                outcomes.append(outcome)
+                report.update(parts=[asdict(o) for o in outcomes], seconds=round(time.monotonic() - started, 1))
+                write(report, out)  # the report so far, should the machine be taken away
+
+        with ThreadPoolExecutor(max_workers=max(1, options.jobs)) as pool:
+            list(pool.map(run_and_report, [part for part in parts if not part.alone]))
+        for part in parts:
+            if part.alone:
+                run_and_report(part)
     report["parts"] = [asdict(outcome) for outcome in outcomes]
     report["passed"] = report["imports_ok"] and all(outcome.status in ("passed", "skipped") for outcome in outcomes)
     report["seconds"] = round(time.monotonic() - started, 1)

@@ -77,3 +77,15 @@ def test_the_cuda_tests_outcomes_are_read_from_pytests_progress_lines():
     checks, figures = gpu_check.judge_tests(output)
     assert [c.ok for c in checks] == [True, False]
     assert {"figure": "cuda tests failed", "value": 1, "unit": ""} in figures
+
+
+def test_the_outcomes_are_also_read_from_pytest_xdists_progress_lines():
+    gpu_check = load_gpu_check()
+    output = (
+        "[gw1] [ 50%] PASSED tests/memory/test_cuda.py::test_real_cuda_oom \n"
+        "[gw0] [100%] FAILED tests/test_oom.py::test_x[cuDNN error: CUDNN_STATUS_BAD_PARAM] \n"
+    )
+    assert gpu_check.test_results(output) == {
+        "tests/memory/test_cuda.py::test_real_cuda_oom": "PASSED",
+        "tests/test_oom.py::test_x[cuDNN error: CUDNN_STATUS_BAD_PARAM]": "FAILED",
+    }

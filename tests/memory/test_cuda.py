@@ -111,6 +111,7 @@ print(json.dumps(dict(
 
 
 @pytest.mark.cuda
+@pytest.mark.whole_device
 @requires_cuda
 def test_the_cuda_libraries_failing_on_a_full_device_fail_as_oom():
     """A fresh process fills the device to its last MiB, then uses cuBLAS, cuDNN, cuSOLVER and cuFFT for the
