@@ -114,7 +114,7 @@ def test_random_state_restores_the_cpu_generator():
 def test_random_state_restores_the_generator_of_the_cuda_device_in_use():
     torch.manual_seed(3)
     state = RandomState([torch.zeros(2, device="cuda")])
-    assert [device.type for device, _ in state.devices] == ["cuda"]
+    assert [device.type for _, device, _ in state.devices] == ["cuda"]
     first = torch.rand(4, device="cuda")
     state.restore()
     assert torch.equal(torch.rand(4, device="cuda"), first)

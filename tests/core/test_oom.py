@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._dynamo.exc import InternalTorchDynamoError
 
+import toma.memory.cuda as cuda_memory
 from toma import explicit, register_oom_predicate, should_reduce_batch_size, toma, unregister_oom_predicate
 from toma.core.agreement import AgreedRetry, RankFailed
 from toma.core.oom import ControlException
@@ -108,8 +109,9 @@ def test_register_rejects_non_callables():
 
 
 def real_cpu_oom(rows: int) -> None:
-    """A real allocator failure: `rows` x 2**45 bytes is far beyond any machine."""
-    torch.empty(rows, 2**45, dtype=torch.uint8)
+    """A real allocator failure: `rows` x 2**58 bytes is beyond any address space (57 bits hold 2**57), so it
+    fails also where memory is overcommitted (2**45 bytes were granted on a 128 GiB machine)."""
+    torch.empty(rows, 2**58, dtype=torch.uint8)
 
 
 def wrapped_like_torch_compile(rows: int) -> None:
@@ -227,6 +229,53 @@ def test_the_cuda_libraries_allocation_failures_are_oom(error):
 def test_the_cuda_libraries_other_failures_are_not(error):
     assert not is_cuda_out_of_memory(error)
     assert not should_reduce_batch_size(error)
+
+
+# What cuDNN 9.19, cuSOLVER and cuFFT (CUDA 13) answered on an H200 filled to its last MiB
+# (tests/memory/test_cuda.py::test_the_cuda_libraries_failing_on_a_full_device_fail_as_oom).
+CUDA_LIBRARY_FAILURES_OF_A_FULL_DEVICE = [
+    RuntimeError("cuDNN error: CUDNN_STATUS_INTERNAL_ERROR"),
+    RuntimeError(
+        "cusolver error: CUSOLVER_STATUS_INTERNAL_ERROR, when calling `cusolverDnCreate(handle)`. If you keep seeing "
+        "this error, you may use `torch.backends.cuda.preferred_linalg_library()` to try linear algebra operators "
+        "with other supported backends."
+    ),
+    RuntimeError("cuFFT error: CUFFT_INTERNAL_ERROR"),
+]
+
+
+@pytest.mark.parametrize("error", CUDA_LIBRARY_FAILURES_OF_A_FULL_DEVICE, ids=lambda e: str(e)[:40])
+def test_the_libraries_internal_errors_are_oom_only_while_the_device_is_full(error, monkeypatch):
+    monkeypatch.setattr(cuda_memory, "cuda_device_full", lambda: True)
+    assert is_cuda_out_of_memory(error) and should_reduce_batch_size(error)
+    monkeypatch.setattr(cuda_memory, "cuda_device_full", lambda: False)
+    assert not is_cuda_out_of_memory(error) and not should_reduce_batch_size(error)
+
+
+def test_on_a_full_device_the_other_statuses_stay_what_they_are(monkeypatch):
+    monkeypatch.setattr(cuda_memory, "cuda_device_full", lambda: True)
+    full = {str(error) for error in CUDA_LIBRARY_FAILURES_OF_A_FULL_DEVICE}
+    others = [error for error in CUDA_LIBRARY_NEAR_MISSES if str(error) not in full]
+    assert others and not any(is_cuda_out_of_memory(error) for error in others)
+
+
+def test_a_device_is_full_below_a_64th_of_its_memory_or_half_a_gib_free(monkeypatch):
+    free = {0: 0}
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(cuda_memory, "_has_context", lambda index: index == 1)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index: (free[0], 140 * 2**30) if index == 1 else 1 / 0)
+    for bytes_free, full in [(2**20, True), (2 * 2**30, True), (3 * 2**30, False)]:
+        free[0] = bytes_free
+        assert cuda_memory.cuda_device_full() is full, bytes_free
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index: (2**20, 4 * 2**30))
+    assert cuda_memory.cuda_device_full(), "half a GiB free at least, also on a small device"
+
+
+def test_whether_the_device_is_full_is_not_asked_before_cuda_is_in_use():
+    if torch.cuda.is_initialized():
+        pytest.skip("CUDA is in use in this process")
+    assert not cuda_memory.cuda_device_full() and not torch.cuda.is_initialized()
 
 
 def test_cudnns_plain_not_supported_stays_a_snafu_and_its_reasons_do_not():

@@ -133,8 +133,10 @@ def test_a_nested_cpu_measurement_leaves_the_outer_one_whole():
         pytest.skip("this kernel does not let the process reset its peak resident size")
     _touch(64 * MiB).close()  # the outer attempt's peak, gone (unmapped) before the nested call
     inner = meter.begin()  # a toma call inside the outer attempt resets the peak for itself
-    _touch(8 * MiB).close()
-    assert 8 * MiB * 0.9 <= meter.used(inner) < 48 * MiB
+    # 24 MiB, not less: Linux 6.2+ reads the resident size from per-CPU counters, off by up to a few MiB on a
+    # machine of many cores (8 MiB read as 6.6 on 16 cores).
+    _touch(24 * MiB).close()
+    assert 24 * MiB * 0.9 <= meter.used(inner) < 48 * MiB
     assert meter.used(outer) >= 64 * MiB * 0.9, "the peak before the nested call still counts"
 
 
@@ -155,8 +157,7 @@ def test_a_sized_call_leaves_the_users_peak_statistics_alone():
     out = run_python(
         """
 import torch
-import toma
-from toma import FitToMemory, NoBatchsizeCache
+from toma import FitToMemory, NoBatchsizeCache, toma
 
 torch.cuda.init()
 big = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")  # the user's peak: 512 MiB above the start

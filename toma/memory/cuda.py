@@ -15,6 +15,7 @@ __all__ = [
     "get_cuda_blocked_memory",
     "get_cuda_free_memory_if_initialized",
     "is_cuda_out_of_memory",
+    "cuda_device_full",
     "is_cudnn_snafu",
     "cuda_meminfo",
 ]
@@ -43,6 +44,14 @@ CUDA_OOM_MARKERS = (
 # it cannot get the memory for a handle (the first matmul on a full device). Elsewhere NOT_INITIALIZED means a
 # handle that is broken or used without initialisation, which no smaller size mends.
 CUDA_OOM_STATUS_OF_CALL = (("CUBLAS_STATUS_NOT_INITIALIZED", "`cublasCreate("),)
+# Statuses that mean memory ran out only while the device is full: on an H200 filled to its last MiB (CUDA 13,
+# cuDNN 9.19) a first cuDNN convolution answered a plain CUDNN_STATUS_INTERNAL_ERROR, cusolverDnCreate
+# CUSOLVER_STATUS_INTERNAL_ERROR and a first FFT CUFFT_INTERNAL_ERROR. On a device with room they are real faults.
+CUDA_OOM_WHEN_FULL = re.compile(
+    r"CUDNN_STATUS_INTERNAL_ERROR(?![A-Z_])|CUSOLVER_STATUS_INTERNAL_ERROR|CUFFT_INTERNAL_ERROR"
+)
+# A device is full when the driver has less free than this, or than 1/64 of it (1.4 GiB of an H200's 140).
+FULL_DEVICE_FREE = 2**29
 # cuDNN's plain NOT_SUPPORTED (legacy API, "...NOT_SUPPORTED. This error may appear if you passed in a
 # non-contiguous input."), often an input too large; not cuDNN 9's NOT_SUPPORTED_<reason> (architecture,
 # driver, layout), which no smaller size mends.
@@ -139,13 +148,32 @@ def _message(exception: BaseException) -> str:
 
 def is_cuda_out_of_memory(exception: BaseException) -> bool:
     """True for out-of-memory errors of CUDA or ROCm, their allocator, and the CUDA libraries (cuBLAS, cuDNN,
-    cuSOLVER, cuFFT, cuSPARSE)."""
+    cuSOLVER, cuFFT, cuSPARSE), including the internal errors those libraries give on a full device."""
     if isinstance(exception, torch.OutOfMemoryError):
         return True
     message = _message(exception)
-    return any(marker in message for marker in CUDA_OOM_MARKERS) or any(
-        status in message and call in message for status, call in CUDA_OOM_STATUS_OF_CALL
+    return (
+        any(marker in message for marker in CUDA_OOM_MARKERS)
+        or any(status in message and call in message for status, call in CUDA_OOM_STATUS_OF_CALL)
+        or (CUDA_OOM_WHEN_FULL.search(message) is not None and cuda_device_full())
     )
+
+
+def cuda_device_full() -> bool:
+    """Whether a CUDA device this process uses has next to no free memory as the driver counts it (PyTorch's
+    cached blocks count as used: the libraries allocate outside the cache). Never creates a context."""
+    if not torch.cuda.is_initialized():
+        return False
+    for index in range(torch.cuda.device_count()):
+        if not _has_context(index):
+            continue
+        try:
+            free, total = torch.cuda.mem_get_info(index)
+        except RuntimeError:  # a device in an error state: its memory is not what failed
+            continue
+        if free < max(FULL_DEVICE_FREE, total // 64):
+            return True
+    return False
 
 
 def is_cudnn_snafu(exception: BaseException) -> bool:
