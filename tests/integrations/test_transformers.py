@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-transformers = pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers", minversion="5.23")  # the integration refuses older ones
 pytest.importorskip("accelerate")
 
 from transformers import (  # noqa: E402

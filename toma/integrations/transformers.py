@@ -48,10 +48,14 @@ from toma.integrations.transformers_shares import (
     has_labels,
     is_causal_lm,
 )
+from toma.integrations.versions import require
 from toma.sizing.defaults import ACCUMULATION
 from toma.training.data import WHOLE_BATCHES
 
 __all__ = ["TomaTrainerMixin", "TomaTrainer"]
+
+MINIMUM_TRANSFORMERS = "5.23"  # the Trainer's `loss_is_scaled_for_ga`, which says how it scales the loss
+require("transformers", transformers.__version__, MINIMUM_TRANSFORMERS, "transformers")
 
 log = logging.getLogger("toma")
 
