@@ -265,7 +265,7 @@ def gpu_parts(total_memory: int, logs: str, kinds: List[str], jobs: int = 1) -> 
     if "examples" in kinds:
         parts += [
             Part(
-                "example train_digits (GPU capped at 48 MiB)",
+                "example train_digits (GPU capped at 96 MiB)",
                 "examples",
                 python(
                     "examples/train_digits.py",
@@ -273,7 +273,7 @@ def gpu_parts(total_memory: int, logs: str, kinds: List[str], jobs: int = 1) -> 
                     "--plot",
                     os.path.join(logs, "train_digits.png"),
                     "--memory-fraction",
-                    fraction(48),
+                    fraction(96),
                 ),
                 180,
                 judge_digits,

@@ -4,7 +4,9 @@ Run: python benchmarks/transfer_gpu.py
 With TOMA_FIGURES=<path> set, each figure is also appended to that file as a JSON line,
 {"figure": ..., "value": ..., "unit": ...}, for benchmarks/gpu_check.py.
 1. Host-to-device GB/s: a large pinned `copy_` (the peak), a pageable `.to()`, and `toma.map`'s transfers
-   (a pageable host tensor mapped with a function that does next to nothing).
+   (a pageable host tensor mapped with a function that does next to nothing), beside the host's own copy of
+   a pageable tensor into pinned memory (the bound for a pageable source: it is staged through pinned
+   buffers) and `toma.map` of a pinned source (copied straight from it).
 2. Overlap: `toma.map` wall time for a function whose compute per chunk is about its transfer, against
    max(transfer alone, compute alone); 1.0 is perfect overlap, 2.0 none.
 3. `HostedEmbedding` steps/s (Adam) against `nn.Embedding(sparse=True)` + `SparseAdam` on the GPU (the table
@@ -52,7 +54,19 @@ def transfer_rates(size=2 * GiB, chunk_rows=16384):
         )
         / 1e9
     )
-    return peak, plain, mapped, pageable, chunk_rows
+    staging = torch.empty_like(pinned)
+    host_copy = size / timed(lambda: staging.copy_(pageable)) / 1e9  # what staging a pageable source can reach
+    del staging
+    mapped_pinned = (
+        size
+        / timed(
+            lambda: tm.map(
+                lambda c: c[:, :1], pinned, device="cuda", initial_step=chunk_rows, cache_type=NoBatchsizeCache
+            )
+        )
+        / 1e9
+    )
+    return peak, plain, mapped, host_copy, mapped_pinned, pageable, chunk_rows
 
 
 def overlap(pageable, chunk_rows):
@@ -125,15 +139,22 @@ def main() -> int:
         print("transfer_gpu.py needs a CUDA GPU; nothing measured")
         return 0
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
-    peak, plain, mapped, pageable, chunk_rows = transfer_rates()
+    peak, plain, mapped, host_copy, mapped_pinned, pageable, chunk_rows = transfer_rates()
+    bound = min(peak, host_copy)  # a pageable source is first copied into pinned memory on the host
     print(
         f"host-to-device: pinned copy_ {peak:.1f} GB/s, pageable .to() {plain:.1f} GB/s, "
-        f"toma.map {mapped:.1f} GB/s = {mapped / peak:.2f} of the pinned peak"
+        f"toma.map {mapped:.1f} GB/s = {mapped / peak:.2f} of the pinned peak; host copy into pinned memory "
+        f"{host_copy:.1f} GB/s, so a pageable source's bound is {bound:.1f} GB/s ({mapped / bound:.2f} of it); "
+        f"toma.map of a pinned source {mapped_pinned:.1f} GB/s = {mapped_pinned / peak:.2f} of the peak"
     )
     record("host-to-device, pinned copy_", peak, "GB/s")
     record("host-to-device, pageable .to()", plain, "GB/s")
     record("host-to-device, toma.map", mapped, "GB/s")
     record("toma.map / pinned peak", mapped / peak, "ratio")
+    record("host copy, pageable into pinned", host_copy, "GB/s")
+    record("toma.map / min(pinned peak, host copy)", mapped / bound, "ratio")
+    record("host-to-device, toma.map of a pinned source", mapped_pinned, "GB/s")
+    record("toma.map of a pinned source / pinned peak", mapped_pinned / peak, "ratio")
     compute_alone, transfer_alone, both = overlap(pageable, chunk_rows)
     print(
         f"overlap: compute alone {compute_alone * 1e3:.0f} ms, transfer alone {transfer_alone * 1e3:.0f} ms, "

@@ -60,6 +60,8 @@ def main() -> None:
     options = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     device = torch.device(options.device)
+    if device.type == "cuda" and device.index is None:  # the memory fraction wants an index (torch 2.11)
+        device = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(0)
     if device.type == "cpu":
         torch.set_num_threads(1)  # thread stacks count against the cap too
