@@ -56,7 +56,6 @@ def transfer_rates(size=2 * GiB, chunk_rows=16384):
     )
     staging = torch.empty_like(pinned)
     host_copy = size / timed(lambda: staging.copy_(pageable)) / 1e9  # what staging a pageable source can reach
-    del staging
     mapped_pinned = (
         size
         / timed(
