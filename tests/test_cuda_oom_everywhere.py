@@ -5,9 +5,9 @@ Each test runs in a fresh process that caps its own CUDA memory with `torch.cuda
 computes its reference before the cap (or in pieces known to fit), and checks that the errors were the allocator's
 own "CUDA out of memory". TF32 is off, so float32 results compare to rtol 1e-4 or tighter.
 
-The subprocess code is a preamble (`COMMON`, and `CUDA_CAP`: DEVICE, `cap`, `uncap`, `held`) and a body per test; the bodies use the
-preamble's names only, so the same bodies run on the CPU with a preamble that raises the OOMs itself (how they were
-checked before they first ran on a GPU). Each body's first line holds its sizes.
+The subprocess code is a preamble (`COMMON`, and `CUDA_CAP`: DEVICE, `cap`, `uncap`, `held`) and a body per test;
+the bodies use the preamble's names only, so the same bodies run on the CPU with a preamble that raises the OOMs
+itself (how they were checked before they first ran on a GPU). Each body's first line holds its sizes.
 """
 
 import importlib.metadata
@@ -18,7 +18,9 @@ import pytest
 
 from helpers import COLLECT_TOMA_LOG, requires_cuda, run_python
 
-# Subprocess code: imports, and `cuda_ooms(messages, start)`, toma's retry lines checked to be CUDA's errors.
+# Subprocess code: imports, and `cuda_ooms(messages, start)`, toma's retry lines checked to be CUDA's errors. What the
+# imports made is frozen (`freeze()`, again after a framework's imports): toma collects garbage after each
+# out-of-memory error, and scanning torch's objects every time would cost most of a test's time.
 COMMON = (
     COLLECT_TOMA_LOG
     + """
@@ -26,6 +28,12 @@ import gc, json
 import torch
 import torch.nn.functional as F
 from toma import toma, explicit, simple, NoBatchsizeCache, Trainer, HostedEmbedding
+
+def freeze():
+    gc.collect()
+    gc.freeze()
+
+freeze()
 
 def cuda_ooms(messages, start=""):
     retries = [m for m in messages if "ran out of memory" in m]
@@ -303,6 +311,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer as PlainTrainer, T
 from transformers import logging as hf_logging
 from toma.integrations.transformers import TomaTrainer
 hf_logging.set_verbosity_error()
+freeze()
 
 def make():
     torch.manual_seed(0)
@@ -377,6 +386,7 @@ import logging
 import lightning.pytorch as pl
 from toma.integrations.lightning import MicroBatching
 logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+freeze()
 devices = set()  # where the training steps' batches were
 
 def make_model():
@@ -591,7 +601,8 @@ for x, y in zip(inputs, targets):
     else:
         scaler.step(optimizer)
         scaler.update()
-    steps.append(dict(errors=errors, loss=[float(loss), float(reference_loss)], retries=compute_loss.stats.oom_retries - retries,
+    steps.append(dict(errors=errors, loss=[float(loss), float(reference_loss)],
+                      retries=compute_loss.stats.oom_retries - retries,
                       scaler=[before, reference_before, scaler_state(scaler), scaler_state(reference_scaler)]))
 print(json.dumps(dict(steps=steps, partial=partial, micro_batch=compute_loss.stats.micro_batch, N=N,
                       ooms=cuda_ooms(messages))))
