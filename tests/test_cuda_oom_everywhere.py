@@ -44,7 +44,8 @@ def cuda_ooms(messages, start=""):
 
 # `cap(headroom)`: from here on the process may hold `headroom` bytes of CUDA memory more than it holds now (the
 # allocator's cached free blocks emptied first, so what it holds is what its tensors use); `uncap()`; `held()`: the
-# bytes its tensors hold. cuBLAS takes its workspace at the first matmul: taken here, before any cap.
+# bytes its tensors hold; `settle()`: the bytes the process holds once the cached free blocks are emptied. cuBLAS
+# takes its workspace at the first matmul: taken here, before any cap.
 CUDA_CAP = """
 DEVICE = "cuda"
 torch.backends.cuda.matmul.allow_tf32 = False
@@ -53,11 +54,14 @@ torch.cuda.init()
 TOTAL = torch.cuda.get_device_properties(0).total_memory
 (torch.ones(64, 64, device=DEVICE) @ torch.ones(64, 64, device=DEVICE)).sum().item()
 
-def cap(headroom):
+def settle():
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    torch.cuda.set_per_process_memory_fraction(min(1.0, (torch.cuda.memory_reserved() + headroom) / TOTAL))
+    return torch.cuda.memory_reserved()
+
+def cap(headroom):
+    torch.cuda.set_per_process_memory_fraction(min(1.0, (settle() + headroom) / TOTAL))
 
 def uncap():
     torch.cuda.set_per_process_memory_fraction(1.0)
@@ -222,15 +226,17 @@ def compute_loss(x, y):
     return F.cross_entropy(model(x), y)
 
 cap(2 * ACTIVATION)
-baseline = held()
+baseline, baseline_settled = held(), settle()
 losses, drift = [], []
 for x, y in zip(inputs, targets):
     losses.append(float(compute_loss(x, y)))
     drift.append(held() - baseline)
+settled = settle() - baseline_settled
 uncap()
 close = [bool(torch.allclose(p.grad, r, rtol=1e-4, atol=1e-6)) for p, r in zip(model.parameters(), reference_grads)]
 losses_close = all(abs(a - b) <= 1e-4 * abs(b) + 1e-6 for a, b in zip(losses, reference_losses))
-print(json.dumps(dict(close=close, losses_close=losses_close, drift=sorted(set(drift)), at_n=sizes.count(N),
+print(json.dumps(dict(close=close, losses_close=losses_close, drift=sorted(set(drift)), settled=settled,
+                      at_n=sizes.count(N),
                       retries=compute_loss.stats.oom_retries, batches=BATCHES, N=N, ooms=cuda_ooms(messages),
                       micro_batch=compute_loss.stats.micro_batch)))
 """
@@ -244,6 +250,7 @@ def test_accumulate_through_100_real_cuda_ooms_keeps_memory_at_its_baseline_and_
     assert result["at_n"] == result["batches"], "every logical batch must start whole and run out of memory"
     assert result["retries"] >= result["batches"] and result["ooms"]["retries"] >= result["batches"]
     assert result["drift"] == [0], "a failed attempt left CUDA memory allocated after its call"
+    assert result["settled"] == 0, "the allocator holds more than at the start once its cache is emptied"
     assert 0 < result["micro_batch"] < result["N"]
     assert all(result["close"]), "the gradients accumulated over 100 calls differ from the reference"
     assert result["losses_close"]
