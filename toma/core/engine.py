@@ -4,8 +4,10 @@ A form hands the engine a *step* (`toma.core.steps`): one unit of work at a give
 is done (a batch call is one step; a range is one step per chunk). When a step runs out of memory the engine
 asks the policy for a smaller size, shrinks the cache entry to it, tells the observers (the log, the size
 file, the free-memory gauge), releases memory once the failed attempt is unreachable, and runs the same step
-again. Completed steps are never repeated. What the run knows is one `CallState`. Forms, trainers and
-integrations do not call this module: they enter through `toma.core.runner.Runner`.
+again. Completed steps are never repeated. What the run knows is one `CallState`, built only when a run needs
+one (a learning policy, ranks that agree, an observer at the start, an out-of-memory error): a plain call that
+fits builds none. Forms, trainers and integrations do not call this module: they enter through
+`toma.core.runner.Runner`.
 """
 
 from typing import Optional, TypeVar
@@ -37,11 +39,6 @@ def _start(state: CallState[S], agreement: Optional[Agreement], observers: Obser
     step, entry, learner = state.step, state.entry, state.learner
     if learner is not None:
         state.scale = float(step.row_items)
-        # a settled call site between measurements: nothing to start, measure or locate
-        if not state.recalled and agreement is None and learner.quick(state):
-            state.quick = True
-            state.size = entry.start(state.initial)
-            return
     if state.device is None:
         state.device = step.device
     size = state.size = entry.start(state.initial)
@@ -121,21 +118,61 @@ def run(
     policy: SizePolicy,
     agreement: Optional[Agreement] = None,
     observers: Observers = OBSERVERS,
-) -> CallState[S]:
-    """Run `step` to completion from `entry`, shrinking its size on out-of-memory errors; returns the run's state.
+) -> Optional[CallState[S]]:
+    """Run `step` to completion from `entry`, shrinking its size on out-of-memory errors; returns the run's state,
+    or None for a run that fit at once with nothing to learn, agree on or tell (the hot path builds no state).
 
     Errors other than out-of-memory pass through untouched; KeyboardInterrupt is never caught. An out-of-memory
     error at the smallest size the policy allows is re-raised with a note saying so. With an `agreement` the
     ranks of a process group start at the same size, and a step raising AgreedRetry is retried at the agreed size.
     """
-    state = CallState(step, entry, policy, initial_size)
-    for starting in observers.starting:
-        starting(state)
-    learner = state.learner
-    if learner is None and agreement is None:
-        state.size = entry.start(initial_size)
+    state: Optional[CallState[S]] = None
+    for observer in observers.starters:
+        if observer.wants_start(entry):
+            if state is None:
+                state = CallState(step, entry, policy, initial_size)
+            observer.starting(state)
+    if not isinstance(policy, LearningPolicy):
+        quick = agreement is None
+    elif agreement is None:
+        if state is None:
+            state = CallState(step, entry, policy, initial_size)
+        state.scale = float(step.row_items)
+        # a settled call site between measurements: nothing to start, measure, learn or locate
+        quick = state.quick = not state.recalled and policy.quick(state)
     else:
+        quick = False
+    if not quick:
+        if state is None:
+            state = CallState(step, entry, policy, initial_size)
         _start(state, agreement, observers)
+        return _attempts(state, agreement, observers)
+    # One attempt at the entry's size, unmeasured, with no state unless it runs out of memory.
+    size = entry.start(initial_size)
+    fitted = entry.fitted
+    ran = step.effective(size) if fitted is None or size > fitted else 0
+    try:
+        while not step(size):
+            pass
+    except Exception as exception:
+        if not should_reduce_batch_size(exception):
+            raise
+        if state is None:
+            state = CallState(step, entry, policy, initial_size)
+        state.size, state.attempts, state.ran = size, 1, ran
+        if not _own_failure(state, exception):
+            raise
+    else:
+        if ran:
+            entry.record_fit(ran)
+        return state
+    _retry(state, observers)
+    return _attempts(state, agreement, observers)
+
+
+def _attempts(state: CallState[S], agreement: Optional[Agreement], observers: Observers) -> CallState[S]:
+    """Attempts from `state.size` until one completes the step."""
+    step, entry, learner = state.step, state.entry, state.learner
     while True:
         state.attempts += 1
         if state.proposed:  # the previous attempt's proposal is spent

@@ -6,6 +6,7 @@ import logging
 from typing import Any, Callable, Sequence, Tuple
 
 from toma.core import call_sites
+from toma.core.caches import Batchsize
 from toma.core.policy import CallState
 from toma.memory.free import GAUGE
 
@@ -17,6 +18,11 @@ log = logging.getLogger("toma")
 class Observer:
     """Base class: every hook does nothing, so an observer overrides the events it needs. None is called on
     the hot path except `starting`, which must stay cheap (no file access, no stack inspection)."""
+
+    def wants_start(self, entry: Batchsize) -> bool:
+        """Whether `starting` has work for a run from `entry`: asked first, without a state, so that a run nobody
+        needs to hear about builds none."""
+        return True
 
     def starting(self, state: CallState[Any]) -> None:
         """A run begins, before its first size is chosen: the entry's size may still be set (`state.recalled`)."""
@@ -76,22 +82,26 @@ class FreeMemoryRefresh(Observer):
 Hook = Callable[..., None]
 
 
+def _overrides(observer: Observer, event: str) -> bool:
+    return getattr(type(observer), event) is not getattr(Observer, event)
+
+
 def _overriding(observers: Sequence[Observer], event: str) -> Tuple[Hook, ...]:
-    return tuple(getattr(o, event) for o in observers if getattr(type(o), event) is not getattr(Observer, event))
+    return tuple(getattr(o, event) for o in observers if _overrides(o, event))
 
 
 class Observers:
     """The observers of a run as the hooks each event calls: only those an observer overrides, found once (when a
     Runner is built), so an event nobody listens to costs the hot path nothing."""
 
-    __slots__ = ("observers", "starting", "predicted", "changed", "retrying")
+    __slots__ = ("observers", "starters", "predicted", "changed", "retrying")
 
     def __init__(self, observers: Sequence[Observer]) -> None:
         for observer in observers:
             if not isinstance(observer, Observer):
                 raise TypeError(f"observers must be toma.core.observers.Observer instances, got {observer!r}")
         self.observers = tuple(observers)
-        self.starting = _overriding(observers, "starting")
+        self.starters = tuple(o for o in observers if _overrides(o, "starting"))  # asked `wants_start` first
         self.predicted = _overriding(observers, "predicted")
         self.changed = _overriding(observers, "changed")
         self.retrying = _overriding(observers, "retrying")

@@ -46,8 +46,9 @@ class LearningPolicy(SizePolicy):
     on sizes use `shrink` for the agreed retry and `observed` for what an attempt here showed."""
 
     def quick(self, call: "CallState[Any]") -> bool:
-        """True: a settled call site between measurements; the call runs at the entry's size, with no
-        `start`, no `begin` and a token of None (`call.scale` is set, `call.device` not yet)."""
+        """True: a settled call site between measurements; the call runs at the entry's size, with no `start`,
+        no `begin`, and no `succeeded` when it fits (`call.scale` is set, `call.device` not yet); after an OOM the
+        retries are measured as usual."""
         return False
 
     def start(self, call: "CallState[Any]") -> int:

@@ -123,8 +123,9 @@ class Runner:
 
     def drive(
         self, step: Step, initial: int, context: Optional[Hashable] = None, agreement: Optional[Agreement] = None
-    ) -> CallState[Step]:
-        """Run `step` to completion from `initial`; returns the run's state (its entry, attempts, last size).
+    ) -> Optional[CallState[Step]]:
+        """Run `step` to completion from `initial`; returns the run's state (its entry, attempts, last size), None
+        for a run that fit at once with nothing to learn, agree on or tell.
         `agreement`: the one a step reports to itself (accumulation's gradient sync); else `distributed=` wraps
         the step so that every attempt ends in the ranks' agreement (checked per call: the group may start after
         the Runner was built)."""

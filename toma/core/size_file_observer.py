@@ -6,6 +6,7 @@ import logging
 from typing import Any
 
 from toma.core import call_sites
+from toma.core.caches import Batchsize
 from toma.core.observers import Observer
 from toma.core.policy import CallState
 from toma.core.size_file import active_store, describe_model, device_key
@@ -24,12 +25,13 @@ def _site(state: CallState[Any]) -> str:
 class SizeFileObserver(Observer):
     """Recalls an entry's size when a run first uses it, and remembers every change (`toma.remember_sizes`)."""
 
+    def wants_start(self, entry: Batchsize) -> bool:
+        return entry.store_key is None and active_store() is not None
+
     def starting(self, state: CallState[Any]) -> None:
         entry = state.entry
-        if entry.store_key is not None:
-            return
         store = active_store()
-        if store is None:
+        if entry.store_key is not None or store is None:
             return
         state.recalled = True
         state.device = state.step.device
