@@ -2,6 +2,7 @@
 
 import gc
 import inspect
+import json
 import traceback
 import weakref
 
@@ -16,7 +17,7 @@ from toma.core.policy import LearningPolicy
 from toma.core.steps import Step
 from toma.sizing.policies import Halving
 
-from helpers import raise_fake_oom
+from helpers import raise_fake_oom, requires_cuda, run_python
 
 
 @pytest.fixture
@@ -236,6 +237,25 @@ class _RecordingPolicy(LearningPolicy, Halving):
         return ""
 
 
+def test_an_attempt_above_the_largest_size_that_fit_gets_the_cached_blocks_back_first(monkeypatch):
+    returned, sizes = [], []
+    monkeypatch.setattr(engine, "return_cached_blocks", lambda: returned.append(sizes[-1] if sizes else None))
+    monkeypatch.setattr(gc, "collect", lambda *a: (_ for _ in ()).throw(AssertionError("no collection to grow")))
+
+    class Growing(_RecordingPolicy):
+        def start(self, call):
+            return self.target
+
+    policy, entry = Growing(), Batchsize(None)
+    step = lambda: engine.BatchStep(lambda bs: sizes.append(bs), (), {})  # noqa: E731
+    for target in (8, 8, 12, 12, 6, 20):
+        policy.target = target
+        engine.run(step(), entry, 64, policy)
+    assert sizes == [8, 8, 12, 12, 6, 20]
+    # noted as the size that ran just before: only 12 (after 8) and 20 (after 6) are above every size that fit
+    assert returned == [8, 6]
+
+
 def test_a_learning_policy_is_told_the_device_the_step_runs_on():
     from fake_cuda_memory import on_cuda_1
 
@@ -276,3 +296,79 @@ def test_every_step_says_where_its_work_runs():
     table = HostedEmbedding(10, 2, optimizer=lambda params: torch.optim.SGD(params, lr=0.1), device="cpu")
     ids = torch.arange(3)
     assert _RowUpdate(table, ids, torch.zeros(3, 2), torch.zeros(3, 2)).device == cpu
+
+
+GROWING_ON_A_WARM_CACHE = """
+import json, logging, torch
+from toma import toma
+from toma.core.policy import LearningPolicy
+from toma.sizing.policies import Halving
+
+messages = []
+class Collect(logging.Handler):
+    def emit(self, record):
+        messages.append(record.getMessage())
+logging.getLogger("toma").addHandler(Collect())
+logging.getLogger("toma").setLevel(logging.INFO)
+
+torch.manual_seed(0)
+width, hidden = 1024, 4096
+w1, w2, w3 = (torch.randn(a, b, device="cuda") / a**0.5 for a, b in ((width, hidden), (hidden, hidden), (hidden, 10)))
+
+def work(size):
+    x = torch.randn(size, width, device="cuda")
+    return float((torch.relu(torch.relu(x @ w1) @ w2) @ w3).sum())
+
+def fits(size):
+    try:
+        work(size)
+        return True
+    except torch.OutOfMemoryError:
+        return False
+    finally:
+        torch.cuda.empty_cache()
+
+work(8)  # cuBLAS's workspace, inside the cap
+torch.cuda.synchronize(); torch.cuda.empty_cache()
+cap = torch.cuda.memory_reserved() + 3 * 2**30
+torch.cuda.set_per_process_memory_fraction(cap / torch.cuda.get_device_properties(0).total_memory)
+low, high = 1, 1 << 19
+while high - low > max(1, low // 500):
+    middle = (low + high) // 2
+    low, high = (middle, high) if fits(middle) else (low, middle)
+small, large = int(0.75 * low), int(0.95 * low)
+work(small)
+try:
+    work(large)
+    refused = False
+except torch.OutOfMemoryError:
+    refused = True
+torch.cuda.empty_cache()
+
+class Growing(LearningPolicy, Halving):
+    target = small
+    def start(self, call): return self.target
+    def begin(self, call): return None
+    def succeeded(self, call): return None
+    def after_oom(self, call): return self.shrink(call.size)
+    def explain(self, call): return ""
+
+policy = Growing()
+sizes = []
+run = toma.batch(initial_batchsize=1 << 19, policy=policy)(lambda size: sizes.append(size) or work(size))
+run()
+policy.target = large
+run()
+print(json.dumps(dict(M=low, small=small, large=large, refused_warm=refused, sizes=sizes,
+                      retries=[m for m in messages if "ran out of memory" in m])))
+"""
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_on_cuda_a_size_above_the_largest_that_fit_is_not_refused_for_the_cached_blocks_of_smaller_ones():
+    """What an H200 showed: after calls at 0.75 of the largest size that fits from an empty cache (M), the
+    allocator's cached blocks are split for a call at 0.95 M and it runs out of memory; toma returns them first."""
+    result = json.loads(run_python(GROWING_ON_A_WARM_CACHE, timeout=240).stdout.strip().splitlines()[-1])
+    assert result["refused_warm"], f"the allocator itself did not refuse 0.95 M after 0.75 M here: {result}"
+    assert result["sizes"] == [result["small"], result["large"]] and result["retries"] == [], result

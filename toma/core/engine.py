@@ -16,7 +16,7 @@ from toma.core import call_sites
 from toma.core.agreement import AgreedRetry, Agreement
 from toma.core.caches import Batchsize
 from toma.core.observers import DEFAULT_OBSERVERS, Observers
-from toma.core.oom import add_note, release_memory, should_reduce_batch_size
+from toma.core.oom import add_note, release_memory, return_cached_blocks, should_reduce_batch_size
 from toma.core.policy import CallState, LearningPolicy, SizePolicy
 from toma.core.size_file_observer import SizeFileObserver
 from toma.core.steps import BatchStep, ChunkStep, RangeStep, Step, find_device
@@ -182,6 +182,11 @@ def _attempts(state: CallState[S], agreement: Optional[Agreement], observers: Ob
             state.token = learner.begin(state)
         fitted = entry.fitted  # the attempt's first chunk is worth reading only when it may be news to the entry
         news = state.token is not None or fitted is None or size > fitted
+        if fitted is not None and size > fitted:
+            # Above the largest size that fit: the blocks the allocator cached for smaller sizes would be split
+            # for this one's tensors and the rest could not be had (an H200 refused 0.95 of the size that fit
+            # from an empty cache, after calls at 0.75). Returned first, the attempt gets the whole budget.
+            return_cached_blocks()
         ran = state.ran = step.effective(size) if news else 0
         try:
             while not step(size):

@@ -15,6 +15,7 @@ __all__ = [
     "register_oom_predicate",
     "unregister_oom_predicate",
     "release_memory",
+    "return_cached_blocks",
     "add_note",
 ]
 
@@ -123,5 +124,10 @@ def release_memory() -> None:
     frames and tensors are still reachable and nothing can be freed.
     """
     gc.collect()
+    return_cached_blocks()
+
+
+def return_cached_blocks() -> None:
+    """Return the accelerators' cached but unused blocks to their devices (no garbage collection)."""
     for backend in backends():
         backend.empty_cache()
