@@ -114,6 +114,7 @@ class AccumulateStep(Step):
         self.total_weight: Optional[float] = None
         self.attempts = 0
         self.size: Optional[int] = None
+        self.failing_rows: Optional[int] = None  # the rows of the micro-batch in flight when an attempt failed
 
     @property
     def row_items(self) -> float:
@@ -133,8 +134,9 @@ class AccumulateStep(Step):
         return rows * max(s.widths[0] for s in self.tokens)
 
     def at_smallest(self, size: int) -> bool:
-        """With a token budget: every micro-batch already holds one row, so no smaller budget changes anything."""
-        return self.tokens is not None and size < 2 * min(s.widths[-1] for s in self.tokens)
+        """With a token budget: the micro-batch that ran out of memory held one row, which no smaller budget
+        makes any smaller (it is trimmed to its own length already)."""
+        return self.tokens is not None and self.failing_rows == 1
 
     @property
     def device(self) -> Optional[torch.device]:
@@ -190,6 +192,8 @@ class AccumulateStep(Step):
         total: Optional[torch.Tensor] = None
         with watch:
             for (index, factor), (args, kwargs) in zip(plan.running, self._arguments(plan)):
+                _, start, stop = plan.micro_batches[index]
+                self.failing_rows = stop - start
                 with sync.scope(index == last):
                     try:
                         loss = func(*args, **kwargs)
@@ -208,6 +212,7 @@ class AccumulateStep(Step):
                     watch.backward_done()
                 loss = loss.detach()
                 total = loss if total is None else total + loss
+        self.failing_rows = None
         if total is None:  # every micro-batch counted 0 items: nothing to learn from, no NaN
             return torch.zeros((), device=self.params[0].device if self.params else None)
         return total if total.dim() == 0 else total.reshape(())

@@ -235,9 +235,8 @@ class ArgumentBatch:
             if kwarg_hits[key] or id(value) in changing
         ]
         self._plain = all(is_tensor for _, is_tensor in self._arg_slots + self._kwarg_slots)
-        # id of a tensor padded along dim 1 -> whether its padding leads (left padding): trimmed to a
-        # micro-batch's width (`toma.batching.tokens`)
-        self.trimmed: Dict[int, bool] = {}
+        # ids of the tensors padded at the end of dim 1, trimmed to a micro-batch's width (`toma.batching.tokens`)
+        self.trimmed: Set[int] = set()
 
     @property
     def largest(self) -> int:
@@ -251,12 +250,9 @@ class ArgumentBatch:
 
     def _trim(self, tensor: torch.Tensor, cut: torch.Tensor, width: Optional[int]) -> torch.Tensor:
         """`cut` (rows of `tensor`) narrowed to `width` positions along dim 1 when `tensor` is padded there."""
-        if width is None or not self.trimmed:
+        if width is None or id(tensor) not in self.trimmed or width >= cut.shape[1]:
             return cut
-        head = self.trimmed.get(id(tensor))
-        if head is None or width >= cut.shape[1]:
-            return cut
-        return cut[:, cut.shape[1] - width :] if head else cut[:, :width]
+        return cut[:, :width]
 
     def _cut(
         self, obj: Any, start: int, stop: int, rows: Optional[List[torch.Tensor]], width: Optional[int] = None

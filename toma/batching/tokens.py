@@ -7,8 +7,9 @@ each row's length. A tensor is trimmed only when it is padded like the rows: for
 width, and for a function, at least the longest row; and in every row, the positions past the row's length
 (before it, with left padding) hold one and the same pad value (one pad vector for wider tensors). So a
 `(rows, 16)` feature matrix whose width merely equals the mask's is left whole: its values there differ. Right
-padding trims the tail. Left padding trims the head only where positions cannot move (`position_ids` given
-beside the mask); otherwise the rows are only reordered, and an INFO line says so once.
+padding trims the tail. Left-padded rows are sorted but not trimmed, and an INFO line says why once: dropping
+leading padding moves the positions, and even with `position_ids` given, a causal LM's loss counts the first
+real token as predicted from the padding before it, whose output depends on how much padding there is.
 """
 
 import logging
@@ -43,18 +44,18 @@ def check_lengths(lengths: Any, name: str) -> Optional[Lengths]:
 class _Layout(NamedTuple):
     lengths: List[int]  # each row's extent, in the call's order
     width: Optional[int]  # the mask's width (None: from a function)
-    head: Optional[bool]  # padding leads (left padding); None: not trimmed
+    trims: bool  # right padding: trailing positions can go
 
 
-def _find_mask(name: str, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[torch.Tensor, Mapping]:
-    """The mask named `name` and the mapping it was found in (the keyword arguments, or a dict argument)."""
+def _find_mask(name: str, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> torch.Tensor:
+    """The mask named `name` among the keyword arguments, or in a dict argument."""
     holders: List[Mapping] = [kwargs, *(arg for arg in args if isinstance(arg, Mapping))]
     for holder in holders:
         mask = holder.get(name)
         if isinstance(mask, torch.Tensor):
             if mask.dim() != 2:
                 raise ValueError(f"lengths={name!r}: the mask must be (rows, width), got shape {tuple(mask.shape)}")
-            return mask, holder
+            return mask
     raise ValueError(
         f"lengths={name!r}: no tensor {name!r} among the call's keyword arguments or in a dict argument; name the "
         "0/1 mask the batch carries, or pass a function that returns each row's length"
@@ -68,27 +69,20 @@ def _say_once(text: str) -> None:
 
 
 def _mask_layout(name: str, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> _Layout:
-    mask, holder = _find_mask(name, args, kwargs)
-    present = mask.detach().to("cpu") != 0
+    present = _find_mask(name, args, kwargs).detach().to("cpu") != 0
     width = present.shape[1]
     positions = torch.arange(width)
     end = torch.where(present, positions, -1).max(1).values + 1  # one past the last real position
     begin = torch.where(present, positions, width).min(1).values  # the first real position
     used = present.any(1)
-    right, left = bool((used & (end < width)).any()), bool((used & (begin > 0)).any())
-    if left and not right:
-        lengths = (width - begin).masked_fill(~used, 0).tolist()
-        if "position_ids" in holder:
-            return _Layout(lengths, width, True)
-        _say_once(
-            f"toma: the rows are left-padded ({name!r}) and no position_ids are given: rows are sorted by length "
-            "but not trimmed, since dropping leading padding would move every position"
-        )
-        return _Layout(lengths, width, None)
-    if left and right:
-        _say_once(f"toma: the rows are padded on both sides ({name!r}): sorted by length but not trimmed")
-        return _Layout(present.sum(1).tolist(), width, None)
-    return _Layout(end.tolist(), width, False)
+    if not bool((used & (begin > 0)).any()):
+        return _Layout(end.tolist(), width, True)
+    _say_once(
+        f"toma: the rows of {name!r} do not all begin at position 0 (left padding): they are sorted by length but "
+        "not trimmed, since dropping leading padding moves the positions, and a causal LM's loss counts the first "
+        "real token as predicted from the padding before it"
+    )
+    return _Layout(present.sum(1).tolist(), width, False)
 
 
 def row_lengths(lengths: Lengths, args: Tuple[Any, ...], kwargs: Dict[str, Any], rows: int) -> _Layout:
@@ -101,35 +95,32 @@ def row_lengths(lengths: Lengths, args: Tuple[Any, ...], kwargs: Dict[str, Any],
         name = getattr(lengths, "__qualname__", repr(lengths))
         if len(values) != rows or any(not float(v) >= 0 or int(v) != v for v in values):
             raise ValueError(f"lengths ({name}) must return a whole length of at least 0 for each of the {rows} rows")
-        layout = _Layout([int(v) for v in values], None, False)
+        layout = _Layout([int(v) for v in values], None, True)
     if len(layout.lengths) != rows:
         raise ValueError(f"lengths: the mask has {len(layout.lengths)} rows, the logical batch {rows}")
     return layout
 
 
-def _padded_alike(tensor: torch.Tensor, lengths: torch.Tensor, head: bool) -> bool:
-    """Whether every position past each row's length (before it, with `head`) holds one and the same value."""
-    width = tensor.shape[1]
-    positions = torch.arange(width, device=tensor.device)
-    limits = lengths.to(tensor.device)
-    padding = positions >= limits[:, None] if not head else positions < (width - limits)[:, None]
-    values = tensor.detach()[padding]
+def _padded_alike(tensor: torch.Tensor, lengths: torch.Tensor) -> bool:
+    """Whether every position past each row's length holds one and the same value (or vector)."""
+    positions = torch.arange(tensor.shape[1], device=tensor.device)
+    values = tensor.detach()[positions >= lengths.to(tensor.device)[:, None]]
     return values.shape[0] == 0 or bool((values == values[:1]).all())
 
 
-def _trimmable(batch: ArgumentBatch, layout: _Layout, sorted_lengths: List[int]) -> Dict[int, bool]:
-    """The ids of the sorted batch's tensors that are padded like its rows, each with whether padding leads."""
-    if layout.head is None or not sorted_lengths:
-        return {}
+def _trimmable(batch: ArgumentBatch, layout: _Layout, sorted_lengths: List[int]) -> Set[int]:
+    """The ids of the sorted batch's tensors that are padded like its rows."""
+    if not layout.trims or not sorted_lengths:
+        return set()
     longest, lengths = max(sorted_lengths), torch.tensor(sorted_lengths)
-    trimmed: Dict[int, bool] = {}
+    trimmed: Set[int] = set()
     for _, tensor in batch.tensors:
         if tensor.dim() < 2 or tensor.is_sparse or tensor.requires_grad:
             continue
         if (tensor.shape[1] != layout.width) if layout.width is not None else (tensor.shape[1] < longest):
             continue
-        if _padded_alike(tensor, lengths, layout.head):
-            trimmed[id(tensor)] = layout.head
+        if _padded_alike(tensor, lengths):
+            trimmed.add(id(tensor))
     return trimmed
 
 

@@ -1,0 +1,191 @@
+"""`toma.accumulate(lengths=...)`: micro-batches packed by tokens and trimmed give the full batch's gradients and
+loss, for GPT-2 and BERT built from configs, right and left padding, dict and keyword batches, `weight=` token means,
+an out-of-memory error in the middle micro-batch, and a single row that still does not fit."""
+
+import pytest
+import torch
+
+from toma import FitToMemory, Halving, NoBatchsizeCache, explicit, toma
+
+from helpers import raise_fake_oom
+
+transformers = pytest.importorskip("transformers")
+
+WIDTH, VOCAB = 40, 97
+
+
+def gpt2():
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(config)
+
+
+def bert():
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3,
+    )  # fmt: skip
+    return transformers.BertForSequenceClassification(config)
+
+
+def padded_batch(rows=14, seed=1, left=False):
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(2, WIDTH + 1, (rows,), generator=generator)
+    lengths[3] = WIDTH
+    mask = (torch.arange(WIDTH)[None] < lengths[:, None]).long()
+    ids = torch.randint(1, VOCAB, (rows, WIDTH), generator=generator) * mask
+    if left:
+        mask, ids = mask.flip(1), ids.flip(1)
+    return dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+
+
+def label_tokens(batch):
+    return (batch["labels"][:, 1:] != -100).sum()
+
+
+def full_batch(model, batch):
+    model.zero_grad()
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def assert_same(model, reference, rtol=1e-5):
+    """Every gradient within `rtol` of the largest reference gradient (a parameter whose gradient is zero but
+    for rounding is compared on that scale too)."""
+    scale = max(float(expected.abs().max()) for expected in reference)
+    for p, expected in zip(model.parameters(), reference):
+        assert float((p.grad - expected).abs().max()) < rtol * scale
+
+
+def test_gpt2_packed_and_trimmed_equals_the_full_batch_with_a_dict_batch():
+    model, batch = gpt2(), padded_batch()
+    loss, reference = full_batch(model, batch)
+    model.zero_grad()
+    shapes = []
+
+    @toma.accumulate(model=model, lengths="attention_mask", initial_tokens=100, weight=label_tokens)
+    def compute_loss(micro):
+        shapes.append(tuple(micro["input_ids"].shape))
+        return model(**micro).loss
+
+    assert torch.allclose(compute_loss(batch), loss, rtol=1e-6)
+    assert_same(model, reference)
+    assert all(rows * width <= 100 for rows, width in shapes) and sum(rows for rows, _ in shapes) == 14
+    assert shapes[0][1] == WIDTH and shapes[-1][1] < WIDTH, "longest first, then trimmed"
+    assert [width for _, width in shapes] == sorted((width for _, width in shapes), reverse=True)
+
+
+def test_gpt2_with_keyword_arguments_and_the_row_mean_of_bert():
+    model, batch = gpt2(), padded_batch(seed=2)
+    loss, reference = full_batch(model, batch)
+    model.zero_grad()
+    weight = lambda input_ids, attention_mask, labels: (labels[:, 1:] != -100).sum()  # noqa: E731
+    got = explicit.accumulate(
+        lambda **micro: model(**micro).loss, model, 3, toma_lengths="attention_mask", toma_weight=weight, **batch
+    )
+    assert torch.allclose(got, loss, rtol=1e-6)
+    assert_same(model, reference)
+
+    classifier, batch = bert(), padded_batch(seed=3)
+    labels = torch.arange(14) % 3
+    inputs = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=labels)
+    loss, reference = full_batch(classifier, inputs)
+    classifier.zero_grad()
+
+    @toma.accumulate(model=classifier, lengths="attention_mask", initial_micro_batch=4)
+    def classify(input_ids, attention_mask, labels):
+        return classifier(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+
+    assert torch.allclose(classify(**inputs), loss, rtol=1e-6)
+    assert_same(classifier, reference)
+
+
+@pytest.mark.parametrize("positions", [True, False], ids=["position_ids given", "no position_ids"])
+def test_left_padding_is_sorted_but_never_trimmed_and_exact(positions):
+    """Dropping leading padding would change the loss even with position_ids: GPT-2 counts the first real token
+    as predicted from the padding before it, whose output depends on how much padding there is."""
+    model, batch = gpt2(), padded_batch(seed=4, left=True)
+    if positions:
+        batch["position_ids"] = (batch["attention_mask"].cumsum(1) - 1).clamp(min=0)
+    loss, reference = full_batch(model, batch)
+    model.zero_grad()
+    widths = []
+
+    @toma.accumulate(model=model, lengths="attention_mask", initial_tokens=120, weight=label_tokens)
+    def compute_loss(micro):
+        widths.append(micro["input_ids"].shape[1])
+        return model(**micro).loss
+
+    assert torch.allclose(compute_loss(batch), loss, rtol=1e-6)
+    assert_same(model, reference)
+    assert set(widths) == {WIDTH} and len(widths) > 1
+
+
+def test_an_oom_in_the_middle_micro_batch_retries_a_smaller_budget_with_the_same_gradients():
+    model, batch = gpt2(), padded_batch(seed=5)
+    loss, reference = full_batch(model, batch)
+    model.zero_grad()
+    seen = []
+
+    @toma.accumulate(model=model, lengths="attention_mask", initial_tokens=160, weight=label_tokens)
+    def compute_loss(micro):
+        rows, width = micro["input_ids"].shape
+        seen.append((rows, width))
+        if len(seen) == 3:  # the third micro-batch of the first attempt: after two backward passes
+            raise_fake_oom()
+        return model(**micro).loss
+
+    assert torch.allclose(compute_loss(batch), loss, rtol=1e-6)
+    assert_same(model, reference)
+    retry = seen[3:]
+    assert max(r * w for r, w in retry) <= 80 and max(r * w for r, w in seen[:3]) > 80
+
+
+def test_a_row_that_does_not_fit_alone_re_raises_the_original_error_without_smaller_budgets():
+    model, batch = gpt2(), padded_batch(seed=6)
+    attempts = []
+
+    @toma.accumulate(
+        model=model, lengths="attention_mask", initial_tokens=400, policy=Halving(), cache_type=NoBatchsizeCache
+    )
+    def compute_loss(micro):
+        attempts.append(tuple(micro["input_ids"].shape))
+        if micro["input_ids"].shape[1] == WIDTH:  # the longest row never fits, alone or not
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return model(**micro).loss
+
+    with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate 2.00 GiB") as raised:
+        compute_loss(batch)
+    notes = "\n".join(getattr(raised.value, "__notes__", []))
+    assert "smallest token budget" in notes
+    rows = [r for r, _ in attempts]
+    assert rows[-1] == 1 and len(attempts) <= 5, "stops once every micro-batch holds one row"
+
+
+def test_fit_to_memory_learns_the_budget_and_the_second_call_starts_from_it():
+    model = gpt2()
+    budgets = []
+
+    @toma.accumulate(model=model, lengths="attention_mask", initial_tokens=10**6, policy=FitToMemory())
+    def compute_loss(micro):
+        budgets.append(micro["input_ids"].numel())
+        return model(**micro).loss
+
+    compute_loss(padded_batch(seed=7))
+    compute_loss(padded_batch(seed=8))
+    assert compute_loss.stats.micro_batch is not None
+
+
+def test_initial_tokens_needs_lengths_and_excludes_rows():
+    model = gpt2()
+    with pytest.raises(ValueError, match="initial_tokens is a token budget: it needs lengths="):
+        toma.accumulate(model=model, initial_tokens=64)
+    with pytest.raises(ValueError, match="initial_micro_batch .* or initial_tokens .*not both"):
+        toma.accumulate(model=model, lengths="attention_mask", initial_micro_batch=2, initial_tokens=64)
+    with pytest.raises(TypeError, match="lengths must be the name of a 0/1 mask"):
+        toma.accumulate(model=model, initial_micro_batch=2, lengths=5)
