@@ -40,22 +40,33 @@ def test_rows_are_sorted_longest_first_and_packed_within_the_budget():
     assert torch.equal(sorted_ids, ids[tokens.order]) and restore_order(tokens.order)[1] == 0
 
 
-def test_the_padded_tensors_are_trimmed_and_a_matrix_as_wide_by_chance_is_not():
+def test_every_tensor_padded_like_the_rows_is_trimmed():
     ids, mask = right_padded([16, 4, 7, 2], width=16)
     labels = ids.masked_fill(mask == 0, -100)
     embeds = torch.randn(4, 16, 3)
     embeds[mask == 0] = torch.tensor([0.5, -1.0, 2.0])  # one pad vector
-    features = torch.randn(4, 16)  # (rows, 16) features: its width equals the mask's by chance
-    batch = dict(input_ids=ids, attention_mask=mask, labels=labels, inputs_embeds=embeds, features=features)
+    batch = dict(input_ids=ids, attention_mask=mask, labels=labels, inputs_embeds=embeds, scale=torch.ones(4))
     tokens = TokenBatch(ArgumentBatch((), batch), "attention_mask")
-    first, second = tokens.micro_batches(16)[:2]
+    second = tokens.micro_batches(16)[1]
     _, kwargs = second[0].arguments(second[1], second[2], width=second[3])
     assert second[3] == 7
     assert kwargs["input_ids"].shape == (2, 7) and kwargs["labels"].shape == (2, 7)
     assert kwargs["attention_mask"].shape == (2, 7) and kwargs["inputs_embeds"].shape == (2, 7, 3)
-    assert kwargs["features"].shape == (2, 16), "values past the rows' lengths differ: not padding"
+    assert torch.equal(kwargs["input_ids"], ids[[2, 1], :7]) and kwargs["scale"].shape == (2,)
+
+
+def test_a_matrix_as_wide_as_the_mask_by_chance_is_never_trimmed_nor_is_anything_else(caplog):
+    ids, mask = right_padded([16, 4, 7, 2], width=16)
+    features = torch.randn(4, 16)  # (rows, 16) features: its width equals the mask's by chance
+    with caplog.at_level(logging.INFO, logger="toma"):
+        tokens = TokenBatch(
+            ArgumentBatch((), dict(input_ids=ids, attention_mask=mask, features=features)), "attention_mask"
+        )
+    assert tokens.batch.trimmed == set() and tokens.widths == [16] * 4
+    _, kwargs = tokens.batch.arguments(1, 3, width=7)
+    assert kwargs["features"].shape == (2, 16) and kwargs["input_ids"].shape == (2, 16), "nothing misaligned"
     assert torch.equal(kwargs["features"], features[[2, 1]])
-    assert torch.equal(kwargs["input_ids"], ids[[2, 1], :7])
+    assert any("kwargs['features'] is as wide as the rows but not padded" in r.getMessage() for r in caplog.records)
 
 
 def test_a_tensor_of_another_width_is_not_trimmed_with_a_mask():
@@ -87,10 +98,10 @@ def test_padding_on_both_sides_is_not_trimmed():
 
 def test_lengths_from_a_function_trim_what_is_padded_past_them():
     ids, mask = right_padded([6, 2, 4], width=8)  # padded to 8, the longest row is 6
-    tokens = TokenBatch(ArgumentBatch((ids, torch.randn(3, 8)), {}), lambda ids, _: (ids != 0).sum(1))
+    tokens = TokenBatch(ArgumentBatch((ids, torch.randn(3, 5)), {}), lambda ids, _: (ids != 0).sum(1))
     assert tokens.widths == [6, 4, 2]
     (cut, features), _ = tokens.batch.arguments(0, 1, width=6)
-    assert cut.shape == (1, 6) and features.shape == (1, 8)
+    assert cut.shape == (1, 6) and features.shape == (1, 5), "narrower than the longest row: not per position"
 
 
 def test_per_row_values_follow_their_rows():

@@ -3,11 +3,11 @@
 
 A row's length comes from `lengths=`: the name of a 0/1 mask among the call's arguments (a keyword argument, or
 a key of a dict argument, as a tokenizer's `attention_mask`), or a function of the call's arguments returning
-each row's length. A tensor is trimmed only when it is padded like the rows: for a mask, its dim 1 is the mask's
-width, and for a function, at least the longest row; and in every row, the positions past the row's length
-(before it, with left padding) hold one and the same pad value (one pad vector for wider tensors). So a
-`(rows, 16)` feature matrix whose width merely equals the mask's is left whole: its values there differ. Right
-padding trims the tail. Left-padded rows are sorted but not trimmed, and an INFO line says why once: dropping
+each row's length. The tensors as wide as the rows (for a mask, its width; for a function, at least the longest
+row) are trimmed only when every one of them is padded like the rows: past each row's length it holds one and
+the same pad value (one pad vector for wider tensors). So a `(rows, 16)` feature matrix whose width merely equals
+the mask's is never trimmed: its values there differ, and then nothing is (an INFO line names it), since trimming
+the others alone would misalign them. Right padding trims the tail. Left-padded rows are sorted but not trimmed, and an INFO line says why once: dropping
 leading padding moves the positions, and even with `position_ids` given, a causal LM's loss counts the first
 real token as predicted from the padding before it, whose output depends on how much padding there is.
 """
@@ -109,18 +109,27 @@ def _padded_alike(tensor: torch.Tensor, lengths: torch.Tensor) -> bool:
 
 
 def _trimmable(batch: ArgumentBatch, layout: _Layout, sorted_lengths: List[int]) -> Set[int]:
-    """The ids of the sorted batch's tensors that are padded like its rows."""
+    """The ids of the sorted batch's tensors as wide as its rows, when every one of them is padded like the rows;
+    none when one is not (trimming some and not others would misalign a micro-batch's tensors)."""
     if not layout.trims or not sorted_lengths:
         return set()
     longest, lengths = max(sorted_lengths), torch.tensor(sorted_lengths)
     trimmed: Set[int] = set()
-    for _, tensor in batch.tensors:
-        if tensor.dim() < 2 or tensor.is_sparse or tensor.requires_grad:
+    for path, tensor in batch.tensors:
+        if (
+            tensor.dim() < 2
+            or tensor.shape[1] < longest
+            or (layout.width is not None and tensor.shape[1] != layout.width)
+        ):
             continue
-        if (tensor.shape[1] != layout.width) if layout.width is not None else (tensor.shape[1] < longest):
-            continue
-        if _padded_alike(tensor, lengths):
-            trimmed.add(id(tensor))
+        if tensor.is_sparse or tensor.requires_grad or not _padded_alike(tensor, lengths):
+            _say_once(
+                f"toma: {path} is as wide as the rows but not padded like them (past each row's length it does not "
+                "hold one pad value): the rows are sorted by length, nothing is trimmed. Pass a tensor that is not "
+                "per position in toma.whole(...), or pad it"
+            )
+            return set()
+        trimmed.add(id(tensor))
     return trimmed
 
 
