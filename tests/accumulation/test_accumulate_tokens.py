@@ -2,12 +2,14 @@
 loss, for GPT-2 and BERT built from configs, right and left padding, dict and keyword batches, `weight=` token means,
 an out-of-memory error in the middle micro-batch, and a single row that still does not fit."""
 
+import json
+
 import pytest
 import torch
 
 from toma import FitToMemory, Halving, NoBatchsizeCache, explicit, toma
 
-from helpers import raise_fake_oom
+from helpers import COLLECT_TOMA_LOG, raise_fake_oom, run_pythons
 
 transformers = pytest.importorskip("transformers")
 
@@ -189,3 +191,68 @@ def test_initial_tokens_needs_lengths_and_excludes_rows():
         toma.accumulate(model=model, lengths="attention_mask", initial_micro_batch=2, initial_tokens=64)
     with pytest.raises(TypeError, match="lengths must be the name of a 0/1 mask"):
         toma.accumulate(model=model, initial_micro_batch=2, lengths=5)
+
+
+LATE_LONG_BATCH_EPOCH = (
+    COLLECT_TOMA_LOG
+    + """
+import json, os, torch, torch.nn as nn, torch.nn.functional as F
+torch.set_num_threads(1)
+from toma import toma
+from toma.memory.cpu import predictable_heap, set_cpu_memory_headroom
+predictable_heap()
+VOCAB, WIDTH, HIDDEN = 64, 32, 4096
+
+
+class PerToken(nn.Module):
+    # its memory follows the padded tokens: about 4 x HIDDEN floats (64 KiB) for each
+    def __init__(self):
+        super().__init__()
+        self.embed, self.up, self.down = nn.Embedding(VOCAB, WIDTH), nn.Linear(WIDTH, HIDDEN), nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, input_ids, attention_mask, labels):
+        logits = self.down(torch.relu(self.up(self.embed(input_ids))))
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+
+def epoch():
+    generator = torch.Generator().manual_seed(0)
+    batches = []
+    for index in range(8):
+        lengths = torch.randint(4, 41, (48,), generator=generator)
+        if index == 6:  # the long tail comes late, as it does in a shuffled epoch
+            lengths[5], lengths[9] = 512, 400
+        width = int(lengths.max())
+        mask = (torch.arange(width)[None] < lengths[:, None]).long()
+        ids = torch.randint(1, VOCAB, (48, width), generator=generator) * mask
+        batches.append(dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)))
+    return batches
+
+
+batches = epoch()
+torch.manual_seed(1)
+model = PerToken()
+options = dict(initial_micro_batch=48) if os.environ["TOMA_MODE"] == "rows" else dict(lengths="attention_mask", initial_tokens=10**5)
+weight = lambda input_ids, attention_mask, labels: (labels != -100).sum()
+compute_loss = toma.accumulate(model=model, weight=weight, **options)(lambda **batch: model(**batch))
+set_cpu_memory_headroom(96 / 1024)
+retries_at = []
+for index, batch in enumerate(batches):
+    before = len([m for m in messages if "ran out of memory" in m])
+    compute_loss(**batch)
+    model.zero_grad()
+    retries_at += [index] * (len([m for m in messages if "ran out of memory" in m]) - before)
+print(json.dumps(dict(retries_at=retries_at, size=compute_loss.stats.micro_batch)))
+"""
+)
+
+
+@pytest.mark.slow
+def test_under_a_real_cpu_cap_a_learned_token_budget_runs_out_only_while_learning_and_fixed_rows_late():
+    rows, tokens = run_pythons([LATE_LONG_BATCH_EPOCH] * 2, [dict(TOMA_MODE="rows"), dict(TOMA_MODE="tokens")], 400)
+    found = {}
+    for name, result in (("rows", rows), ("tokens", tokens)):
+        assert result.returncode == 0, result.stdout + result.stderr
+        found[name] = json.loads(result.stdout.strip().splitlines()[-1])
+    assert found["tokens"]["retries_at"] and max(found["tokens"]["retries_at"]) <= 1, found
+    assert any(index >= 2 for index in found["rows"]["retries_at"]), f"the rows found early never failed: {found}"
