@@ -293,3 +293,66 @@ def test_on_cuda_whole_values_move_once_per_call():
         out = tm.map(project, x, toma.whole(weights), device="cuda", initial_step=128, cache_type=NoBatchsizeCache)
     assert len(seen) == 8 and seen[0].is_cuda and all(w is seen[0] for w in seen)
     torch.testing.assert_close(out, x @ weights, rtol=1e-4, atol=1e-4)
+
+
+# --- lengths=: rows sorted by length, chunked by a token budget, trimmed (issue 31) -------------------------------
+
+
+def test_map_by_tokens_equals_the_untrimmed_call_in_the_inputs_order_with_outputs_padded_back():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=90, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    bert = transformers.BertModel(config).eval()
+    generator = torch.Generator().manual_seed(1)
+    lengths = torch.randint(2, 33, (23,), generator=generator)
+    lengths[7] = 32
+    mask = (torch.arange(32)[None] < lengths[:, None]).long()
+    texts = dict(input_ids=torch.randint(1, 90, (23, 32), generator=generator) * mask, attention_mask=mask)
+
+    def embed(batch):
+        hidden = bert(**batch).last_hidden_state
+        weights = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+        return (hidden * weights).sum(1) / weights.sum(1), hidden  # mean pooling, and the token states
+
+    with torch.no_grad():
+        pooled, states = embed(texts)
+        chunks = []
+        by_tokens = tm.map(
+            lambda batch: chunks.append(tuple(batch["input_ids"].shape)) or embed(batch),
+            texts,
+            lengths="attention_mask",
+            initial_step=4,
+            cache_type=NoBatchsizeCache,
+        )
+    assert torch.allclose(by_tokens[0], pooled, atol=1e-5), "the inputs' row order, the full call's embeddings"
+    real = mask.bool()
+    assert by_tokens[1].shape == states.shape and torch.allclose(by_tokens[1][real], states[real], atol=1e-5)
+    assert all(rows * width <= 4 * 32 for rows, width in chunks) and min(w for _, w in chunks) < 32
+
+
+def test_map_by_tokens_retries_the_failed_chunk_at_a_smaller_budget_and_a_lone_row_re_raises():
+    mask = (torch.arange(8)[None] < torch.tensor([8, 2, 5, 3, 8, 1])[:, None]).long()
+    inputs = dict(values=torch.arange(48.0).reshape(6, 8) * mask, attention_mask=mask)
+    seen = []
+
+    def total(batch):
+        seen.append(tuple(batch["values"].shape))
+        if batch["values"].numel() > 8:
+            raise_fake_oom()
+        return batch["values"].sum(1)
+
+    out = tm.map(total, inputs, lengths="attention_mask", initial_step=6, cache_type=NoBatchsizeCache)
+    assert torch.equal(out, inputs["values"].sum(1)) and seen[0] == (6, 8)
+    finished = [(rows, width) for rows, width in seen if rows * width <= 8]
+    assert sum(rows for rows, _ in finished) == 6, "every row once: a finished chunk is never redone"
+    assert [width for _, width in finished] == sorted((width for _, width in finished), reverse=True)
+
+    def never(batch):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+
+    with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate 1.00 GiB") as raised:
+        tm.map(never, inputs, lengths="attention_mask", initial_step=1, cache_type=NoBatchsizeCache)
+    assert "smallest token budget" in "\n".join(raised.value.__notes__)

@@ -137,7 +137,7 @@ class TokenBatch:
     """A piece of a logical batch with its rows sorted longest first (`batch`, a copy) and its padded tensors
     marked for trimming; `widths` are the sorted rows' lengths as a micro-batch's width counts them."""
 
-    __slots__ = ("batch", "widths", "order")
+    __slots__ = ("batch", "widths", "order", "width")
 
     def __init__(self, piece: ArgumentBatch, lengths: Lengths) -> None:
         layout = row_lengths(lengths, piece.args, piece.kwargs, piece.size)
@@ -145,6 +145,8 @@ class TokenBatch:
         sorted_lengths = [layout.lengths[row] for row in self.order]
         self.batch = piece.take(self.order)
         self.batch.trimmed = _trimmable(self.batch, layout, sorted_lengths)
+        # the rows' padded width: what a trimmed output is padded back to
+        self.width = layout.width if layout.width is not None else max([1, *sorted_lengths])
         if self.batch.trimmed:
             self.widths = [max(1, length) for length in sorted_lengths]
         else:  # nothing narrows: every micro-batch is as wide as the batch
@@ -156,14 +158,17 @@ class TokenBatch:
         """The padded area of all its rows in one micro-batch."""
         return len(self.widths) * self.widths[0]
 
+    def stop(self, start: int, budget: int) -> int:
+        """Where a micro-batch from sorted row `start` ends within `budget`."""
+        return min(len(self.widths), start + max(1, budget // self.widths[start]))
+
     def micro_batches(self, budget: int) -> List[TokenMicroBatch]:
         """Micro-batches of consecutive sorted rows, each within `budget` (a row longer than it, alone)."""
         found: List[TokenMicroBatch] = []
         start, rows = 0, len(self.widths)
         while start < rows:
-            width = self.widths[start]
-            stop = min(rows, start + max(1, budget // width))
-            found.append((self.batch, start, stop, width))
+            stop = self.stop(start, budget)
+            found.append((self.batch, start, stop, self.widths[start]))
             start = stop
         return found
 

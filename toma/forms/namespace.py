@@ -22,6 +22,7 @@ import torch
 from toma.accumulation.accumulate import AccumulationStats
 from toma.accumulation.options import ROWS_FROM_TOKENS, AccumulationOptions
 from toma.batching.splitting import whole
+from toma.batching.tokens import check_lengths
 from toma.batching.transfer import check_device
 from toma.core.arguments import check_dimension, check_function, check_index, check_size, check_tensor_dimension
 from toma.core.caches import (
@@ -323,15 +324,20 @@ class toma(metaclass=SettingsNamespace):
         context: Optional[Hashable] = None,
         policy: Optional[SizePolicy] = None,
         distributed: Any = False,
+        lengths: Any = None,
     ) -> Any:
         """`func(*chunk)` over row chunks of `inputs` (tensors, also in tuples, lists and dicts, that agree on
         dim 0; usually on the host) on `device`, each chunk's copy overlapping the previous chunk's compute;
         returns the outputs joined along dim 0 on `output_device` (the host by default), detached. The chunk
         size (`initial_step`, default all rows) shrinks on out-of-memory errors, finished chunks are kept, and
-        it is cached per call site (or `context`)."""
+        it is cached per call site (or `context`). `lengths=` (a 0/1 mask's name in a dict input, or a function
+        of the inputs giving each row's length): rows sorted by length, chunked by a token budget (`initial_step`
+        rows of the longest to start), each chunk trimmed to its longest row; outputs as wide as a chunk are
+        padded back with zeros, and come back in the inputs' row order."""
         check_function(func, "toma.map")
+        checked_lengths = check_lengths(lengths, "lengths")
         target = check_device(device, "device")
         output = check_device(output_device, "output_device")
         initial = None if initial_step is None else check_size(initial_step, "initial_step")
         options = calls(cache_type, call_site_key() if context is None else context, policy, distributed)
-        return run_map(func, inputs, target, output, initial, options)
+        return run_map(func, inputs, target, output, initial, options, checked_lengths)

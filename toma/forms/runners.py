@@ -10,6 +10,7 @@ import torch
 from toma.accumulation.accumulate import AccumulationStats, Sizing, accumulate
 from toma.accumulation.options import AccumulationOptions
 from toma.batching.splitting import ArgumentBatch, leaves
+from toma.batching.tokens import Lengths, TokenBatch
 from toma.batching.transfer import Transfers
 from toma.core.runner import Runner
 from toma.offload.host_map import MapStep
@@ -42,8 +43,10 @@ def run_map(
     output: torch.device,
     initial_step: Optional[int],
     options: Runner,
+    lengths: Optional[Lengths] = None,
 ) -> Any:
-    """`func(*chunk)` over row chunks of `inputs` on `device`; the outputs joined on `output`."""
+    """`func(*chunk)` over row chunks of `inputs` on `device`; the outputs joined on `output`. With `lengths`,
+    the rows sorted by length and chunked by a token budget (`initial_step` rows of the longest to start)."""
     if not any(isinstance(t, torch.Tensor) and t.dim() > 0 for t in leaves(inputs)):
         raise ValueError(
             "toma.map needs inputs: tensors (also inside tuples, lists or dicts) whose dim 0 holds the rows "
@@ -51,6 +54,10 @@ def run_map(
         )
     split = ArgumentBatch(inputs, {}, name="inputs")
     initial = split.size if initial_step is None else initial_step
+    tokens = None
+    if lengths is not None:
+        tokens = TokenBatch(split, lengths)
+        split, initial = tokens.batch, initial * tokens.widths[0]
     transfers = Transfers(device)
     split = split.placed(transfers.place)  # toma.whole values move once per call, not once per chunk
-    return options.perform(MapStep(func, split, transfers, output), initial).result()
+    return options.perform(MapStep(func, split, transfers, output, tokens=tokens), initial).result()

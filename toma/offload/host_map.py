@@ -9,9 +9,11 @@ and the same rows are tried again in a smaller chunk.
 from typing import Any, Callable, List, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 
 from toma.batching.splitting import ArgumentBatch, map_tensors
 from toma.batching.splitting import leaves as leaf_values
+from toma.batching.tokens import TokenBatch, restore_order
 from toma.batching.transfer import Pending, Transfers
 from toma.core.steps import RangeStep
 
@@ -72,10 +74,14 @@ class _Joined:
 
 
 class MapStep(RangeStep):
-    """`func(*chunk_inputs)` for consecutive row chunks of `split`, inputs moved to the transfers' device."""
+    """`func(*chunk_inputs)` for consecutive row chunks of `split`, inputs moved to the transfers' device. With
+    `tokens` (`split` sorted by row length, `toma.map(lengths=)`), the size is a token budget, each chunk is
+    trimmed to its longest row, outputs as wide as a chunk are padded back with zeros to the rows' width, and the
+    result comes back in the call's row order."""
 
-    size_name = "step"
-    __slots__ = ("split", "transfers", "joined", "ahead", "back", "to_host", "returns_none")
+    __slots__ = (
+        "split", "transfers", "joined", "ahead", "back", "to_host", "returns_none", "tokens", "budget", "size_name"
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -84,9 +90,11 @@ class MapStep(RangeStep):
         transfers: Transfers,
         output_device: torch.device,
         name: Optional[str] = None,
+        tokens: Optional[TokenBatch] = None,
     ) -> None:
         super().__init__(func, 0, split.size, (), {}, name, device=transfers.device)
-        self.split, self.transfers = split, transfers
+        self.split, self.transfers, self.tokens, self.budget = split, transfers, tokens, 0
+        self.size_name = "step" if tokens is None else "token budget"
         label = str(name or getattr(func, "__qualname__", repr(func)))
         self.joined = _Joined(split.size, output_device, label)
         # Outputs go back through pinned staging when they are on CUDA and asked for on the host.
@@ -98,8 +106,45 @@ class MapStep(RangeStep):
     def _send(self, start: int, stop: int) -> Pending:
         """Start moving the chunk's split tensors; `toma.whole` values were moved once (`ArgumentBatch.placed`)."""
         rows: List[torch.Tensor] = []
-        args, _ = self.split.arguments(start, stop, rows)
+        width = None if self.tokens is None else self.tokens.widths[start]
+        args, _ = self.split.arguments(start, stop, rows, width)
         return self.transfers.prefetch(args, stage=rows)
+
+    def _stop(self, start: int, size: int) -> int:
+        """Where a chunk from row `start` at `size` (rows, or a token budget) ends."""
+        return min(start + size, self.end) if self.tokens is None else self.tokens.stop(start, size)
+
+    def effective(self, size: int) -> int:
+        """The rows a chunk at `size` covers (its padded tokens, with a token budget)."""
+        if self.tokens is None:
+            return super().effective(size)
+        start = self.current
+        return (self._stop(start, size) - start) * self.tokens.widths[start]
+
+    def at_smallest(self, size: int) -> bool:
+        """With a token budget: the chunk holds one row already, trimmed to its own length."""
+        return self.tokens is not None and self._stop(self.current, size) - self.current == 1
+
+    def __call__(self, size: int) -> bool:
+        start, self.budget = self.current, size
+        stop = self._stop(start, size)
+        self.call(start, stop)
+        self.current = stop
+        return stop >= self.end
+
+    def _padded_back(self, out: Any, start: int) -> Any:
+        """A trimmed chunk's outputs as wide as the chunk, padded with zeros to the rows' width."""
+        tokens = self.tokens
+        if tokens is None or tokens.widths[start] >= tokens.width:
+            return out
+        width, full = tokens.widths[start], tokens.width
+
+        def pad(tensor: torch.Tensor) -> torch.Tensor:
+            if tensor.dim() < 2 or tensor.shape[1] != width:
+                return tensor
+            return F.pad(tensor, (0, 0) * (tensor.dim() - 2) + (0, full - width))
+
+        return map_tensors(out, pad)
 
     def call(self, start: int, stop: int) -> None:
         ahead, self.ahead = self.ahead, None
@@ -109,9 +154,11 @@ class MapStep(RangeStep):
             inputs = pending.take()
             del pending
             if stop < self.end:  # the next chunk, at this size, copied while this one computes
-                following = min(stop + (stop - start), self.end)
+                following = (
+                    self._stop(stop, self.budget) if self.tokens is not None else min(2 * stop - start, self.end)
+                )
                 self.ahead = (stop, following, self._send(stop, following))
-            out = self.func(*inputs)
+            out = self._padded_back(self.func(*inputs), start)
             del inputs
             if self.returns_none is None:
                 self.returns_none = out is None
@@ -145,4 +192,10 @@ class MapStep(RangeStep):
 
     def result(self) -> Any:
         self._land()
-        return None if self.returns_none else self.joined.result()
+        if self.returns_none:
+            return None
+        joined = self.joined.result()
+        if self.tokens is None:
+            return joined
+        back = torch.tensor(restore_order(self.tokens.order), dtype=torch.long)
+        return map_tensors(joined, lambda tensor: tensor.index_select(0, back.to(tensor.device)))
