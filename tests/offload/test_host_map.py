@@ -2,6 +2,8 @@
 
 import json
 import logging
+import os
+import re
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ from toma.batching import staging
 from toma.batching.transfer import Transfers
 
 import fake_cuda
-from helpers import COLLECT_TOMA_LOG, raise_fake_oom, requires_cuda, run_python
+from helpers import COLLECT_TOMA_LOG, REPO, raise_fake_oom, requires_cuda, run_python, run_script
 
 
 def pair_function(x, extras):
@@ -356,3 +358,12 @@ def test_map_by_tokens_retries_the_failed_chunk_at_a_smaller_budget_and_a_lone_r
     with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate 1.00 GiB") as raised:
         tm.map(never, inputs, lengths="attention_mask", initial_step=1, cache_type=NoBatchsizeCache)
     assert "smallest token budget" in "\n".join(raised.value.__notes__)
+
+
+@pytest.mark.slow
+def test_the_embedding_example_agrees_with_fixed_batches():
+    pytest.importorskip("transformers")
+    result = run_script(os.path.join(REPO, "examples", "embed_texts.py"), "--quick", timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    difference = float(re.search(r"largest difference between the embeddings: (\S+)", result.stdout).group(1))
+    assert difference < 1e-4 and "speed-up:" in result.stdout
