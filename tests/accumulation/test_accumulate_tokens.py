@@ -9,7 +9,7 @@ import torch
 
 from toma import FitToMemory, Halving, NoBatchsizeCache, explicit, toma
 
-from helpers import COLLECT_TOMA_LOG, raise_fake_oom, run_pythons
+from helpers import COLLECT_TOMA_LOG, raise_fake_oom, run_pythons, run_ranks
 
 transformers = pytest.importorskip("transformers")
 
@@ -256,3 +256,72 @@ def test_under_a_real_cpu_cap_a_learned_token_budget_runs_out_only_while_learnin
         found[name] = json.loads(result.stdout.strip().splitlines()[-1])
     assert found["tokens"]["retries_at"] and max(found["tokens"]["retries_at"]) <= 1, found
     assert any(index >= 2 for index in found["rows"]["retries_at"]), f"the rows found early never failed: {found}"
+
+
+DDP_TOKENS = """
+import json, os
+import torch, torch.distributed as dist, torch.nn as nn, torch.nn.functional as F
+from toma import NoBatchsizeCache, toma
+torch.set_num_threads(1)
+dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=60))
+rank, world = dist.get_rank(), dist.get_world_size()
+
+
+class Tagger(nn.Module):  # a per-token model: a mean over the real tokens of every rank
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(30, 8), nn.Linear(8, 30)
+
+    def forward(self, input_ids, attention_mask, labels):
+        return F.cross_entropy(self.head(self.embed(input_ids)).flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+
+def rows(seed, count):
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 25, (count,), generator=generator)
+    mask = (torch.arange(24)[None] < lengths[:, None]).long()
+    ids = torch.randint(1, 30, (count, 24), generator=generator) * mask
+    return dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+
+
+torch.manual_seed(0)
+model = Tagger()
+ddp = nn.parallel.DistributedDataParallel(model)
+mine = rows(10 + rank, 12 if rank == 0 else 9)  # other rows, other token counts on each rank
+budgets = []
+
+
+@toma.accumulate(model=ddp, lengths="attention_mask", initial_tokens=200, cache_type=NoBatchsizeCache,
+                 weight=lambda input_ids, attention_mask, labels: (labels != -100).sum())
+def compute_loss(input_ids, attention_mask, labels):
+    if rank == 1 and input_ids.numel() > 48:  # only rank 1 runs out, above 48 padded tokens
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+    budgets.append(input_ids.numel())
+    return ddp(input_ids, attention_mask, labels)
+
+
+loss = compute_loss(**mine)
+print(json.dumps(dict(grads=[p.grad.tolist() for p in model.parameters()], loss=float(loss),
+                      budget=compute_loss.stats.micro_batch, largest=max(budgets))), flush=True)
+dist.barrier()
+dist.destroy_process_group()
+os._exit(0)
+"""
+
+
+@pytest.mark.multiprocess
+def test_ranks_agree_on_the_token_budget_and_train_the_token_mean_of_every_rank():
+    outputs = run_ranks(DDP_TOKENS, 2, timeout=180)
+    results = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
+    assert results[0]["budget"] == results[1]["budget"] < 200 and results[1]["largest"] <= 48, results
+    namespace: dict = {}
+    exec(DDP_TOKENS.split("torch.manual_seed(0)")[0].split("dist.init_process_group")[0], namespace)
+    exec("class Tagger" + DDP_TOKENS.split("class Tagger")[1].split("torch.manual_seed(0)")[0], namespace)
+    torch.manual_seed(0)
+    reference = namespace["Tagger"]()
+    both = [namespace["rows"](10, 12), namespace["rows"](11, 9)]
+    joined = {key: torch.cat([part[key] for part in both]) for key in both[0]}
+    reference(**joined).backward()  # the mean over both ranks' real tokens
+    for result in results:
+        for got, expected in zip(result["grads"], (p.grad for p in reference.parameters())):
+            torch.testing.assert_close(torch.tensor(got), expected, rtol=1e-5, atol=1e-7)
