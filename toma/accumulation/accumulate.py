@@ -91,7 +91,8 @@ def accumulate(
     stats = sizing.stats
     state = None
     try:
-        state = runner.drive(step, sizing.initial, sizing.context, step.sync.agreement)
+        initial = step.initial_size(sizing.initial, options.initial_tokens)
+        state = runner.drive(step, initial, sizing.context, step.sync.agreement)
     finally:
         if stats is not None:
             stats.calls += 1

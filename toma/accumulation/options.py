@@ -8,6 +8,8 @@ import torch
 
 from toma.accumulation.plan import NothingCounted, nothing_counted
 from toma.accumulation.sync import GradientSync
+from toma.batching.tokens import Lengths, check_lengths
+from toma.core.arguments import check_size
 
 __all__ = [
     "AccumulationOptions",
@@ -18,7 +20,10 @@ __all__ = [
     "check_scaler",
     "check_weight",
     "nothing_counted",
+    "ROWS_FROM_TOKENS",
 ]
+
+ROWS_FROM_TOKENS = 0  # the initial rows of a call whose token budget starts at `initial_tokens`
 
 REDUCTIONS = ("mean", "sum")
 
@@ -65,7 +70,9 @@ class AccumulationOptions:
     """What an accumulation needs besides the loss function and the batch, checked (by `checked`, where the
     user's options enter). For frameworks (`toma.integrations`): `backward(loss)` replaces `loss.backward()` (an
     accelerator's backward, which scales for mixed precision); `sync`, how the gradients meet other ranks' (None:
-    the one `model` calls for, `toma.accumulation.sync.sync_for`); `name`, what log lines call the function."""
+    the one `model` calls for, `toma.accumulation.sync.sync_for`); `name`, what log lines call the function.
+    `lengths` (each row's length: a mask's name or a function) makes the size a token budget
+    (`toma.batching.tokens`), starting at `initial_tokens` where given."""
 
     model: torch.nn.Module
     reduction: str = "mean"
@@ -74,17 +81,36 @@ class AccumulationOptions:
     backward: Optional[Callable[[torch.Tensor], Any]] = None
     sync: Optional[GradientSync] = None
     name: Optional[str] = None
+    lengths: Optional[Lengths] = None
+    initial_tokens: Optional[int] = None
 
     def as_kwargs(self) -> Dict[str, Any]:
         """The options as `toma.accumulate`'s keywords."""
-        return dict(model=self.model, reduction=self.reduction, weight=self.weight, scaler=self.scaler)
+        kwargs = dict(model=self.model, reduction=self.reduction, weight=self.weight, scaler=self.scaler)
+        if self.lengths is not None:
+            kwargs.update(lengths=self.lengths, initial_tokens=self.initial_tokens)
+        return kwargs
 
     @classmethod
     def checked(
-        cls, model: Any, reduction: Any = "mean", weight: Any = None, scaler: Any = None, prefix: str = ""
+        cls,
+        model: Any,
+        reduction: Any = "mean",
+        weight: Any = None,
+        scaler: Any = None,
+        prefix: str = "",
+        lengths: Any = None,
+        initial_tokens: Any = None,
     ) -> "AccumulationOptions":
         """The options, each checked with an error naming the argument (`prefix` + its name)."""
         checked_model = check_model(model, "model")
         reduction = check_reduction(reduction, f"{prefix}reduction")
         checked_weight = check_weight(weight, f"{prefix}weight", reduction)
-        return cls(checked_model, reduction, checked_weight, check_scaler(scaler, f"{prefix}scaler"))
+        scaler = check_scaler(scaler, f"{prefix}scaler")
+        checked_lengths = check_lengths(lengths, f"{prefix}lengths")
+        tokens = None
+        if initial_tokens is not None:
+            tokens = check_size(initial_tokens, f"{prefix}initial_tokens")
+            if checked_lengths is None:
+                raise ValueError(f"{prefix}initial_tokens is a token budget: it needs {prefix}lengths= as well")
+        return cls(checked_model, reduction, checked_weight, scaler, lengths=checked_lengths, initial_tokens=tokens)

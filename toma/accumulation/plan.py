@@ -11,6 +11,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 import torch
 
 from toma.batching.splitting import LogicalBatch, MicroBatch
+from toma.batching.tokens import TokenBatch
 
 __all__ = ["MicroBatchPlan", "Weighting", "NothingCounted", "nothing_counted", "shares", "counts"]
 
@@ -93,12 +94,24 @@ class Weighting(NamedTuple):
 class MicroBatchPlan:
     """An attempt at `size`: its micro-batches `(piece, start, stop)`, their arguments, and `running`, the
     `(index, factor)` of each micro-batch that runs (in order; its loss is multiplied by `factor`); `weight` is
-    what the logical batch's loss averages over."""
+    what the logical batch's loss averages over. With `tokens` (the pieces sorted by row length), `size` is a
+    token budget and each micro-batch is trimmed to its `widths` entry."""
 
-    __slots__ = ("micro_batches", "arguments", "running", "weight")
+    __slots__ = ("micro_batches", "widths", "arguments", "running", "weight")
 
-    def __init__(self, batch: LogicalBatch, size: int, weighting: Weighting) -> None:
-        self.micro_batches: List[MicroBatch] = batch.micro_batches(size)
-        self.arguments: List[Arguments] = [piece.arguments(start, stop) for piece, start, stop in self.micro_batches]
+    def __init__(
+        self, batch: LogicalBatch, size: int, weighting: Weighting, tokens: Optional[List[TokenBatch]] = None
+    ) -> None:
+        self.widths: Optional[List[int]] = None
+        if tokens is None:
+            self.micro_batches: List[MicroBatch] = batch.micro_batches(size)
+            self.arguments: List[Arguments] = [
+                piece.arguments(start, stop) for piece, start, stop in self.micro_batches
+            ]
+        else:
+            packed = [micro for sorted_piece in tokens for micro in sorted_piece.micro_batches(size)]
+            self.micro_batches = [(piece, start, stop) for piece, start, stop, _ in packed]
+            self.widths = [width for *_, width in packed]
+            self.arguments = [piece.arguments(start, stop, width=width) for piece, start, stop, width in packed]
         factors, self.weight = weighting.factors(self.micro_batches, self.arguments, batch.size)
         self.running: List[Tuple[int, float]] = [(i, f) for i, f in enumerate(factors) if f is not None]

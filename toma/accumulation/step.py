@@ -16,7 +16,7 @@ from toma.accumulation.backward import backward_pass
 from toma.accumulation.diagnostics import hint_whole, loss_error, warn_once_about_batchnorm
 from toma.accumulation.gradients import GradientStash
 from toma.accumulation.misuse import AccumulationMisuse, MisuseWatch
-from toma.accumulation.options import AccumulationOptions
+from toma.accumulation.options import ROWS_FROM_TOKENS, AccumulationOptions
 from toma.accumulation.plan import Arguments, MicroBatchPlan, Weighting
 from toma.accumulation.rollback import (
     BufferSlot,
@@ -31,6 +31,7 @@ from toma.accumulation.rollback import (
 from toma.accumulation.sync import model_device, sync_for
 from toma.batching import transfer
 from toma.batching.splitting import LogicalBatch, MicroBatch
+from toma.batching.tokens import TokenBatch, token_batches
 from toma.batching.transfer import MicroBatchTransfers, shared_transfers
 from toma.core.oom import should_reduce_batch_size
 from toma.core.steps import Step
@@ -104,6 +105,11 @@ class AccumulateStep(Step):
         self.rollbacks = Rollbacks(parts)
         self.watch = MisuseWatch(self.params, model, check_grads=sync.watch_grads)
         self.transfers = _pipeline_for(self.params, batch)
+        # With `lengths=`: the pieces sorted by row length, and the size a token budget
+        self.tokens: Optional[List[TokenBatch]] = None
+        if options.lengths is not None:
+            self.tokens = token_batches(batch.pieces, options.lengths)
+            self.size_name = "token budget"
         self.result: Optional[torch.Tensor] = None
         self.total_weight: Optional[float] = None
         self.attempts = 0
@@ -111,9 +117,24 @@ class AccumulateStep(Step):
 
     @property
     def row_items(self) -> float:
-        """The elements a row of the batch's widest piece holds, summed over its tensors: a learning policy
-        sizes by elements, so batches padded to other widths need no new search."""
+        """The elements a row of the batch's widest piece holds, summed over its tensors (a token's, with a token
+        budget): a learning policy sizes by elements, so batches padded to other widths need no new search."""
+        if self.tokens is not None:
+            return float(max(sum(t.numel() for _, t in s.batch.tensors) / s.cost for s in self.tokens))
         return float(max(sum(t.numel() for _, t in piece.tensors) / piece.size for piece in self.batch.pieces))
+
+    def initial_size(self, rows: int, tokens: Optional[int]) -> int:
+        """The size a call starts from: `rows`; with a token budget, `tokens` where the budget was given, else
+        `rows` rows of the batch's longest."""
+        if self.tokens is None:
+            return rows
+        if rows == ROWS_FROM_TOKENS and tokens is not None:
+            return tokens
+        return rows * max(s.widths[0] for s in self.tokens)
+
+    def at_smallest(self, size: int) -> bool:
+        """With a token budget: every micro-batch already holds one row, so no smaller budget changes anything."""
+        return self.tokens is not None and size < 2 * min(s.widths[-1] for s in self.tokens)
 
     @property
     def device(self) -> Optional[torch.device]:
@@ -121,7 +142,10 @@ class AccumulateStep(Step):
         return model_device(self.params)
 
     def effective(self, size: int) -> int:
-        """A micro-batch never holds more rows than the largest piece of the logical batch."""
+        """A micro-batch never holds more rows than the largest piece of the logical batch (nor a token budget more
+        than its padded area)."""
+        if self.tokens is not None:
+            return min(size, max(s.cost for s in self.tokens))
         return min(size, self.batch.largest)
 
     def __call__(self, size: int) -> bool:
@@ -156,7 +180,7 @@ class AccumulateStep(Step):
 
     def _attempt(self, size: int) -> torch.Tensor:
         """Forward and backward of every micro-batch of the plan at `size`; the logical batch's loss, detached."""
-        plan = MicroBatchPlan(self.batch, size, self.weighting)
+        plan = MicroBatchPlan(self.batch, size, self.weighting, self.tokens)
         self.total_weight = plan.weight
         if len(plan.micro_batches) > 1:
             warn_once_about_batchnorm(self.model)
@@ -192,10 +216,14 @@ class AccumulateStep(Step):
         """The running micro-batches' arguments; moved to the model's device ahead of use when it has a pipeline."""
         if self.transfers is None:
             return (plan.arguments[index] for index, _ in plan.running)
-        return _prefetched(self.transfers, [plan.micro_batches[index] for index, _ in plan.running])
+        widths = plan.widths
+        moving = [(*plan.micro_batches[i], None if widths is None else widths[i]) for i, _ in plan.running]
+        return _prefetched(self.transfers, moving)
 
 
-def _prefetched(moving: MicroBatchTransfers, micro_batches: List[MicroBatch]) -> Iterator[Arguments]:
+def _prefetched(
+    moving: MicroBatchTransfers, micro_batches: List[Tuple[Any, int, int, Optional[int]]]
+) -> Iterator[Arguments]:
     """Each micro-batch's arguments on the device, the next one's copy started before this one computes."""
     if not micro_batches:
         return

@@ -196,6 +196,7 @@ class ArgumentBatch:
         "_plain",
         "_changing",
         "_per_row",
+        "trimmed",
     )
 
     def __init__(self, args: Tuple[Any, ...], kwargs: Dict[str, Any], name: str = "args") -> None:
@@ -234,6 +235,9 @@ class ArgumentBatch:
             if kwarg_hits[key] or id(value) in changing
         ]
         self._plain = all(is_tensor for _, is_tensor in self._arg_slots + self._kwarg_slots)
+        # id of a tensor padded along dim 1 -> whether its padding leads (left padding): trimmed to a
+        # micro-batch's width (`toma.batching.tokens`)
+        self.trimmed: Dict[int, bool] = {}
 
     @property
     def largest(self) -> int:
@@ -245,11 +249,22 @@ class ArgumentBatch:
         """Its pieces: itself alone (as `ArgumentPieces.pieces` lists several)."""
         return [self]
 
-    def _cut(self, obj: Any, start: int, stop: int, rows: Optional[List[torch.Tensor]]) -> Any:
+    def _trim(self, tensor: torch.Tensor, cut: torch.Tensor, width: Optional[int]) -> torch.Tensor:
+        """`cut` (rows of `tensor`) narrowed to `width` positions along dim 1 when `tensor` is padded there."""
+        if width is None or not self.trimmed:
+            return cut
+        head = self.trimmed.get(id(tensor))
+        if head is None or width >= cut.shape[1]:
+            return cut
+        return cut[:, cut.shape[1] - width :] if head else cut[:, :width]
+
+    def _cut(
+        self, obj: Any, start: int, stop: int, rows: Optional[List[torch.Tensor]], width: Optional[int] = None
+    ) -> Any:
         if isinstance(obj, torch.Tensor):
             if obj.dim() == 0:
                 return obj
-            cut = obj[start:stop]
+            cut = self._trim(obj, obj[start:stop], width)
             if rows is not None:
                 rows.append(cut)
             return cut
@@ -260,8 +275,33 @@ class ArgumentBatch:
         if id(obj) in self._per_row:
             return obj[start:stop]
         if isinstance(obj, (tuple, list)):
-            return _rebuild_sequence(obj, [self._cut(item, start, stop, rows) for item in obj])
-        return _rebuild_mapping(obj, {key: self._cut(value, start, stop, rows) for key, value in obj.items()})
+            return _rebuild_sequence(obj, [self._cut(item, start, stop, rows, width) for item in obj])
+        return _rebuild_mapping(obj, {key: self._cut(value, start, stop, rows, width) for key, value in obj.items()})
+
+    def _take(self, obj: Any, order: List[int], index: Dict[torch.device, torch.Tensor]) -> Any:
+        """`obj` with its rows in `order` (tensors gathered, per-row sequences reordered); the rest as it is."""
+        if isinstance(obj, torch.Tensor):
+            if obj.dim() == 0:
+                return obj
+            device = obj.device
+            if device not in index:
+                index[device] = torch.tensor(order, dtype=torch.long, device=device)
+            return obj.index_select(0, index[device])
+        if isinstance(obj, whole) or id(obj) not in self._changing:
+            return obj
+        if id(obj) in self._per_row:
+            return type(obj)(obj[i] for i in order) if isinstance(obj, tuple) else [obj[i] for i in order]
+        if isinstance(obj, (tuple, list)):
+            return _rebuild_sequence(obj, [self._take(item, order, index) for item in obj])
+        return _rebuild_mapping(obj, {key: self._take(value, order, index) for key, value in obj.items()})
+
+    def take(self, order: Sequence[int]) -> "ArgumentBatch":
+        """The same arguments with the rows in `order` (a permutation of the rows): a new batch of copies."""
+        rows = list(order)
+        index: Dict[torch.device, torch.Tensor] = {}
+        args = tuple(self._take(arg, rows, index) for arg in self.args)
+        kwargs = {key: self._take(value, rows, index) for key, value in self.kwargs.items()}
+        return ArgumentBatch(args, kwargs, self.name)
 
     def _fill(
         self,
@@ -271,34 +311,42 @@ class ArgumentBatch:
         stop: int,
         full: bool,
         rows: Optional[List[torch.Tensor]],
+        width: Optional[int] = None,
     ) -> Any:
         """Replace `container[slot]` by its micro-batch for each slot (a plain tensor needs no slicing when full)."""
         for slot, is_tensor in slots:
             if not is_tensor:
-                container[slot] = self._cut(container[slot], start, stop, rows)
+                container[slot] = self._cut(container[slot], start, stop, rows, width)
                 continue
             if not full:
                 container[slot] = container[slot][start:stop]
+            if width is not None:
+                container[slot] = self._trim(self._source(slot), container[slot], width)
             if rows is not None:
                 rows.append(container[slot])
         return container
 
+    def _source(self, slot: Any) -> Any:
+        """The call's own argument in `slot` (an index into args, or a keyword)."""
+        return self.args[slot] if isinstance(slot, int) else self.kwargs[slot]
+
     def arguments(
-        self, start: int, stop: int, rows: Optional[List[torch.Tensor]] = None
+        self, start: int, stop: int, rows: Optional[List[torch.Tensor]] = None, width: Optional[int] = None
     ) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
         """The arguments for rows `[start, stop)`; the call's own arguments when that is all of them. `rows`,
         when given, receives the micro-batch's split tensors (its per-row data, as opposed to what every
-        micro-batch shares), for a caller that moves them apart."""
+        micro-batch shares), for a caller that moves them apart. `width`: the tensors in `trimmed` are narrowed
+        to that many positions along dim 1 (a micro-batch of rows no longer than it)."""
         args, kwargs = self.args, self.kwargs
         full = start == 0 and stop >= self.size
-        if full and self._plain:
+        if full and self._plain and (width is None or not self.trimmed):
             if rows is not None:
                 rows.extend(tensor for _, tensor in self.tensors)
             return args, kwargs
         if self._arg_slots:
-            args = tuple(self._fill(list(args), self._arg_slots, start, stop, full, rows))
+            args = tuple(self._fill(list(args), self._arg_slots, start, stop, full, rows, width))
         if self._kwarg_slots:
-            kwargs = self._fill(dict(kwargs), self._kwarg_slots, start, stop, full, rows)
+            kwargs = self._fill(dict(kwargs), self._kwarg_slots, start, stop, full, rows, width)
         return args, kwargs
 
     def placed(self, move: Callable[[torch.Tensor], torch.Tensor]) -> "ArgumentBatch":
@@ -310,7 +358,9 @@ class ArgumentBatch:
             kwargs[key] is value for key, value in self.kwargs.items()
         ):
             return self
-        return ArgumentBatch(args, kwargs, self.name)
+        placed = ArgumentBatch(args, kwargs, self.name)
+        placed.trimmed = self.trimmed  # the split tensors are the same: only `whole` values moved
+        return placed
 
     def micro_batches(self, size: int) -> List["MicroBatch"]:
         """The micro-batches `(self, start, stop)` of at most `size` rows that cover the batch. No row is left alone

@@ -342,13 +342,14 @@ class MicroBatchTransfers:
         self.transfers = transfers
         self._placed: Dict[int, Tuple[ArgumentBatch, ArgumentBatch]] = {}  # id(split): (split, its placed copy)
 
-    def prefetch(self, split: ArgumentBatch, start: int, stop: int) -> Pending:
-        """Start moving the arguments for rows `[start, stop)` of `split`; `take()` gives `(args, kwargs)`."""
+    def prefetch(self, split: ArgumentBatch, start: int, stop: int, width: Optional[int] = None) -> Pending:
+        """Start moving the arguments for rows `[start, stop)` of `split` (trimmed to `width` positions where
+        it has padded tensors); `take()` gives `(args, kwargs)`."""
         entry = self._placed.get(id(split))
         if entry is None:
             entry = self._placed[id(split)] = (split, split.placed(self.transfers.place))
         rows: List[torch.Tensor] = []
-        arguments = entry[1].arguments(start, stop, rows)
+        arguments = entry[1].arguments(start, stop, rows, width)
         return self.transfers.prefetch(arguments, stage=rows)
 
 

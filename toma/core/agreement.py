@@ -171,6 +171,9 @@ class AgreedStep(Step):
     def effective(self, size: int) -> int:
         return int(self.step.effective(size))
 
+    def at_smallest(self, size: int) -> bool:
+        return self.step.at_smallest(size)
+
     def __call__(self, size: int) -> bool:
         mark = self.step.mark()
         try:

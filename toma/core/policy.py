@@ -193,7 +193,9 @@ class CallState(Generic[S]):
             learner = self.learner
             self.size, self.failed, self.error = size, failed, error
             try:
-                if learner is None:
+                if self.step.at_smallest(size):
+                    self._outcome = None
+                elif learner is None:
                     self._outcome = shrink_below(self.policy, size, failed)
                 else:
                     self._outcome = checked_size(learner, learner.after_oom(self), failed)

@@ -99,6 +99,8 @@ class AccumulateOptions(_CachedOptions, total=False):
     reduction: str
     weight: Optional[Callable[..., Any]]
     scaler: Any
+    lengths: Any
+    initial_tokens: Optional[int]
 
 
 class _Wrapper(Protocol):

@@ -47,6 +47,11 @@ class Step:
     def effective(self, size: int) -> int:
         return size
 
+    def at_smallest(self, size: int) -> bool:
+        """True when no smaller size would change what an attempt at `size` does (an out-of-memory error there
+        is final, whatever the policy could still propose)."""
+        return False
+
     def mark(self) -> Any:
         return None
 

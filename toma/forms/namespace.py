@@ -20,7 +20,7 @@ from typing import (
 import torch
 
 from toma.accumulation.accumulate import AccumulationStats
-from toma.accumulation.options import AccumulationOptions
+from toma.accumulation.options import ROWS_FROM_TOKENS, AccumulationOptions
 from toma.batching.splitting import whole
 from toma.batching.transfer import check_device
 from toma.core.arguments import check_dimension, check_function, check_index, check_size, check_tensor_dimension
@@ -278,13 +278,27 @@ class toma(metaclass=SettingsNamespace):
         cache_type: CacheType = None,
         context: Optional[Hashable] = None,
         policy: Optional[SizePolicy] = None,
+        lengths: Any = None,
+        initial_tokens: Optional[int] = None,
     ) -> Any:
         """`@toma.accumulate(model=model, initial_micro_batch=256)` on a function returning a micro-batch's
         loss: each call runs forward and backward over the logical batch in micro-batches that fit.
         `weight(*args, **kwargs)` gives the number of items a micro-batch's mean loss averages over (label
-        tokens, say) when that is not its rows."""
-        accumulation = AccumulationOptions.checked(model, reduction, weight, scaler)
+        tokens, say) when that is not its rows. `lengths=` (a 0/1 mask's name, such as "attention_mask", or a
+        function of the arguments giving each row's length) sorts the rows by length and packs them under a
+        token budget, each micro-batch trimmed to its longest row; the budget starts at `initial_tokens`, or at
+        `initial_micro_batch` rows of the batch's longest."""
+        accumulation = AccumulationOptions.checked(
+            model, reduction, weight, scaler, lengths=lengths, initial_tokens=initial_tokens
+        )
         default = _ACCUMULATE.default(initial_micro_batch)
+        if accumulation.initial_tokens is not None:
+            if default is not None:
+                raise ValueError(
+                    "give initial_micro_batch (rows of the batch's longest) or initial_tokens (a token budget), "
+                    "not both"
+                )
+            default = ROWS_FROM_TOKENS
         options = calls(cache_type, context, policy, False, default=ACCUMULATION)
 
         def bind(func: Callable[..., Any], options: Runner) -> Bound:
@@ -295,7 +309,7 @@ class toma(metaclass=SettingsNamespace):
 
             return _sized(_ACCUMULATE, default, call), {"stats": stats}
 
-        again = dict(initial_micro_batch=default, **accumulation.as_kwargs())
+        again = dict(initial_micro_batch=_ACCUMULATE.default(initial_micro_batch), **accumulation.as_kwargs())
         return _decorator(_ACCUMULATE, func, options, bind, toma.accumulate, **again)
 
     @staticmethod

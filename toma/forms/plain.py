@@ -128,12 +128,16 @@ class explicit:
         toma_context: Optional[Hashable] = None,
         toma_cache_type: CacheType = None,
         toma_policy: Optional[SizePolicy] = None,
+        toma_lengths: Any = None,
         **kwargs: Any,
     ) -> torch.Tensor:
         """Forward and backward `func(*args, **kwargs)` over the logical batch in micro-batches that fit,
-        gradients as from one full-batch pass; returns the logical batch's loss, detached."""
+        gradients as from one full-batch pass; returns the logical batch's loss, detached. `toma_lengths=`: as
+        `toma.accumulate`'s `lengths=`, starting from `initial_micro_batch` rows of the batch's longest."""
         check_function(func, "explicit.accumulate")
-        accumulation = AccumulationOptions.checked(model, toma_reduction, toma_weight, toma_scaler, prefix="toma_")
+        accumulation = AccumulationOptions.checked(
+            model, toma_reduction, toma_weight, toma_scaler, prefix="toma_", lengths=toma_lengths
+        )
         initial = check_size(initial_micro_batch, "initial_micro_batch")
         options = calls(toma_cache_type, toma_context, toma_policy, False, "toma_", ACCUMULATION)
         return run_accumulate(func, accumulation, options, initial, args, kwargs)
