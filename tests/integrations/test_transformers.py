@@ -197,6 +197,24 @@ def test_with_no_out_of_memory_each_batch_trains_whole_to_the_plain_trainers_par
     assert training_losses(trainer) == pytest.approx(losses, rel=1e-6)
 
 
+def test_packed_by_tokens_under_injected_ooms_the_micro_batches_are_trimmed_and_train_the_plain_parameters(tmp_path):
+    reference, losses = plain_run()
+    widths = []
+
+    def recorded_gpt2():
+        model = gpt2()
+        model.register_forward_pre_hook(lambda m, a, k: widths.append(k["input_ids"].shape), with_kwargs=True)
+        return model
+
+    options = dict(toma_pack_tokens=True, toma_policy=Halving())
+    model, trainer, seen = train(TomaTrainer, tmp_path, make=recorded_gpt2, oom_rows=3, options=options)
+    assert_same_parameters(model, reference)
+    assert training_losses(trainer) == pytest.approx(losses, rel=1e-5)
+    assert trainer.toma_stats.oom_retries >= 1 and max(seen) > 3 and max(seen[-3:]) <= 3
+    full = max(shape[1] for shape in widths)
+    assert any(shape[1] < full for shape in widths), "micro-batches trimmed to their longest row"
+
+
 def test_injected_out_of_memory_errors_split_the_batch_and_give_the_plain_trainers_parameters(tmp_path):
     reference, losses = plain_run()
     model, trainer, seen = train(TomaTrainer, tmp_path, oom_rows=3, options=dict(toma_policy=Halving()))

@@ -22,6 +22,7 @@ count. The division by the accumulation steps follows the Trainer's rule.
 
 import copy
 import logging
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
 
 import torch
@@ -59,7 +60,7 @@ require("transformers", transformers.__version__, MINIMUM_TRANSFORMERS, "transfo
 
 log = logging.getLogger("toma")
 
-OPTIONS = ("toma_policy", "toma_initial_micro_batch", "toma_weight", "toma_log_micro_batch")
+OPTIONS = ("toma_policy", "toma_initial_micro_batch", "toma_weight", "toma_log_micro_batch", "toma_pack_tokens")
 
 
 # Type checkers see the mixin as the Trainer it is mixed into; at run time it is a plain class.
@@ -77,8 +78,10 @@ class TomaTrainerMixin(_Trainer):
     `toma_initial_micro_batch=` (where the search starts; the whole batch by default), `toma_weight=` (a function of
     a batch returning what its mean loss averages over, for a `compute_loss` whose mean is neither over label tokens
     nor over rows), `toma_log_micro_batch=True` (training logs also carry `micro_batch` and `toma_oom_retries`; off
-    by default, so the logs are the plain Trainer's). `trainer.toma_stats` holds the micro-batch size and the
-    out-of-memory retries.
+    by default, so the logs are the plain Trainer's), `toma_pack_tokens=True` (a batch that carries an
+    `attention_mask` is packed by tokens: rows sorted by length, micro-batches within a token budget, each trimmed
+    to its longest row, as `toma.accumulate(lengths="attention_mask")`; the size is then that budget).
+    `trainer.toma_stats` holds the micro-batch size (or token budget) and the out-of-memory retries.
     """
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -107,6 +110,7 @@ class TomaTrainerMixin(_Trainer):
         toma_initial_micro_batch: Optional[int] = None,
         toma_weight: Optional[Count] = None,
         toma_log_micro_batch: bool = False,
+        toma_pack_tokens: bool = False,
         **kwargs: Any,
     ) -> None:
         unknown = sorted(name for name in kwargs if name.startswith("toma_"))
@@ -131,6 +135,9 @@ class TomaTrainerMixin(_Trainer):
         if not isinstance(toma_log_micro_batch, bool):
             raise TypeError(f"toma_log_micro_batch must be True or False, got {toma_log_micro_batch!r}")
         self.toma_log_micro_batch = toma_log_micro_batch
+        if not isinstance(toma_pack_tokens, bool):
+            raise TypeError(f"toma_pack_tokens must be True or False, got {toma_pack_tokens!r}")
+        self.toma_pack_tokens = toma_pack_tokens
         self.toma_stats = AccumulationStats()
         # One size per trainer, for training and for evaluation: set once found, whatever the batch's length.
         self._toma_training = Runner(ACCUMULATION, policy=given, cache=GlobalBatchsizeCache())
@@ -262,7 +269,10 @@ class TomaTrainerMixin(_Trainer):
 
         reduction = "sum" if shares.summed else "mean"
         backward = self.accelerator.backward
-        options = AccumulationOptions(model, reduction, shares.count, None, backward, name="TomaTrainer.training_step")
+        lengths = "attention_mask" if self.toma_pack_tokens and _has_mask(inputs) else None
+        options = AccumulationOptions(
+            model, reduction, shares.count, None, backward, name="TomaTrainer.training_step", lengths=lengths
+        )
         sizing = Sizing(self.toma_initial_micro_batch, self._toma_training, stats=self.toma_stats)
         loss = accumulate(micro_loss, batch, options, sizing, total=shares.total)
         del inputs, batch
@@ -298,6 +308,12 @@ class TomaTrainerMixin(_Trainer):
         summed = self.loss_is_scaled_for_ga is True and not passes_count
         chunks = _PredictionChunks(predict, split, model, prediction_loss_only, ignore_keys, count, summed)
         return self._toma_evaluation.perform(chunks, WHOLE_BATCHES).joined()
+
+
+def _has_mask(inputs: Any) -> bool:
+    """Whether a batch carries a (rows, width) `attention_mask` to pack its rows by."""
+    mask = inputs.get("attention_mask") if isinstance(inputs, Mapping) else None
+    return isinstance(mask, torch.Tensor) and mask.dim() == 2
 
 
 class _PredictionChunks(RangeStep):
