@@ -215,6 +215,17 @@ def test_packed_by_tokens_under_injected_ooms_the_micro_batches_are_trimmed_and_
     assert any(shape[1] < full for shape in widths), "micro-batches trimmed to their longest row"
 
 
+def test_packed_by_tokens_with_group_by_length_trains_the_plain_trainers_parameters(tmp_path):
+    """Transformers 5 spells `group_by_length=True` as `train_sampling_strategy="group_by_length"`."""
+    reference, losses = plain_run(train_sampling_strategy="group_by_length")
+    options = dict(toma_pack_tokens=True, toma_policy=Halving())
+    model, trainer, _ = train(
+        TomaTrainer, tmp_path, oom_rows=3, options=options, train_sampling_strategy="group_by_length"
+    )
+    assert_same_parameters(model, reference)
+    assert training_losses(trainer) == pytest.approx(losses, rel=1e-5) and trainer.toma_stats.oom_retries >= 1
+
+
 def test_injected_out_of_memory_errors_split_the_batch_and_give_the_plain_trainers_parameters(tmp_path):
     reference, losses = plain_run()
     model, trainer, seen = train(TomaTrainer, tmp_path, oom_rows=3, options=dict(toma_policy=Halving()))
