@@ -286,6 +286,37 @@ def test_weight_gives_a_token_mean_loss_the_plain_runs_gradients_and_logged_loss
     assert_same_parameters(module, plain)
 
 
+class PaddedWithMask(Padded):
+    """The same rows padded as a tokenizer pads them: id 0 and a 0 in `attention_mask` past each row's length."""
+
+    def __getitem__(self, index):
+        mask = (self.labels[index] != -100).long()
+        return {"input_ids": self.ids[index] * mask, "attention_mask": mask, "labels": self.labels[index]}
+
+
+class TrimmedTokenMean(TokenMean):
+    """TokenMean that runs out of memory above 24 padded tokens, and notes each micro-batch's shape."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def training_step(self, batch, batch_idx):
+        self.shapes.append(tuple(batch["input_ids"].shape))
+        if batch["input_ids"].numel() > 24:
+            raise_fake_oom()
+        return super().training_step(batch, batch_idx)
+
+
+def test_packed_by_tokens_the_micro_batches_are_trimmed_and_train_as_the_plain_run(tmp_path):
+    plain, module = TokenMean(), TrimmedTokenMean()
+    for trained, callbacks in ((plain, []), (module, [MicroBatching(weight=label_tokens, pack_tokens=True)])):
+        quiet_trainer(3, callbacks).fit(trained, torch.utils.data.DataLoader(PaddedWithMask(), batch_size=16))
+    assert_same_parameters(module, plain)
+    finished = [shape for shape in module.shapes if shape[0] * shape[1] <= 24]
+    assert any(width < 12 for _, width in finished), "micro-batches trimmed to their longest row"
+
+
 class SkipsUnlabelled(TokenMean):
     """Skips a batch with no label token (Lightning's `None`), which `weight=` counts 0 items in."""
 

@@ -246,6 +246,9 @@ class MicroBatching(Callback):
         log_micro_batch: also log the micro-batch size as "micro_batch" through the module's `self.log`, on the
             steps Lightning writes to its loggers (every `log_every_n_steps`); default False, so that the logged
             metrics are a plain run's.
+        pack_tokens: a batch that carries an `attention_mask` (a dict batch) is packed by tokens: rows sorted by
+            length, micro-batches within a token budget (`initial_micro_batch` rows of the batch's longest to
+            start), each trimmed to its longest row, as `toma.accumulate(lengths="attention_mask")`; default False.
 
     `stats` (a `toma.accumulation.accumulate.AccumulationStats`) holds the last size and the retries so far. A copy
     (pickle, `copy.deepcopy`, the processes of `strategy="ddp_spawn"`) keeps the options, `stats` and the size found
@@ -261,6 +264,7 @@ class MicroBatching(Callback):
         reduction: str = "mean",
         distributed: bool = True,
         log_micro_batch: bool = False,
+        pack_tokens: bool = False,
     ) -> None:
         self.initial_micro_batch = (
             None if initial_micro_batch is None else check_size(initial_micro_batch, "initial_micro_batch")
@@ -268,6 +272,9 @@ class MicroBatching(Callback):
         self.reduction = check_reduction(reduction, "reduction")
         self.weight = check_weight(weight, "weight", self.reduction)
         self.distributed, self.log_micro_batch = bool(distributed), bool(log_micro_batch)
+        if not isinstance(pack_tokens, bool):
+            raise TypeError(f"pack_tokens must be True or False, got {pack_tokens!r}")
+        self.pack_tokens = pack_tokens
         self.stats = AccumulationStats()
         self.cache = GlobalBatchsizeCache()  # one size per callback, wherever the step runs from
         self._runner = Runner(ACCUMULATION, policy=policy, cache=self.cache)
@@ -355,9 +362,12 @@ class MicroBatching(Callback):
         model.returned.clear()
         try:
             with _micro_batch_region(fit.module, params, model.logs):
+                mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+                packed = self.pack_tokens and isinstance(mask, torch.Tensor) and mask.dim() == 2
                 options = AccumulationOptions(
-                    model, self.reduction, self.weight, fit.scaler, _backward, fit.sync, "MicroBatching"
-                )
+                    model, self.reduction, self.weight, fit.scaler, _backward, fit.sync, "MicroBatching",
+                    lengths="attention_mask" if packed else None,
+                )  # fmt: skip
                 sizing = Sizing(self.initial_micro_batch or split.size, self._runner, stats=self.stats)
                 loss = accumulate(step.function(), split, options, sizing)
                 grads = [p.grad for p in params]
