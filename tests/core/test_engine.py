@@ -17,7 +17,7 @@ from toma.core.policy import LearningPolicy
 from toma.core.steps import Step
 from toma.sizing.policies import Halving
 
-from helpers import raise_fake_oom, requires_cuda, run_python
+from helpers import COLLECT_TOMA_LOG, raise_fake_oom, requires_cuda, run_python
 
 
 @pytest.fixture
@@ -298,18 +298,13 @@ def test_every_step_says_where_its_work_runs():
     assert _RowUpdate(table, ids, torch.zeros(3, 2), torch.zeros(3, 2)).device == cpu
 
 
-GROWING_ON_A_WARM_CACHE = """
-import json, logging, torch
+GROWING_ON_A_WARM_CACHE = (
+    COLLECT_TOMA_LOG
+    + """
+import json, torch
 from toma import toma
 from toma.core.policy import LearningPolicy
 from toma.sizing.policies import Halving
-
-messages = []
-class Collect(logging.Handler):
-    def emit(self, record):
-        messages.append(record.getMessage())
-logging.getLogger("toma").addHandler(Collect())
-logging.getLogger("toma").setLevel(logging.INFO)
 
 torch.manual_seed(0)
 width, hidden = 1024, 4096
@@ -361,6 +356,7 @@ for policy.target in (small, large):
 print(json.dumps(dict(M=low, small=small, large=large, refused_warm=refused, sizes=sizes,
                       retries=[m for m in messages if "ran out of memory" in m])))
 """
+)
 
 
 @pytest.mark.cuda
