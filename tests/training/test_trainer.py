@@ -408,6 +408,31 @@ def test_loader_batches_of_different_widths_train_exactly_with_weight():
     assert 0 <= results["accuracy"] <= 1 and results["loss"] > 0
 
 
+def test_lengths_packs_the_logical_batches_by_tokens_and_trains_as_rows_do():
+    batches = []
+    for batch in padded_batches(count=6):
+        mask = (batch["labels"] != PAD).long()
+        mask[:, 0] = 1  # the first token is real in every row (its label is not counted after the shift)
+        batches.append({"input_ids": batch["input_ids"] * mask, "attention_mask": mask, "labels": batch["labels"]})
+    trained, widths = [], []
+    for lengths in (None, "attention_mask"):
+        model = TinyLM()
+
+        def forward(batch, model=model):
+            widths.append(batch["input_ids"].shape) if lengths else None
+            return model(input_ids=batch["input_ids"], labels=batch["labels"])
+
+        trainer = Trainer(
+            model, torch.optim.SGD(model.parameters(), lr=0.5), None, batches, batch_size=12, initial_micro_batch=2,
+            forward=forward, weight=label_tokens, lengths=lengths, verbose=0,
+        )  # fmt: skip
+        trainer.fit(1)
+        trained.append(model)
+    for p, q in zip(trained[0].parameters(), trained[1].parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert min(shape[1] for shape in widths) < max(shape[1] for shape in widths), "trimmed micro-batches"
+
+
 def test_metrics_with_forward_use_the_outputs_logits_and_the_batch_labels():
     model = TinyLM()
     batches = padded_batches(count=3)

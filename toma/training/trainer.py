@@ -66,6 +66,8 @@ class Trainer:
     `nn.CrossEntropyLoss()`), or `forward(batch)` for batches of another shape (returning the loss, or a
     model output carrying `.loss`). `weight(inputs, targets)` (or `weight(batch)` with `forward=`) gives the
     number of items a batch's mean loss averages over when that is not its rows (label tokens, say).
+    `lengths=` (a 0/1 mask's name in a dict batch, or a function of a batch giving each row's length) packs the
+    rows by tokens, as `toma.accumulate(lengths=)` does: the micro-batch size is then a token budget.
     """
 
     def __init__(
@@ -87,8 +89,9 @@ class Trainer:
         targets: Optional[Callable[[Any], Any]] = None,
         file: Optional[TextIO] = None,
         policy: Optional[SizePolicy] = None,
+        lengths: Any = None,
     ) -> None:
-        self.accumulation = AccumulationOptions.checked(model, reduction, weight, scaler)
+        self.accumulation = AccumulationOptions.checked(model, reduction, weight, scaler, lengths=lengths)
         self.model = self.accumulation.model
         given = check_policy(policy, "policy")
         check_functions(optimizer, loss_fn, forward, targets)
@@ -164,7 +167,9 @@ class Trainer:
         # The size the cache keeps is the trainer's, not this batch's: a short batch never shrinks it.
         initial = self.initial_micro_batch or self.batch_size
         self.optimizer.zero_grad()
-        options = AccumulationOptions(self.model, self.reduction, self.weight, self.scaler, name="Trainer.step")
+        options = AccumulationOptions(
+            self.model, self.reduction, self.weight, self.scaler, name="Trainer.step", lengths=self.accumulation.lengths
+        )
         sizing = Sizing(initial, self._training, stats=self.stats)
         loss = accumulate(self._micro_batch_loss, logical, options, sizing)
         # A batch that counted nothing is an error in toma.accumulate; a rank of several that counted nothing holds
