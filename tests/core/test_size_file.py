@@ -5,6 +5,7 @@ import logging
 import sqlite3
 
 import pytest
+import torch
 
 from toma import GlobalBatchsizeCache, explicit, remember_sizes
 from toma.core.size_file import SizeStore
@@ -173,3 +174,20 @@ def test_the_device_key_is_the_device_of_the_work_not_the_current_one(monkeypatc
     assert fake.indices_asked() == {1}
     assert device_key(torch.device("cpu")).startswith("cpu:limit="), "CPU work in a process that uses CUDA"
     assert device_key() == f"cuda:Fake GPU 0:{8 * GiB}:world=1", "not known: the current device, as before"
+
+
+def test_a_token_budget_is_remembered_under_its_own_key_not_a_row_counts(tmp_path):
+    path = tmp_path / "sizes.db"
+    remember_sizes(path)
+    model = torch.nn.Linear(4, 1)
+    mask = (torch.arange(6)[None] < torch.tensor([6, 2, 4, 1])[:, None]).long()
+    inputs = torch.randn(4, 6, 4) * mask[..., None]
+
+    def loss(x, attention_mask):
+        if x.shape[0] * x.shape[1] > 8:
+            raise_fake_oom()
+        return model(x).sum()
+
+    explicit.accumulate(loss, model, 4, inputs, toma_lengths="attention_mask", attention_mask=mask)
+    (site, _, size, _, _), *others = SizeStore(str(path)).rows()
+    assert not others and site.endswith("[token budget]") and "<locals>.loss called from" in site and size <= 8

@@ -34,7 +34,7 @@ from toma.batching.splitting import LogicalBatch, MicroBatch
 from toma.batching.tokens import TokenBatch, token_batches
 from toma.batching.transfer import MicroBatchTransfers, shared_transfers
 from toma.core.oom import should_reduce_batch_size
-from toma.core.steps import Step
+from toma.core.steps import TOKEN_BUDGET, Step
 from toma.sizing.policies import SizePolicy
 
 __all__ = ["AccumulateStep"]
@@ -109,7 +109,7 @@ class AccumulateStep(Step):
         self.tokens: Optional[List[TokenBatch]] = None
         if options.lengths is not None:
             self.tokens = token_batches(batch.pieces, options.lengths)
-            self.size_name = "token budget"
+            self.size_name = TOKEN_BUDGET
         self.result: Optional[torch.Tensor] = None
         self.total_weight: Optional[float] = None
         self.attempts = 0

@@ -10,6 +10,7 @@ from toma.core.caches import Batchsize
 from toma.core.observers import Observer
 from toma.core.policy import CallState
 from toma.core.size_file import active_store, describe_model, device_key
+from toma.core.steps import TOKEN_BUDGET
 
 __all__ = ["SizeFileObserver"]
 
@@ -17,9 +18,12 @@ log = logging.getLogger("toma")
 
 
 def _site(state: CallState[Any]) -> str:
-    func = state.step.func
+    """The call site's key: the function, where it is called from, and a token budget's unit (not rows')."""
+    step = state.step
+    func = step.func
     function = f"{getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', repr(func))}"
-    return f"{function} called from {call_sites.describe_call_site().rsplit(' in ', 1)[0]}"
+    unit = f" [{TOKEN_BUDGET}]" if step.size_name == TOKEN_BUDGET else ""
+    return f"{function} called from {call_sites.describe_call_site().rsplit(' in ', 1)[0]}{unit}"
 
 
 class SizeFileObserver(Observer):

@@ -11,7 +11,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-__all__ = ["Step", "BatchStep", "RangeStep", "ChunkStep", "find_device"]
+__all__ = ["Step", "BatchStep", "RangeStep", "ChunkStep", "find_device", "TOKEN_BUDGET"]
+
+
+TOKEN_BUDGET = "token budget"  # the size name of a step whose size counts tokens (rows sorted and packed by length)
 
 
 class Step:

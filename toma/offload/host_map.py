@@ -15,7 +15,7 @@ from toma.batching.splitting import ArgumentBatch, map_tensors
 from toma.batching.splitting import leaves as leaf_values
 from toma.batching.tokens import TokenBatch, restore_order
 from toma.batching.transfer import Pending, Transfers
-from toma.core.steps import RangeStep
+from toma.core.steps import TOKEN_BUDGET, RangeStep
 
 __all__ = ["MapStep"]
 
@@ -94,7 +94,7 @@ class MapStep(RangeStep):
     ) -> None:
         super().__init__(func, 0, split.size, (), {}, name, device=transfers.device)
         self.split, self.transfers, self.tokens, self.budget = split, transfers, tokens, 0
-        self.size_name = "step" if tokens is None else "token budget"
+        self.size_name = "step" if tokens is None else TOKEN_BUDGET
         label = str(name or getattr(func, "__qualname__", repr(func)))
         self.joined = _Joined(split.size, output_device, label)
         # Outputs go back through pinned staging when they are on CUDA and asked for on the host.
