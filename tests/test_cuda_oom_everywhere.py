@@ -256,6 +256,57 @@ def test_accumulate_through_100_real_cuda_ooms_keeps_memory_at_its_baseline_and_
     assert result["losses_close"]
 
 
+# toma.accumulate(lengths=): a per-token model on long-tailed rows (most 8-64 tokens, every 64th 512), the whole
+# batch's padded area (512 x 512 tokens, ~12 GiB of activations) far above a cap of 768 MiB; the reference is the
+# token mean of the whole batch, computed in pieces of 8 rows before the cap.
+ACCUMULATE_TOKENS = """
+ROWS, WIDTH, HIDDEN, VOCAB = 512, 512, 4096, 64
+torch.manual_seed(0)
+lengths = torch.randint(8, 65, (ROWS,))
+lengths[::64] = WIDTH
+mask = (torch.arange(WIDTH)[None] < lengths[:, None]).long().to(DEVICE)
+ids = torch.randint(1, VOCAB, (ROWS, WIDTH)).to(DEVICE) * mask
+labels = ids.masked_fill(mask == 0, -100)
+
+def make_model():
+    torch.manual_seed(1)
+    layers = [torch.nn.Embedding(VOCAB, 64), torch.nn.Linear(64, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, VOCAB)]
+    return torch.nn.Sequential(*layers).to(DEVICE)
+
+reference, tokens = make_model(), int((labels != -100).sum())
+for s in range(0, ROWS, 8):
+    summed = F.cross_entropy(reference(ids[s:s + 8]).flatten(0, 1), labels[s:s + 8].flatten(), ignore_index=-100,
+                             reduction="sum")
+    (summed / tokens).backward()
+reference_grads = [p.grad.clone() for p in reference.parameters()]
+del reference, summed
+
+model, shapes = make_model(), []
+
+@toma.accumulate(model=model, lengths="attention_mask", initial_tokens=ROWS * WIDTH,
+                 weight=lambda input_ids, attention_mask, labels: (labels != -100).sum())
+def compute_loss(input_ids, attention_mask, labels):
+    shapes.append(tuple(input_ids.shape))
+    return F.cross_entropy(model(input_ids).flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+cap(768 * 2**20)
+compute_loss(input_ids=ids, attention_mask=mask, labels=labels)
+uncap()
+close = [bool(torch.allclose(p.grad, r, rtol=1e-4, atol=1e-6)) for p, r in zip(model.parameters(), reference_grads)]
+print(json.dumps(dict(close=close, ooms=cuda_ooms(messages), widths=sorted({w for _, w in shapes}),
+                      budget=compute_loss.stats.micro_batch, area=ROWS * WIDTH)))
+"""
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_accumulate_by_tokens_under_a_real_cuda_oom_trains_the_full_batchs_token_mean():
+    result = run(ACCUMULATE_TOKENS)
+    assert_cuda_ooms(result["ooms"])
+    assert 0 < result["budget"] < result["area"] and min(result["widths"]) < 512, "a learned budget, trimmed"
+    assert all(result["close"]), "the gradients differ from the full batch's token mean"
+
+
 # --- toma.Trainer ----------------------------------------------------------------------------------------------
 
 # The same MLP, trained for 4 steps of N rows from a loader on the host; the reference takes the same steps with
