@@ -56,3 +56,12 @@ def test_the_quick_run_prints_every_method_and_its_gradients():
         assert "x the tokens/s of (1)" in out and "x the time of (2)" in out, out
     else:
         assert "not available yet in this toma" in out, out
+
+
+@pytest.mark.slow
+def test_the_trainer_packing_benchmark_runs_and_ends_at_the_plain_trainers_parameters():
+    result = run_script(os.path.join(REPO, "benchmarks", "hf_varlen.py"), "--quick", "--rounds", "1", timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "| plain |" in result.stdout and "| TomaTrainer(toma_pack_tokens=True) |" in result.stdout
+    difference = float(re.search(r"relative to the largest parameter: (\S+)", result.stdout).group(1))
+    assert difference < 1e-5

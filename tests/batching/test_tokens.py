@@ -31,8 +31,9 @@ def test_rows_are_sorted_longest_first_and_packed_within_the_budget():
     assert tokens.order == [1, 3, 5, 2, 0, 4], "longest first, ties in the call's order"
     assert tokens.widths == [9, 9, 6, 5, 3, 1]
     packed = [(start, stop, width) for _, start, stop, width in tokens.micro_batches(18)]
-    assert packed == [(0, 2, 9), (2, 5, 6), (5, 6, 1)]
+    assert packed == [(0, 2, 9), (2, 4, 6), (4, 5, 3), (5, 6, 1)], "a row of half the longest or less starts anew"
     assert all((stop - start) * width <= 18 for start, stop, width in packed)
+    assert [(start, stop) for _, start, stop, _ in tokens.micro_batches(100)] == [(0, 4), (4, 5), (5, 6)]
     assert [(start, stop) for _, start, stop, _ in tokens.micro_batches(4)] == [(i, i + 1) for i in range(5)] + [
         (5, 6)
     ], "a row longer than the budget runs alone"

@@ -347,7 +347,7 @@ def test_map_by_tokens_retries_the_failed_chunk_at_a_smaller_budget_and_a_lone_r
         return batch["values"].sum(1)
 
     out = tm.map(total, inputs, lengths="attention_mask", initial_step=6, cache_type=NoBatchsizeCache)
-    assert torch.equal(out, inputs["values"].sum(1)) and seen[0] == (6, 8)
+    assert torch.equal(out, inputs["values"].sum(1)) and seen[0] == (3, 8), "rows of half the width or less apart"
     finished = [(rows, width) for rows, width in seen if rows * width <= 8]
     assert sum(rows for rows, _ in finished) == 6, "every row once: a finished chunk is never redone"
     assert [width for _, width in finished] == sorted((width for _, width in finished), reverse=True)

@@ -1,5 +1,6 @@
 """Rows by their length: a logical batch sorted longest first and packed into micro-batches whose padded area
-(rows x the micro-batch's longest row) stays within a token budget, each trimmed to its own longest row.
+(rows x the micro-batch's longest row) stays within a token budget, a row of half a micro-batch's longest or less
+starting the next one, each trimmed to its own longest row.
 
 A row's length comes from `lengths=`: the name of a 0/1 mask among the call's arguments (a keyword argument, or
 a key of a dict argument, as a tokenizer's `attention_mask`), or a function of the call's arguments returning
@@ -12,6 +13,7 @@ leading padding moves the positions, and even with `position_ids` given, a causa
 real token as predicted from the padding before it, whose output depends on how much padding there is.
 """
 
+import bisect
 import logging
 from collections.abc import Mapping
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple, Union
@@ -137,7 +139,7 @@ class TokenBatch:
     """A piece of a logical batch with its rows sorted longest first (`batch`, a copy) and its padded tensors
     marked for trimming; `widths` are the sorted rows' lengths as a micro-batch's width counts them."""
 
-    __slots__ = ("batch", "widths", "order", "width")
+    __slots__ = ("batch", "widths", "order", "width", "_negated")
 
     def __init__(self, piece: ArgumentBatch, lengths: Lengths) -> None:
         layout = row_lengths(lengths, piece.args, piece.kwargs, piece.size)
@@ -152,6 +154,7 @@ class TokenBatch:
         else:  # nothing narrows: every micro-batch is as wide as the batch
             full = layout.width if layout.width is not None else max(1, max(sorted_lengths))
             self.widths = [full] * piece.size
+        self._negated = [-width for width in self.widths]  # ascending, for bisect
 
     @property
     def cost(self) -> int:
@@ -159,8 +162,12 @@ class TokenBatch:
         return len(self.widths) * self.widths[0]
 
     def stop(self, start: int, budget: int) -> int:
-        """Where a micro-batch from sorted row `start` ends within `budget`."""
-        return min(len(self.widths), start + max(1, budget // self.widths[start]))
+        """Where a micro-batch from sorted row `start` ends: within `budget`, and before the first row shorter than
+        half its longest (such rows would pay for more padding than they hold: they start a micro-batch of their
+        own, so a long row and many short ones are never padded together)."""
+        widths = self.widths
+        stop = min(len(widths), start + max(1, budget // widths[start]))
+        return bisect.bisect_left(self._negated, -(widths[start] // 2), start + 1, stop) if stop > start + 1 else stop
 
     def micro_batches(self, budget: int) -> List[TokenMicroBatch]:
         """Micro-batches of consecutive sorted rows, each within `budget` (a row longer than it, alone)."""
