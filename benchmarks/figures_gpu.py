@@ -46,7 +46,6 @@ takes about a minute on an H100 or H200 (each part records its seconds).
 import argparse
 import contextlib
 import gc
-import json
 import math
 import os
 import statistics
@@ -64,16 +63,11 @@ import toma as toma_package
 from toma import FitToMemory, NoBatchsizeCache
 from toma import toma as tm
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the benchmarks folder, however run
+from figure_lines import record  # noqa: E402
+
 GiB = 1 << 30
 MiB = 1 << 20
-
-
-def record(name: str, value: Any, unit: str) -> None:
-    """One figure as a JSON line in the file TOMA_FIGURES names, if it names one."""
-    path = os.environ.get("TOMA_FIGURES")
-    if path:
-        with open(path, "a", encoding="utf-8") as file:
-            file.write(json.dumps(dict(figure=name, value=value, unit=unit)) + "\n")
 
 
 def table(header: List[str], rows: List[List[Any]]) -> None:

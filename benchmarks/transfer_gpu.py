@@ -13,7 +13,6 @@ With TOMA_FIGURES=<path> set, each figure is also appended to that file as a JSO
    fits there) and on the CPU.
 """
 
-import json
 import os
 import sys
 import time
@@ -22,6 +21,9 @@ import torch
 
 from toma import HostedEmbedding, NoBatchsizeCache
 from toma import toma as tm
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the benchmarks folder, however run
+from figure_lines import record  # noqa: E402
 
 GiB = 1 << 30
 
@@ -37,6 +39,11 @@ def timed(func, repeat=3):
     return best
 
 
+def map_all(source, chunk_rows):
+    """`toma.map` of a function that does next to nothing over `source`, to the GPU: its transfers alone."""
+    return tm.map(lambda c: c[:, :1], source, device="cuda", initial_step=chunk_rows, cache_type=NoBatchsizeCache)
+
+
 def transfer_rates(size=2 * GiB, chunk_rows=16384):
     rows = size // (4 * 4096)
     pageable = torch.randn(rows, 4096)
@@ -45,26 +52,10 @@ def transfer_rates(size=2 * GiB, chunk_rows=16384):
     peak = size / timed(lambda: target.copy_(pinned, non_blocking=True)) / 1e9  # noqa: F821 (bound above)
     plain = size / timed(lambda: pageable.to("cuda")) / 1e9
     del target
-    mapped = (
-        size
-        / timed(
-            lambda: tm.map(
-                lambda c: c[:, :1], pageable, device="cuda", initial_step=chunk_rows, cache_type=NoBatchsizeCache
-            )
-        )
-        / 1e9
-    )
+    mapped = size / timed(lambda: map_all(pageable, chunk_rows)) / 1e9
     staging = torch.empty_like(pinned)
     host_copy = size / timed(lambda: staging.copy_(pageable)) / 1e9  # what staging a pageable source can reach
-    mapped_pinned = (
-        size
-        / timed(
-            lambda: tm.map(
-                lambda c: c[:, :1], pinned, device="cuda", initial_step=chunk_rows, cache_type=NoBatchsizeCache
-            )
-        )
-        / 1e9
-    )
+    mapped_pinned = size / timed(lambda: map_all(pinned, chunk_rows)) / 1e9
     return peak, plain, mapped, host_copy, mapped_pinned, pageable, chunk_rows
 
 
@@ -83,11 +74,7 @@ def overlap(pageable, chunk_rows):
         repeats += 1
     chunks = len(pageable) // chunk_rows
     compute_alone = timed(lambda: [compute(chunk) for _ in range(chunks)])
-    transfer_alone = timed(
-        lambda: tm.map(
-            lambda c: c[:, :1], pageable, device="cuda", initial_step=chunk_rows, cache_type=NoBatchsizeCache
-        )
-    )
+    transfer_alone = timed(lambda: map_all(pageable, chunk_rows))
     both = timed(lambda: tm.map(compute, pageable, device="cuda", initial_step=chunk_rows, cache_type=NoBatchsizeCache))
     return compute_alone, transfer_alone, both
 
@@ -123,14 +110,6 @@ def embedding_rates(rows=4_000_000, width=64, lookups=65536, steps=50):
     results["nn.Embedding(sparse=True) + SparseAdam on the GPU"] = steps / timed(sparse("cuda"), repeat=2)
     results["nn.Embedding(sparse=True) + SparseAdam on the CPU"] = steps / timed(sparse("cpu"), repeat=1)
     return results
-
-
-def record(name, value, unit):
-    """One figure as a JSON line in the file TOMA_FIGURES names, if it names one."""
-    path = os.environ.get("TOMA_FIGURES")
-    if path:
-        with open(path, "a", encoding="utf-8") as file:
-            file.write(json.dumps(dict(figure=name, value=value, unit=unit)) + "\n")
 
 
 def main() -> int:
