@@ -179,6 +179,19 @@ def judge_ddp(output: str) -> Judged:
     ]
 
 
+def judge_embed(output: str) -> Judged:
+    speedup = number(r"^speed-up: ([\d.]+)x$", output)
+    difference = number(r"^largest difference between the embeddings: ([\d.e+-]+)$", output)
+    checks = [
+        Check("toma.map(lengths=) ran and compared its embeddings", speedup is not None and difference is not None),
+        Check("the embeddings equal the fixed batches' (<= 1e-4)", difference is not None and difference <= 1e-4),
+    ]
+    return checks, [
+        figure("toma.map(lengths=) speed-up over fixed batches", speedup, "ratio"),
+        figure("largest difference between the embeddings", difference),
+    ]
+
+
 def judge_benchmark(figures_path: str) -> Callable[[str], Judged]:
     def judge(output: str) -> Judged:
         figures = []
@@ -307,6 +320,14 @@ def gpu_parts(total_memory: int, logs: str, kinds: List[str], jobs: int = 1) -> 
                 ),
                 180,
                 judge_ddp,
+            ),
+            Part(
+                "example embed_texts (toma.map by tokens, BERT on the GPU)",
+                "examples",
+                python("examples/embed_texts.py", "--device", "cuda"),
+                180,
+                judge_embed,
+                skip=None if has("transformers") else "transformers is not installed",
             ),
         ]
     if "benchmarks" in kinds:
