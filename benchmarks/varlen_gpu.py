@@ -137,8 +137,10 @@ def speed(quick: bool) -> None:
         record(f"tokens: {name}: tokens/s vs fixed rows", round(versus, 3), "ratio")
         record(f"tokens: {name}: peak allocated", round(peak / MiB), "MiB")
         record(f"tokens: {name}: gradients vs the full batch", float(f"{difference:.2e}"), "relative")
-    budget = getattr(runs[3], "stats").micro_batch
-    record("tokens: accumulate(lengths=) budget after the epochs", budget, "tokens")
+    stats = getattr(runs[3], "stats")
+    print(f"(4): budget {stats.micro_batch} tokens; one more micro-batch costs {stats.packing.fixed} padded positions")
+    record("tokens: accumulate(lengths=) budget after the epochs", stats.micro_batch, "tokens")
+    record("tokens: accumulate(lengths=) one more micro-batch costs (measured)", stats.packing.fixed, "positions")
 
 
 def under_a_cap(quick: bool) -> None:

@@ -5,8 +5,11 @@ import logging
 import pytest
 import torch
 
+from toma.batching.micro_batch_cost import MicroBatchCost
 from toma.batching.splitting import ArgumentBatch
 from toma.batching.tokens import TokenBatch, check_lengths, restore_order
+
+FILL = MicroBatchCost(1 << 40)  # a micro-batch costs so much that one is never split to save padding
 
 
 def right_padded(lengths, width, vocab=50, seed=0):
@@ -18,6 +21,7 @@ def right_padded(lengths, width, vocab=50, seed=0):
 
 
 def shapes_kw(token_batch, budget):
+    token_batch.cost = FILL
     found = []
     for piece, start, stop, width in token_batch.micro_batches(budget):
         _, kwargs = piece.arguments(start, stop, width=width)
@@ -25,20 +29,39 @@ def shapes_kw(token_batch, budget):
     return found
 
 
+def packing(lengths, budget, overhead):
+    ids, mask = right_padded(lengths, width=max(lengths))
+    batch = ArgumentBatch(({"input_ids": ids, "attention_mask": mask},), {})
+    tokens = TokenBatch(batch, "attention_mask", MicroBatchCost(overhead))
+    return [(start, stop, width) for _, start, stop, width in tokens.micro_batches(budget)]
+
+
 def test_rows_are_sorted_longest_first_and_packed_within_the_budget():
     ids, mask = right_padded([3, 9, 5, 9, 1, 6], width=10)
-    tokens = TokenBatch(ArgumentBatch(({"input_ids": ids, "attention_mask": mask},), {}), "attention_mask")
+    tokens = TokenBatch(ArgumentBatch(({"input_ids": ids, "attention_mask": mask},), {}), "attention_mask", FILL)
     assert tokens.order == [1, 3, 5, 2, 0, 4], "longest first, ties in the call's order"
     assert tokens.widths == [9, 9, 6, 5, 3, 1]
     packed = [(start, stop, width) for _, start, stop, width in tokens.micro_batches(18)]
-    assert packed == [(0, 2, 9), (2, 4, 6), (4, 5, 3), (5, 6, 1)], "a row of half the longest or less starts anew"
+    assert packed == [(0, 2, 9), (2, 5, 6), (5, 6, 1)], "filled while a split never pays"
     assert all((stop - start) * width <= 18 for start, stop, width in packed)
-    assert [(start, stop) for _, start, stop, _ in tokens.micro_batches(100)] == [(0, 4), (4, 5), (5, 6)]
+    assert [(start, stop) for _, start, stop, _ in tokens.micro_batches(100)] == [(0, 6)]
     assert [(start, stop) for _, start, stop, _ in tokens.micro_batches(4)] == [(i, i + 1) for i in range(5)] + [
         (5, 6)
     ], "a row longer than the budget runs alone"
     sorted_ids = tokens.batch.args[0]["input_ids"]
     assert torch.equal(sorted_ids, ids[tokens.order]) and restore_order(tokens.order)[1] == 0
+
+
+def test_a_micro_batch_is_split_where_the_padding_saved_is_worth_more_than_one_more_micro_batch():
+    lengths = [3, 9, 5, 9, 1, 6]  # sorted: 9 9 6 5 3 1
+    assert packing(lengths, 18, 0) == [(0, 2, 9), (2, 3, 6), (3, 4, 5), (4, 5, 3), (5, 6, 1)], "free: every width"
+    # from the 6: rows 3..4 padded to 6 waste (6-5)x2 = 2, row 4 alone (6-3)x1 = 3: a split there saves 3
+    assert packing(lengths, 18, 2) == [(0, 2, 9), (2, 4, 6), (4, 6, 3)]
+    assert packing(lengths, 18, 3) == [(0, 2, 9), (2, 5, 6), (5, 6, 1)], "saving no more than it costs: no split"
+    # one long row among many short ones: the long row goes alone unless a micro-batch costs more than the padding
+    tail = [200] + [10] * 30
+    assert packing(tail, 10**4, 1000)[0][:2] == (0, 1)
+    assert packing(tail, 10**4, 10**5)[0][:2] == (0, 31)
 
 
 def test_every_tensor_padded_like_the_rows_is_trimmed():
@@ -47,7 +70,7 @@ def test_every_tensor_padded_like_the_rows_is_trimmed():
     embeds = torch.randn(4, 16, 3)
     embeds[mask == 0] = torch.tensor([0.5, -1.0, 2.0])  # one pad vector
     batch = dict(input_ids=ids, attention_mask=mask, labels=labels, inputs_embeds=embeds, scale=torch.ones(4))
-    tokens = TokenBatch(ArgumentBatch((), batch), "attention_mask")
+    tokens = TokenBatch(ArgumentBatch((), batch), "attention_mask", FILL)
     second = tokens.micro_batches(16)[1]
     _, kwargs = second[0].arguments(second[1], second[2], width=second[3])
     assert second[3] == 7

@@ -5,7 +5,7 @@ runs forward and backward for every micro-batch at one size; an out-of-memory er
 attempt back and the engine redoes the whole logical batch at a smaller micro-batch size.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, NamedTuple, Optional
 
 import torch
@@ -21,6 +21,7 @@ from toma.accumulation.options import (
     check_weight,
 )
 from toma.accumulation.step import AccumulateStep
+from toma.batching.micro_batch_cost import MicroBatchCost
 from toma.batching.splitting import LogicalBatch
 from toma.core.caches import LearnedState
 from toma.core.runner import Runner
@@ -54,6 +55,8 @@ class AccumulationStats:
     calls: int = 0
     weight: Optional[float] = None  # what the last logical batch's loss averaged over (rows, or weight's total)
     learned: Optional[LearnedState] = None  # what the policy learned at the call site's entry
+    # with `lengths=`: what one more micro-batch costs in padded positions (measured on the first ones)
+    packing: MicroBatchCost = field(default_factory=MicroBatchCost)
 
     @property
     def model(self) -> Any:
@@ -87,7 +90,7 @@ def accumulate(
     loss is one (a gradient-accumulation window, every rank's batches), or the batch's own count where the
     framework's loss already accounts for the ranks (`TomaTrainer`)."""
     runner = sizing.runner
-    step = AccumulateStep(func, batch, options, runner.resolved_policy(), total)
+    step = AccumulateStep(func, batch, options, runner.resolved_policy(), total, None if sizing.stats is None else sizing.stats.packing)
     stats = sizing.stats
     state = None
     try:

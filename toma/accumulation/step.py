@@ -30,6 +30,7 @@ from toma.accumulation.rollback import (
 )
 from toma.accumulation.sync import model_device, sync_for
 from toma.batching import transfer
+from toma.batching.micro_batch_cost import MicroBatchCost
 from toma.batching.splitting import LogicalBatch, MicroBatch
 from toma.batching.tokens import TokenBatch, token_batches
 from toma.batching.transfer import MicroBatchTransfers, shared_transfers
@@ -87,6 +88,7 @@ class AccumulateStep(Step):
         options: AccumulationOptions,
         policy: SizePolicy,
         total: Any = None,
+        cost: Optional[MicroBatchCost] = None,
     ) -> None:
         self.func, self.batch, self.options, self.policy, self.name = func, batch, options, policy, options.name
         self.model = model = options.model
@@ -108,7 +110,7 @@ class AccumulateStep(Step):
         # With `lengths=`: the pieces sorted by row length, and the size a token budget
         self.tokens: Optional[List[TokenBatch]] = None
         if options.lengths is not None:
-            self.tokens = token_batches(batch.pieces, options.lengths)
+            self.tokens = token_batches(batch.pieces, options.lengths, cost or MicroBatchCost())
             self.size_name = TOKEN_BUDGET
         self.result: Optional[torch.Tensor] = None
         self.total_weight: Optional[float] = None
@@ -121,7 +123,7 @@ class AccumulateStep(Step):
         """The elements a row of the batch's widest piece holds, summed over its tensors (a token's, with a token
         budget): a learning policy sizes by elements, so batches padded to other widths need no new search."""
         if self.tokens is not None:
-            return float(max(sum(t.numel() for _, t in s.batch.tensors) / s.cost for s in self.tokens))
+            return float(max(sum(t.numel() for _, t in s.batch.tensors) / s.area for s in self.tokens))
         return float(max(sum(t.numel() for _, t in piece.tensors) / piece.size for piece in self.batch.pieces))
 
     def initial_size(self, rows: int, tokens: Optional[int]) -> int:
@@ -147,7 +149,7 @@ class AccumulateStep(Step):
         """A micro-batch never holds more rows than the largest piece of the logical batch (nor a token budget more
         than its padded area)."""
         if self.tokens is not None:
-            return min(size, max(s.cost for s in self.tokens))
+            return min(size, max(s.area for s in self.tokens))
         return min(size, self.batch.largest)
 
     def __call__(self, size: int) -> bool:
@@ -190,10 +192,14 @@ class AccumulateStep(Step):
         func, sync, watch = self.func, self.sync, self.watch
         last = plan.running[-1][0] if plan.running else -1
         total: Optional[torch.Tensor] = None
+        timer = self.tokens[0].cost.timer(self.device) if self.tokens else None
         with watch:
             for (index, factor), (args, kwargs) in zip(plan.running, self._arguments(plan)):
                 _, start, stop = plan.micro_batches[index]
                 self.failing_rows = stop - start
+                if timer is not None:
+                    assert plan.widths is not None
+                    timer.begin((stop - start) * plan.widths[index])
                 with sync.scope(index == last):
                     try:
                         loss = func(*args, **kwargs)
@@ -213,6 +219,8 @@ class AccumulateStep(Step):
                 loss = loss.detach()
                 total = loss if total is None else total + loss
         self.failing_rows = None
+        if timer is not None:
+            timer.end()
         if total is None:  # every micro-batch counted 0 items: nothing to learn from, no NaN
             return torch.zeros((), device=self.params[0].device if self.params else None)
         return total if total.dim() == 0 else total.reshape(())

@@ -1,6 +1,7 @@
 """Rows by their length: a logical batch sorted longest first and packed into micro-batches whose padded area
-(rows x the micro-batch's longest row) stays within a token budget, a row of half a micro-batch's longest or less
-starting the next one, each trimmed to its own longest row.
+(rows x the micro-batch's longest row) stays within a token budget, each trimmed to its own longest row. A
+micro-batch is split before it is full only where the padding the split saves is worth more than one more
+micro-batch costs (`toma.batching.micro_batch_cost`: measured on the device, in padded positions).
 
 A row's length comes from `lengths=`: the name of a 0/1 mask among the call's arguments (a keyword argument, or
 a key of a dict argument, as a tokenizer's `attention_mask`), or a function of the call's arguments returning
@@ -13,13 +14,13 @@ leading padding moves the positions, and even with `position_ids` given, a causa
 real token as predicted from the padding before it, whose output depends on how much padding there is.
 """
 
-import bisect
 import logging
 from collections.abc import Mapping
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple, Union
 
 import torch
 
+from toma.batching.micro_batch_cost import MicroBatchCost
 from toma.batching.splitting import ArgumentBatch
 
 __all__ = ["Lengths", "check_lengths", "TokenBatch", "TokenMicroBatch", "row_lengths", "token_batches", "restore_order"]
@@ -139,9 +140,10 @@ class TokenBatch:
     """A piece of a logical batch with its rows sorted longest first (`batch`, a copy) and its padded tensors
     marked for trimming; `widths` are the sorted rows' lengths as a micro-batch's width counts them."""
 
-    __slots__ = ("batch", "widths", "order", "width", "_negated")
+    __slots__ = ("batch", "widths", "order", "width", "cost", "_widths")
 
-    def __init__(self, piece: ArgumentBatch, lengths: Lengths) -> None:
+    def __init__(self, piece: ArgumentBatch, lengths: Lengths, cost: Optional[MicroBatchCost] = None) -> None:
+        self.cost = MicroBatchCost() if cost is None else cost
         layout = row_lengths(lengths, piece.args, piece.kwargs, piece.size)
         self.order: List[int] = sorted(range(piece.size), key=lambda row: -layout.lengths[row])
         sorted_lengths = [layout.lengths[row] for row in self.order]
@@ -154,20 +156,34 @@ class TokenBatch:
         else:  # nothing narrows: every micro-batch is as wide as the batch
             full = layout.width if layout.width is not None else max(1, max(sorted_lengths))
             self.widths = [full] * piece.size
-        self._negated = [-width for width in self.widths]  # ascending, for bisect
+        self._widths = torch.tensor(self.widths, dtype=torch.long)
 
     @property
-    def cost(self) -> int:
+    def area(self) -> int:
         """The padded area of all its rows in one micro-batch."""
         return len(self.widths) * self.widths[0]
 
     def stop(self, start: int, budget: int) -> int:
-        """Where a micro-batch from sorted row `start` ends: within `budget`, and before the first row shorter than
-        half its longest (such rows would pay for more padding than they hold: they start a micro-batch of their
-        own, so a long row and many short ones are never padded together)."""
+        """Where a micro-batch from sorted row `start` ends: as many rows as `budget` allows, unless splitting
+        it saves more padding than one more micro-batch costs (then at the split that saves the most, and so on
+        within the part before it). Rows `j..end` padded to the longest row `L` instead of their own micro-batch's
+        `widths[j]` waste `(L - widths[j]) x (end - j)` positions. While the cost is being measured, micro-batches
+        from odd rows get a quarter of the budget (the line needs areas that differ)."""
         widths = self.widths
-        stop = min(len(widths), start + max(1, budget // widths[start]))
-        return bisect.bisect_left(self._negated, -(widths[start] // 2), start + 1, stop) if stop > start + 1 else stop
+        if self.cost.timing and start % 2:  # areas that differ, for the cost's line: a quarter budget
+            budget = max(1, budget // 4)
+        end = min(len(widths), start + max(1, budget // widths[start]))
+        if end <= start + 1 or widths[end - 1] == widths[start]:
+            return end
+        overhead = self.cost.overhead(budget)
+        while end > start + 1:
+            after = torch.arange(start + 1, end)
+            saved = (widths[start] - self._widths[start + 1 : end]) * (end - after)
+            best = int(saved.argmax())
+            if int(saved[best]) <= overhead:
+                break
+            end = start + 1 + best
+        return end
 
     def micro_batches(self, budget: int) -> List[TokenMicroBatch]:
         """Micro-batches of consecutive sorted rows, each within `budget` (a row longer than it, alone)."""
@@ -180,9 +196,9 @@ class TokenBatch:
         return found
 
 
-def token_batches(pieces: Sequence[ArgumentBatch], lengths: Lengths) -> List[TokenBatch]:
+def token_batches(pieces: Sequence[ArgumentBatch], lengths: Lengths, cost: MicroBatchCost) -> List[TokenBatch]:
     """Each piece of a logical batch sorted and marked (a micro-batch never spans two pieces)."""
-    return [TokenBatch(piece, lengths) for piece in pieces]
+    return [TokenBatch(piece, lengths, cost) for piece in pieces]
 
 
 def restore_order(order: Sequence[int]) -> List[int]:

@@ -10,7 +10,8 @@ No backend starts a device: a process that has not used CUDA is never made to in
 """
 
 import threading
-from typing import Dict, List, Optional, Tuple, Union
+import time
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -98,6 +99,19 @@ class DeviceBackend:
 
     def reset_peak(self, device: torch.device) -> None:
         """Start the allocator's peak over, where the device keeps one."""
+
+    def synchronize(self, device: torch.device) -> None:
+        """Wait until the work queued on `device` is done; nothing where the device runs in order."""
+
+    def timestamp(self, device: torch.device) -> Any:
+        """A mark of the moment the work queued on `device` so far is done, for `seconds_between`: the host's
+        clock once the device is idle, where the device knows no timed events of its own."""
+        self.synchronize(device)
+        return time.perf_counter()
+
+    def seconds_between(self, start: Any, end: Any) -> float:
+        """The seconds from mark `start` to mark `end` (waiting for `end` where it is still to come)."""
+        return float(end - start)
 
     def peak_allocated(self, device: torch.device) -> Optional[int]:
         """The allocator's peak bytes on `device` since it was last reset; None where unknown."""
@@ -207,6 +221,20 @@ class CudaBackend(DeviceBackend):
         if torch.cuda.is_initialized():
             torch.cuda.reset_peak_memory_stats(device)
 
+    def synchronize(self, device: torch.device) -> None:
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize(device)
+
+    def timestamp(self, device: torch.device) -> Any:
+        """An event recorded on the current stream: marks in the device's own timeline, no waiting."""
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(device))
+        return event
+
+    def seconds_between(self, start: Any, end: Any) -> float:
+        end.synchronize()
+        return float(start.elapsed_time(end)) / 1000.0
+
     def peak_allocated(self, device: torch.device) -> Optional[int]:
         if torch.cuda.is_initialized():
             return int(torch.cuda.max_memory_allocated(device))
@@ -263,6 +291,10 @@ class XpuBackend(DeviceBackend):
     def set_rng_state(self, state: torch.Tensor, device: torch.device) -> None:
         torch.xpu.set_rng_state(state, device)
 
+    def synchronize(self, device: torch.device) -> None:
+        if self.in_use():
+            torch.xpu.synchronize(device)
+
 
 class MpsBackend(DeviceBackend):
     """Apple GPUs (`torch.mps`): one device, no index."""
@@ -291,6 +323,10 @@ class MpsBackend(DeviceBackend):
 
     def set_rng_state(self, state: torch.Tensor, device: torch.device) -> None:
         torch.mps.set_rng_state(state)
+
+    def synchronize(self, device: torch.device) -> None:
+        if self.available():
+            torch.mps.synchronize()
 
 
 class HpuBackend(DeviceBackend):

@@ -80,7 +80,8 @@ class MapStep(RangeStep):
     result comes back in the call's row order."""
 
     __slots__ = (
-        "split", "transfers", "joined", "ahead", "back", "to_host", "returns_none", "tokens", "budget", "size_name"
+        "split", "transfers", "joined", "ahead", "back", "to_host", "returns_none", "tokens", "budget", "size_name",
+        "timer",
     )  # fmt: skip
 
     def __init__(
@@ -95,6 +96,7 @@ class MapStep(RangeStep):
         super().__init__(func, 0, split.size, (), {}, name, device=transfers.device)
         self.split, self.transfers, self.tokens, self.budget = split, transfers, tokens, 0
         self.size_name = "step" if tokens is None else TOKEN_BUDGET
+        self.timer = None if tokens is None else tokens.cost.timer(transfers.device)
         label = str(name or getattr(func, "__qualname__", repr(func)))
         self.joined = _Joined(split.size, output_device, label)
         # Outputs go back through pinned staging when they are on CUDA and asked for on the host.
@@ -132,6 +134,14 @@ class MapStep(RangeStep):
         self.current = stop
         return stop >= self.end
 
+    def _timed(self, start: int, stop: int) -> None:
+        """While the cost of a chunk is measured: its start marked (the last chunk's end after its function)."""
+        assert self.timer is not None and self.tokens is not None
+        if not self.timer.cost.timing:
+            self.timer = None
+            return
+        self.timer.begin((stop - start) * self.tokens.widths[start])
+
     def _padded_back(self, out: Any, start: int) -> Any:
         """A trimmed chunk's outputs as wide as the chunk, padded with zeros to the rows' width."""
         tokens = self.tokens
@@ -158,8 +168,12 @@ class MapStep(RangeStep):
                     self._stop(stop, self.budget) if self.tokens is not None else min(2 * stop - start, self.end)
                 )
                 self.ahead = (stop, following, self._send(stop, following))
+            if self.timer is not None:
+                self._timed(start, stop)
             out = self._padded_back(self.func(*inputs), start)
             del inputs
+            if self.timer is not None and stop >= self.end:
+                self.timer.end()
             if self.returns_none is None:
                 self.returns_none = out is None
             elif self.returns_none != (out is None):
@@ -179,6 +193,8 @@ class MapStep(RangeStep):
                 self.joined.write(out, start, stop)
         except BaseException:
             self.ahead = None  # its device memory goes with the failed attempt's
+            if self.timer is not None:
+                self.timer.drop()
             raise
         if stop >= self.end:
             self._land()
