@@ -7,7 +7,8 @@ With TOMA_FIGURES=<path> set, each figure is also appended to that file as a JSO
    lengths log-normal with median ~48 and a tail to 512) on a larger GPT-2 (6 layers, width 512, SDPA, TF32),
    fp32 weights: (1) fixed micro-batches of 8 rows, (2) `toma.accumulate` by rows, (3) a hand-written sorted,
    packed and trimmed loop, (4) `toma.accumulate(lengths="attention_mask")`, the same budget (8 x 512 tokens).
-   Wall time with the device synchronised, interleaved, three rounds; tokens/s ratios to (1), the peak memory
+   (5) is (4) told never to split a micro-batch early: (3)'s packing through toma, what toma costs beside its
+   packing. Wall time with the device synchronised, interleaved, three rounds; tokens/s ratios to (1), the peak memory
    each method allocated, the gradients' largest relative difference from one pass over the widest batch.
 2. Learning under a cap: the device capped (`set_per_process_memory_fraction`) at what the model, its optimizer
    and one micro-batch of 8 x 512 tokens need (+ 64 MiB); an epoch whose widest logical batch comes last. Rows
@@ -20,7 +21,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, List, Optional
 
 import torch
 
@@ -30,22 +31,29 @@ from varlen import (  # noqa: E402
     MICRO_ROWS,
     ROWS,
     Batch,
+    Workload,
     label_tokens,
     logical_batches,
     long_tailed,
     make_model,
     methods,
     relative_difference,
-    Workload,
 )
 
 from toma import toma  # noqa: E402
+from toma.batching.micro_batch_cost import NEVER, MicroBatchCost  # noqa: E402
 
 SHAPE = dict(vocab_size=8192, n_positions=512, n_embd=512, n_layer=6, n_head=8)
 QUICK_SHAPE = dict(vocab_size=1024, n_positions=512, n_embd=128, n_layer=2, n_head=4)
 LONGEST = 512
 MiB = 2**20
-NAMES = ("fixed rows (1)", "accumulate by rows (2)", "hand-written by tokens (3)", "accumulate(lengths=) (4)")
+NAMES = (
+    "fixed rows (1)",
+    "accumulate by rows (2)",
+    "hand-written by tokens (3)",
+    "accumulate(lengths=) (4)",
+    "accumulate(lengths=), never split early (5)",
+)
 
 
 DEVICE = torch.device("cuda")  # main() may set cpu: a dry run of the speed part
@@ -85,6 +93,15 @@ def speed(quick: bool) -> None:
     model = make_model(shape).to(DEVICE)
     runs = methods(model, MICRO_ROWS * LONGEST, context="varlen_gpu")
     assert all(run is not None for run in runs), "this toma has no lengths="
+
+    @toma.accumulate(
+        model=model, lengths="attention_mask", initial_tokens=MICRO_ROWS * LONGEST, weight=label_tokens, context="fill"
+    )
+    def filled(batch: Batch) -> torch.Tensor:
+        return model(**batch).loss
+
+    filled.stats.packing = MicroBatchCost(NEVER)  # packs as (3) does: what toma costs beside its packing
+    runs.append(filled)
 
     widest = max(batches, key=lambda batch: batch["input_ids"].shape[1])
     model.zero_grad(set_to_none=True)
@@ -168,7 +185,9 @@ def under_a_cap(quick: bool) -> None:
     cap = resting + micro + 64 * MiB
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(cap / total, 0)
-    print(f"cap {cap / MiB:.0f} MiB: model and Adam {resting / MiB:.0f} MiB, a micro-batch of 8 x 512 {micro / MiB:.0f}")
+    print(
+        f"cap {cap / MiB:.0f} MiB: model and Adam {resting / MiB:.0f} MiB, a micro-batch of 8 x 512 {micro / MiB:.0f}"
+    )
     record("tokens under a cap: the cap", round(cap / MiB), "MiB")
 
     @toma.accumulate(model=model, weight=label_tokens, initial_micro_batch=ROWS, context="cap rows")

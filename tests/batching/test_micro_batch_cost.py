@@ -122,3 +122,16 @@ def test_an_accumulating_function_measures_its_cost_on_its_first_micro_batches_a
         calls += 1
         assert calls < 40, "still timing"
     assert loss.stats.packing.fixed is not None and loss.stats.packing.fixed >= 0
+
+
+def test_a_cost_pickles_and_copies_with_what_it_measured():
+    import copy
+    import pickle
+
+    cost = MicroBatchCost()
+    feed(cost, line(0.004, 1e-6, [4096, 1024] * ((WARMUP + SAMPLES) // 2)))
+    for twin in (pickle.loads(pickle.dumps(cost)), copy.deepcopy(cost)):
+        assert twin.fixed == 4000 and not twin.timing and twin._lock is not cost._lock
+    timing = pickle.loads(pickle.dumps(MicroBatchCost()))
+    feed(timing, line(0.004, 1e-6, [4096, 1024] * ((WARMUP + SAMPLES) // 2)))
+    assert timing.fixed == 4000

@@ -246,7 +246,14 @@ def test_with_fake_cuda_whole_values_move_once_per_call_and_only_rows_are_staged
         return chunk @ w * s + torch.sparse.sum(sparse)
 
     out = tm.map(
-        project, x, toma.whole(weights), scale, toma.whole(shift), initial_step=10, cache_type=NoBatchsizeCache
+        project,
+        x,
+        toma.whole(weights),
+        scale,
+        toma.whole(shift),
+        initial_step=10,
+        cache_type=NoBatchsizeCache,
+        device="cpu",  # what the fake treats as CUDA (the default would be a real GPU where there is one)
     )
     assert torch.allclose(out, x @ weights * scale + 3.0)
     assert len(seen) == 4 and [id(t) for t in placed] == [id(weights), id(shift)]  # once per call, not per chunk
@@ -328,6 +335,7 @@ def test_map_by_tokens_equals_the_untrimmed_call_in_the_inputs_order_with_output
             lengths="attention_mask",
             initial_step=4,
             cache_type=NoBatchsizeCache,
+            device="cpu",  # where the model is (the default is the GPU where there is one)
         )
     assert torch.allclose(by_tokens[0], pooled, atol=1e-5), "the inputs' row order, the full call's embeddings"
     real = mask.bool()

@@ -90,7 +90,9 @@ def accumulate(
     loss is one (a gradient-accumulation window, every rank's batches), or the batch's own count where the
     framework's loss already accounts for the ranks (`TomaTrainer`)."""
     runner = sizing.runner
-    step = AccumulateStep(func, batch, options, runner.resolved_policy(), total, None if sizing.stats is None else sizing.stats.packing)
+    step = AccumulateStep(
+        func, batch, options, runner.resolved_policy(), total, None if sizing.stats is None else sizing.stats.packing
+    )
     stats = sizing.stats
     state = None
     try:

@@ -14,7 +14,7 @@ differ. Until the line is fitted, and where the areas timed never differ enough 
 quarter of the budget."""
 
 import threading
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -58,6 +58,26 @@ class MicroBatchCost:
         self.timing = fixed is None  # whether micro-batches are still timed
         self._seen = 0
         self._samples: List[Tuple[int, float]] = []
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        state = "measuring" if self.timing else "default" if self.fixed is None else f"{self.fixed} positions"
+        return f"MicroBatchCost({state})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, MicroBatchCost):
+            return NotImplemented
+        return (self.fixed, self.timing, self._samples) == (other.fixed, other.timing, other._samples)
+
+    __hash__ = None  # type: ignore[assignment]  # it changes as it measures
+
+    def __getstate__(self) -> Dict[str, Any]:
+        """What a copy or a pickle keeps: everything but the lock (callbacks and trainers are copied)."""
+        return {name: getattr(self, name) for name in self.__slots__ if name != "_lock"}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        for name, value in state.items():
+            setattr(self, name, value)
         self._lock = threading.Lock()
 
     def overhead(self, budget: int) -> int:
