@@ -11,7 +11,7 @@ memory (the address space it holds plus HEADROOM_MIB) so that a batch of 64 rows
 - the plain Trainer with `auto_find_batch_size=True` shrinks the batch and starts training over until it fits: a
   smaller batch, more optimizer steps, another run.
 
-It prints the micro-batch size found, the loss, and the same figures for auto_find_batch_size. On CUDA it
+It prints the micro-batch size found (a token budget: TomaTrainer packs rows by length), the loss, and the same figures for auto_find_batch_size. On CUDA it
 trains on the GPU, uncapped unless `--memory-fraction` caps the memory PyTorch may take.
 
     pip install 'toma[transformers]'
@@ -104,6 +104,7 @@ def run(trainer_class: type, output_dir: str, data: list, cuda: bool, **settings
     result.update(first_loss=losses[0], last_loss=losses[-1], micro=micro)
     if isinstance(trainer, TomaTrainer):
         result.update(micro_batch=trainer.toma_stats.micro_batch, retries=trainer.toma_stats.oom_retries)
+        result.update(unit="padded tokens" if trainer.toma_pack_tokens else "rows")
     return result
 
 
@@ -141,7 +142,7 @@ def main() -> None:
 
     toma = run(TomaTrainer, output_dir, data, cuda)
     print("TomaTrainer:")
-    print(f"micro-batch size found: {toma['micro_batch']}")
+    print(f"micro-batch size found: {toma['micro_batch']} {toma['unit']}")
     print(f"out-of-memory retries: {toma['retries']}")
     print(f"micro-batch size per logged step: {toma['micro']}")
     print(

@@ -144,8 +144,13 @@ def oom_above(model: torch.nn.Module, rows: int) -> list:
     return seen
 
 
-def train(cls, tmp_path, make=gpt2, classes=0, oom_rows=None, options=None, **overrides):
-    """Train a fresh model for 3 steps on batches of 8 rows (`classes`: BERT's classes, else a causal LM's text)."""
+def train(cls, tmp_path, make=gpt2, classes=0, oom_rows=None, options=None, rows=True, **overrides):
+    """Train a fresh model for 3 steps on batches of 8 rows (`classes`: BERT's classes, else a causal LM's text).
+    `rows`: a toma trainer's micro-batches are rows in the loader's order (`toma_pack_tokens=False`), which the
+    tests of sizes in rows count on; False leaves its default, packing by tokens."""
+    options = dict(options or {})
+    if rows and issubclass(cls, TomaTrainerMixin):
+        options.setdefault("toma_pack_tokens", False)
     model = make()
     seen = oom_above(model, oom_rows) if oom_rows is not None else None
     trainer = cls(
@@ -153,7 +158,7 @@ def train(cls, tmp_path, make=gpt2, classes=0, oom_rows=None, options=None, **ov
         args=arguments(tmp_path, **overrides),
         train_dataset=texts(classes=classes),
         data_collator=pad_classes if classes else pad,
-        **(options or {}),
+        **options,
     )
     trainer.train()
     return model, trainer, seen
@@ -206,8 +211,8 @@ def test_packed_by_tokens_under_injected_ooms_the_micro_batches_are_trimmed_and_
         model.register_forward_pre_hook(lambda m, a, k: widths.append(k["input_ids"].shape), with_kwargs=True)
         return model
 
-    options = dict(toma_pack_tokens=True, toma_policy=Halving())
-    model, trainer, seen = train(TomaTrainer, tmp_path, make=recorded_gpt2, oom_rows=3, options=options)
+    options = dict(toma_policy=Halving())  # packing by tokens is the default
+    model, trainer, seen = train(TomaTrainer, tmp_path, make=recorded_gpt2, oom_rows=3, options=options, rows=False)
     assert_same_parameters(model, reference)
     assert training_losses(trainer) == pytest.approx(losses, rel=1e-5)
     assert trainer.toma_stats.oom_retries >= 1 and max(seen) > 3 and max(seen[-3:]) <= 3
@@ -215,12 +220,34 @@ def test_packed_by_tokens_under_injected_ooms_the_micro_batches_are_trimmed_and_
     assert any(shape[1] < full for shape in widths), "micro-batches trimmed to their longest row"
 
 
+def test_with_packing_turned_off_every_micro_batch_has_the_loader_batchs_width(tmp_path):
+    reference, _ = plain_run()
+    widths = {"plain": set(), "toma": set()}
+
+    def recorded(into):
+        def make():
+            model = gpt2()
+            model.register_forward_pre_hook(lambda m, a, k: widths[into].add(k["input_ids"].shape[1]), with_kwargs=True)
+            return model
+
+        return make
+
+    train(Trainer, tmp_path / "plain", make=recorded("plain"))
+    options = dict(toma_policy=Halving(), toma_pack_tokens=False)
+    model, _, seen = train(
+        TomaTrainer, tmp_path / "toma", make=recorded("toma"), oom_rows=3, options=options, rows=False
+    )
+    assert_same_parameters(model, reference)
+    assert seen[:3] == [8, 4, 2], "rows, halved, in the loader's order"
+    assert widths["toma"] == widths["plain"], "every micro-batch as wide as its loader batch: nothing trimmed"
+
+
 def test_packed_by_tokens_with_group_by_length_trains_the_plain_trainers_parameters(tmp_path):
     """Transformers 5 spells `group_by_length=True` as `train_sampling_strategy="group_by_length"`."""
     reference, losses = plain_run(train_sampling_strategy="group_by_length")
     options = dict(toma_pack_tokens=True, toma_policy=Halving())
     model, trainer, _ = train(
-        TomaTrainer, tmp_path, oom_rows=3, options=options, train_sampling_strategy="group_by_length"
+        TomaTrainer, tmp_path, oom_rows=3, options=options, rows=False, train_sampling_strategy="group_by_length"
     )
     assert_same_parameters(model, reference)
     assert training_losses(trainer) == pytest.approx(losses, rel=1e-5) and trainer.toma_stats.oom_retries >= 1
@@ -523,7 +550,13 @@ def test_by_default_the_logs_hold_the_plain_trainers_keys_only(tmp_path):
 def test_backward_goes_through_the_accelerator_once_per_micro_batch(tmp_path, monkeypatch):
     model = gpt2()
     oom_above(model, 3)
-    trainer = TomaTrainer(model=model, args=arguments(tmp_path, max_steps=2), train_dataset=texts(), data_collator=pad)
+    trainer = TomaTrainer(
+        model=model,
+        args=arguments(tmp_path, max_steps=2),
+        train_dataset=texts(),
+        data_collator=pad,
+        toma_pack_tokens=False,
+    )
     calls = []
     backward = trainer.accelerator.backward
     monkeypatch.setattr(trainer.accelerator, "backward", lambda loss, **kw: calls.append(1) or backward(loss, **kw))
@@ -778,7 +811,9 @@ def test_the_causal_lm_example_finds_a_micro_batch_under_its_cap(tmp_path):
     found = dict(
         re.findall(r"^(micro-batch size found|out-of-memory retries|plain Trainer): (.+)$", result.stdout, re.M)
     )
-    assert 0 < int(found["micro-batch size found"]) < 64, result.stdout
+    size, unit = found["micro-batch size found"].split(" ", 1)
+    failed = re.findall(r"ran out of memory at token budget (\d+)", result.stdout)
+    assert unit == "padded tokens" and failed and 0 < int(size) < int(failed[0]), result.stdout
     assert int(found["out-of-memory retries"]) >= 1, result.stdout
     assert "can't allocate memory" in found["plain Trainer"], result.stdout
 
@@ -818,7 +853,8 @@ def run(cls, oom):
     args = TrainingArguments(output_dir="out", per_device_train_batch_size=8, gradient_accumulation_steps=2,
                              max_steps=2, optim="sgd", learning_rate=0.5, report_to="none", use_cpu=True,
                              save_strategy="no", disable_tqdm=True, seed=0)
-    trainer = cls(model=model, args=args, train_dataset=rows, data_collator=pad)
+    options = dict(toma_pack_tokens=False) if cls is TomaTrainer else {}  # sizes in rows: <= 3 below
+    trainer = cls(model=model, args=args, train_dataset=rows, data_collator=pad, **options)
     trainer.train()
     return trainer, [p.detach().clone() for p in model.parameters()]
 

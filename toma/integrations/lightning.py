@@ -248,7 +248,8 @@ class MicroBatching(Callback):
             metrics are a plain run's.
         pack_tokens: a batch that carries an `attention_mask` (a dict batch) is packed by tokens: rows sorted by
             length, micro-batches within a token budget (`initial_micro_batch` rows of the batch's longest to
-            start), each trimmed to its longest row, as `toma.accumulate(lengths="attention_mask")`; default False.
+            start), each trimmed to its longest row, as `toma.accumulate(lengths="attention_mask")`; default True
+            (False: micro-batches of rows in the loader's order, at the batch's padded width).
 
     `stats` (a `toma.accumulation.accumulate.AccumulationStats`) holds the last size and the retries so far. A copy
     (pickle, `copy.deepcopy`, the processes of `strategy="ddp_spawn"`) keeps the options, `stats` and the size found
@@ -264,7 +265,7 @@ class MicroBatching(Callback):
         reduction: str = "mean",
         distributed: bool = True,
         log_micro_batch: bool = False,
-        pack_tokens: bool = False,
+        pack_tokens: bool = True,
     ) -> None:
         self.initial_micro_batch = (
             None if initial_micro_batch is None else check_size(initial_micro_batch, "initial_micro_batch")

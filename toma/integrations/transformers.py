@@ -78,9 +78,10 @@ class TomaTrainerMixin(_Trainer):
     `toma_initial_micro_batch=` (where the search starts; the whole batch by default), `toma_weight=` (a function of
     a batch returning what its mean loss averages over, for a `compute_loss` whose mean is neither over label tokens
     nor over rows), `toma_log_micro_batch=True` (training logs also carry `micro_batch` and `toma_oom_retries`; off
-    by default, so the logs are the plain Trainer's), `toma_pack_tokens=True` (a batch that carries an
+    by default, so the logs are the plain Trainer's), `toma_pack_tokens=` (True by default: a batch that carries an
     `attention_mask` is packed by tokens: rows sorted by length, micro-batches within a token budget, each trimmed
-    to its longest row, as `toma.accumulate(lengths="attention_mask")`; the size is then that budget).
+    to its longest row, as `toma.accumulate(lengths="attention_mask")`; the size is then that budget; False keeps
+    micro-batches of rows in the loader's order, at the batch's padded width).
     `trainer.toma_stats` holds the micro-batch size (or token budget) and the out-of-memory retries.
     """
 
@@ -110,7 +111,7 @@ class TomaTrainerMixin(_Trainer):
         toma_initial_micro_batch: Optional[int] = None,
         toma_weight: Optional[Count] = None,
         toma_log_micro_batch: bool = False,
-        toma_pack_tokens: bool = False,
+        toma_pack_tokens: bool = True,
         **kwargs: Any,
     ) -> None:
         unknown = sorted(name for name in kwargs if name.startswith("toma_"))
