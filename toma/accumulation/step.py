@@ -190,6 +190,7 @@ class AccumulateStep(Step):
             warn_once_about_batchnorm(self.model)
         backward = backward_pass(self.options.backward, self.options.scaler)
         func, sync, watch = self.func, self.sync, self.watch
+        sync.begin()
         last = plan.running[-1][0] if plan.running else -1
         total: Optional[torch.Tensor] = None
         timer = self.tokens[0].cost.timer(self.device) if self.tokens else None

@@ -1,7 +1,8 @@
 """How an accumulation's gradients meet other ranks': `GradientSync`, the interface the accumulation step drives,
 and its strategies: alone (LocalSync), through DDP with `no_sync` on all but the last micro-batch (DDPNoSync),
-through the ranks' agreement and one all-reduce at the end (AgreeingDDP), or through the agreement alone when a
-framework reduces the gradients after the logical batch (AgreeingOnly); `sync_for` picks one for a model."""
+through the ranks' agreement and one all-reduce at the end (AgreeingDDP), the same for FSDP2's shards
+(AgreeingFSDP2), or through the agreement alone when a framework reduces the gradients after the logical batch
+(AgreeingOnly); `sync_for` picks one for a model."""
 
 import contextlib
 from abc import ABC, abstractmethod
@@ -10,10 +11,20 @@ from typing import ContextManager, Iterable, Optional, Sequence
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from toma.accumulation.fsdp2 import ShardedUnits, is_fsdp2
 from toma.accumulation.plan import nothing_counted
 from toma.core.agreement import Agreement, all_reduce_gradients, broadcast_buffers, is_distributed
 
-__all__ = ["GradientSync", "LocalSync", "DDPNoSync", "AgreeingDDP", "AgreeingOnly", "model_device", "sync_for"]
+__all__ = [
+    "GradientSync",
+    "LocalSync",
+    "DDPNoSync",
+    "AgreeingDDP",
+    "AgreeingFSDP2",
+    "AgreeingOnly",
+    "model_device",
+    "sync_for",
+]
 
 _NOTHING: ContextManager[None] = contextlib.nullcontext()
 
@@ -24,6 +35,8 @@ class GradientSync(ABC):
     The accumulation step (`toma.accumulation.step.AccumulateStep`) drives it, for every attempt at the logical
     batch, with the gradients the call started with set aside (`.grad` holds this attempt's only):
 
+    0. `begin()` before the attempt's first micro-batch (FSDP2: every unit unsharded, nothing reduced in the
+       passes).
     1. `with sync.scope(last):` around each micro-batch's forward and backward pass; `last` is True for
        the attempt's last micro-batch that runs (what DDP reduces in, or FSDP2 reduce-scatters in).
     2. After the last micro-batch, with an `agreement`, the ranks agree whether every one of them finished
@@ -38,18 +51,19 @@ class GradientSync(ABC):
     `gradient_as_bucket_view`) writes into their memory meanwhile. `watch_grads`: whether the misuse watch may
     compare gradients between micro-batches (not where a reducer swaps them for views of its buckets).
 
-    A new strategy (FSDP2's, say) is a subclass in this module, returned by `sync_for` for its models: its
-    `scope(last)` sets what the model does in that backward pass (FSDP2: whether to reduce-scatter, and
-    reshard, after it: on the last only, or after each micro-batch), `reduce` does a reduction that waits for
-    the agreement (a reduce-scatter once per logical batch), `reset` clears the state a backward pass that failed
-    half-way left behind; with a process group of several ranks it holds an `Agreement` on that group. The step
-    and the engine need no change.
+    A new strategy is a subclass in this module, returned by `sync_for` for its models (FSDP2's: `AgreeingFSDP2`,
+    `begin` holds the units unsharded, `reduce` reduces once after the agreement, `reset` clears the state a pass
+    that failed half-way left behind); with a process group of several ranks it holds an `Agreement` on that
+    group. The step and the engine need no change.
     """
 
     __slots__ = ()
     agreement: Optional[Agreement] = None
     copy_grads = False
     watch_grads = True
+
+    def begin(self) -> None:
+        """Before an attempt's first micro-batch (nothing, for most strategies)."""
 
     @abstractmethod
     def scope(self, last: bool) -> ContextManager[object]:
@@ -124,18 +138,55 @@ class AgreeingDDP(GradientSync):
     def reduce(self, params: Sequence[torch.Tensor], weight: Optional[float]) -> None:
         """Average this call's gradients over the ranks; with `weight` weigh each rank by its items, so the
         result is the mean over all of them rather than a mean of the ranks' means."""
-        scale = 1.0
-        if weight is not None:
-            total = self.agreement.sum(weight)
-            if total == 0:  # every rank's: the same error on every rank, before the gradients' all-reduce
-                raise nothing_counted(None, ranks=self.agreement.world_size)
-            scale = weight * self.agreement.world_size / total
-        all_reduce_gradients(list(params), self.model.process_group, scale=scale)
+        all_reduce_gradients(list(params), self.model.process_group, scale=_rank_scale(self.agreement, weight))
         if self.model.broadcast_buffers:
             # DDP would broadcast rank 0's buffers (BatchNorm statistics) in the next forward pass, a
             # collective inside the region that may be retried: a rank that skips its forward passes would
             # leave the others waiting. Broadcast them here, after the agreement, and keep DDP's off.
             broadcast_buffers(self.model)
+
+
+class AgreeingFSDP2(GradientSync):
+    """An FSDP2 model (`fully_shard` on its root and, usually, its blocks) over a process group: micro-batches
+    free of collectives, then the agreement, then one reduction.
+
+    Before an attempt every unit is unsharded (`toma.accumulation.fsdp2.ShardedUnits.hold`: the all-gathers
+    FSDP2 would run in each forward pass, once), and the micro-batches' forward and backward passes neither
+    all-gather, nor reduce-scatter, nor reshard: a rank that runs out of memory in any of them leaves no other
+    rank waiting in a collective. After the ranks agree that all finished, the unsharded gradients are averaged
+    (weighted as `AgreeingDDP` weighs them) and each rank keeps its shard, as FSDP2's reduce-scatter leaves it;
+    then the units are resharded. The price: each rank holds the unsharded parameters and gradients for the
+    logical batch, as FSDP2 itself does when accumulating without `reshard_after_backward`."""
+
+    __slots__ = ("units", "agreement")
+    watch_grads = False  # the sharded parameters' gradients change only in `reduce`
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.units = ShardedUnits(model)
+        self.agreement: Agreement = Agreement(self.units.process_group, model_device(model.parameters()))
+
+    def begin(self) -> None:
+        self.units.hold()
+
+    def scope(self, last: bool) -> ContextManager[object]:
+        return _NOTHING
+
+    def reduce(self, params: Sequence[torch.Tensor], weight: Optional[float]) -> None:
+        self.units.reduce(_rank_scale(self.agreement, weight))
+
+    def reset(self) -> None:
+        self.units.reset()
+
+
+def _rank_scale(agreement: Agreement, weight: Optional[float]) -> float:
+    """What this rank's gradients are multiplied by before the ranks' average: with `weight` (its items), its
+    share of all ranks' items, so the average is the mean over all items rather than a mean of the ranks' means."""
+    if weight is None:
+        return 1.0
+    total = agreement.sum(weight)
+    if total == 0:  # every rank's: the same error on every rank, before the gradients' all-reduce
+        raise nothing_counted(None, ranks=agreement.world_size)
+    return weight * agreement.world_size / total
 
 
 class AgreeingOnly(GradientSync):
@@ -172,8 +223,15 @@ def _ddp_device(model: DistributedDataParallel) -> Optional[torch.device]:
 
 
 def sync_for(model: torch.nn.Module) -> GradientSync:
-    """The strategy `model` calls for: DDP's on a DistributedDataParallel (agreeing when several ranks run), else
-    the local one."""
+    """The strategy `model` calls for: DDP's on a DistributedDataParallel (agreeing when several ranks run),
+    FSDP2's on a module `fully_shard` made, else the local one."""
+    if is_fsdp2(model):
+        return AgreeingFSDP2(model)
+    if any(is_fsdp2(module) for module in model.modules()):
+        raise ValueError(
+            "toma.accumulate(model=...): parts of this model are FSDP2 units (fully_shard) but not the model itself; "
+            "call fully_shard on the root module too (as FSDP2 expects) and pass that"
+        )
     if not isinstance(model, DistributedDataParallel):
         return _LOCAL
     return AgreeingDDP(model) if is_distributed(model.process_group) else DDPNoSync(model)
