@@ -6,6 +6,7 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
+from toma.accumulation.fsdp2 import is_fsdp2
 from toma.accumulation.plan import NothingCounted, nothing_counted
 from toma.accumulation.sync import GradientSync
 from toma.batching.tokens import Lengths, check_lengths
@@ -31,6 +32,11 @@ REDUCTIONS = ("mean", "sum")
 def check_model(model: Any, name: str) -> torch.nn.Module:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"{name} must be the torch.nn.Module whose gradients are accumulated, got {model!r}")
+    if not is_fsdp2(model) and any(is_fsdp2(module) for module in model.modules()):
+        raise ValueError(
+            f"{name}: parts of this model are FSDP2 units (fully_shard) but not the model itself; call fully_shard "
+            "on the root module too (as FSDP2 expects) and pass that"
+        )
     return model
 
 

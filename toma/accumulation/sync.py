@@ -225,13 +225,8 @@ def _ddp_device(model: DistributedDataParallel) -> Optional[torch.device]:
 def sync_for(model: torch.nn.Module) -> GradientSync:
     """The strategy `model` calls for: DDP's on a DistributedDataParallel (agreeing when several ranks run),
     FSDP2's on a module `fully_shard` made, else the local one."""
-    if is_fsdp2(model):
+    if is_fsdp2(model):  # a model sharded in part only is refused where it enters (`check_model`)
         return AgreeingFSDP2(model)
-    if any(is_fsdp2(module) for module in model.modules()):
-        raise ValueError(
-            "toma.accumulate(model=...): parts of this model are FSDP2 units (fully_shard) but not the model itself; "
-            "call fully_shard on the root module too (as FSDP2 expects) and pass that"
-        )
     if not isinstance(model, DistributedDataParallel):
         return _LOCAL
     return AgreeingDDP(model) if is_distributed(model.process_group) else DDPNoSync(model)
