@@ -60,7 +60,10 @@ def make_trainer(cls: type, n_embd: int, n_layer: int, n_head: int, length: int,
         save_strategy="no",
         disable_tqdm=True,
     )
-    trainer = cls(model=GPT2LMHeadModel(config), args=args)
+    # The cost of the retry machinery on a step that fits, rows as the plain Trainer has them: packing by tokens
+    # (TomaTrainer's default) changes the work itself, and benchmarks/hf_varlen.py measures that.
+    options = {"toma_pack_tokens": False} if cls is not Trainer else {}
+    trainer = cls(model=GPT2LMHeadModel(config), args=args, **options)
     trainer.create_optimizer()
     trainer.current_gradient_accumulation_steps = 1  # as the Trainer's loop sets it
     return trainer
