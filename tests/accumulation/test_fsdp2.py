@@ -250,3 +250,34 @@ def test_the_benchmark_runs_quick_and_toma_issues_no_all_gather_per_micro_batch(
     assert ours.get("all_gather_single", 0) + ours.get("all_gather_into_tensor", 0) == units, "once per unit"
     assert hand.get("all_gather_single", 0) + hand.get("all_gather_into_tensor", 0) > units
     assert float(out.split("largest parameter difference between the two at the end: ")[1].split()[0]) < 1e-5
+
+
+SIZE_FILE = (
+    SETUP
+    + """
+from toma import Halving, remember_sizes
+from toma.core.size_file import SizeStore
+path = os.path.join(os.environ["TOMA_TEST_DIR"], f"sizes-{rank}.db")
+remember_sizes(path)
+model = make()
+
+
+@toma.accumulate(model=model, initial_micro_batch=4, policy=Halving())
+def compute_loss(x):
+    if rank == 1 and len(x) == 4:  # rank 1 runs out: both ranks move to 2 rows, and remember it
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+    return loss_of(model, x)
+
+
+compute_loss(data(100 + rank)[0])
+finish(dict(rank=rank, rows=[list(row[:3]) for row in SizeStore(path).rows()]))
+"""
+)
+
+
+def test_the_size_file_keys_a_sharded_models_size_by_its_sharding_and_the_world_size(tmp_path):
+    code = f"import os; os.environ['TOMA_TEST_DIR'] = {str(tmp_path)!r}\n" + SIZE_FILE
+    for output in run_ranks(code, 2, timeout=180):
+        (site, device, size), *others = json.loads(output.strip().splitlines()[-1])["rows"]
+        assert not others and site.endswith("[FSDP2: 4 units sharded over 2 ranks]"), site
+        assert device.endswith("world=2") and size == 2

@@ -79,6 +79,11 @@ class AccumulateStep(Step):
     of (see `toma.accumulation.accumulate.accumulate`)."""
 
     size_name = "micro-batch size"
+
+    @property
+    def layout(self) -> str:  # type: ignore[override]
+        return self.sync.layout
+
     finished = False  # the logical batch is one unit: redone whole after an out-of-memory error
 
     def __init__(

@@ -61,6 +61,7 @@ class GradientSync(ABC):
     agreement: Optional[Agreement] = None
     copy_grads = False
     watch_grads = True
+    layout = ""  # how the model is spread over the ranks, where that changes which sizes fit (the size file's key)
 
     def begin(self) -> None:
         """Before an attempt's first micro-batch (nothing, for most strategies)."""
@@ -164,6 +165,10 @@ class AgreeingFSDP2(GradientSync):
     def __init__(self, model: torch.nn.Module) -> None:
         self.units = ShardedUnits(model)
         self.agreement: Agreement = Agreement(self.units.process_group, model_device(model.parameters()))
+
+    @property
+    def layout(self) -> str:  # type: ignore[override]
+        return f"FSDP2: {len(self.units.units)} units sharded over {self.agreement.world_size} ranks"
 
     def begin(self) -> None:
         self.units.hold()

@@ -18,12 +18,14 @@ log = logging.getLogger("toma")
 
 
 def _site(state: CallState[Any]) -> str:
-    """The call site's key: the function, where it is called from, and a token budget's unit (not rows')."""
+    """The call site's key: the function, where it is called from, a token budget's unit (not rows') and how the
+    work is spread over the ranks (FSDP2's shards)."""
     step = state.step
     func = step.func
     function = f"{getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', repr(func))}"
     unit = f" [{TOKEN_BUDGET}]" if step.size_name == TOKEN_BUDGET else ""
-    return f"{function} called from {call_sites.describe_call_site().rsplit(' in ', 1)[0]}{unit}"
+    layout = f" [{step.layout}]" if step.layout else ""
+    return f"{function} called from {call_sites.describe_call_site().rsplit(' in ', 1)[0]}{unit}{layout}"
 
 
 class SizeFileObserver(Observer):

@@ -27,13 +27,15 @@ class Step:
     in accumulation). `device` is where the work runs (a CUDA device, the CPU), so that a learning policy
     measures that device, the size file keys it, and ranks agree on it; None when not known (then the current
     CUDA device in a process that uses CUDA, else the CPU). `mark()` and `rewind(mark)` let the ranks'
-    agreement redo an attempt that finished here while another rank's ran out of memory.
+    agreement redo an attempt that finished here while another rank's ran out of memory. `layout` says how the
+    work is spread over ranks where that changes which sizes fit (FSDP2's shards), for the size file's key.
     """
 
     __slots__ = ()
     func: Callable[..., Any]
     size_name: str = "batch size"
     name: Optional[str] = None
+    layout: str = ""
 
     @property
     def finished(self) -> bool:
