@@ -281,3 +281,57 @@ def test_the_size_file_keys_a_sharded_models_size_by_its_sharding_and_the_world_
         (site, device, size), *others = json.loads(output.strip().splitlines()[-1])["rows"]
         assert not others and site.endswith("[FSDP2: 4 units sharded over 2 ranks]"), site
         assert device.endswith("world=2") and size == 2
+
+
+TRAINER = (
+    SETUP
+    + """
+import toma as toma_package
+
+
+def mlp():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(6, 32), nn.ReLU()), nn.Sequential(nn.Linear(32, 32), nn.ReLU()),
+                          nn.Linear(32, 4))  # fmt: skip
+    fully_shard(model[0])
+    fully_shard(model[1])
+    fully_shard(model)
+    return model
+
+
+generator = torch.Generator().manual_seed(rank)
+x, y = torch.randn(64, 6, generator=generator), torch.randint(0, 4, (64,), generator=generator)
+reference = mlp()
+optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+for start in range(0, 64, 32):  # the unsplit FSDP2 steps on logical batches of 32
+    optimizer.zero_grad()
+    F.cross_entropy(reference(x[start : start + 32]), y[start : start + 32]).backward()
+    optimizer.step()
+
+model = mlp()
+
+
+def refuse(module, args):
+    if rank == 1 and args[0].shape[0] > 8:  # rank 1 has room for 8 rows only
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+
+
+model[1].register_forward_pre_hook(refuse)
+loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
+trainer = toma_package.Trainer(
+    model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), loader, batch_size=32, verbose=0
+)
+trainer.fit(1)
+largest = max(
+    float((p.detach().full_tensor() - r.detach().full_tensor()).abs().max() / r.detach().full_tensor().abs().max())
+    for p, r in zip(model.parameters(), reference.parameters())
+)
+finish(dict(rank=rank, difference=largest, micro_batch=trainer.stats.micro_batch))
+"""
+)
+
+
+def test_the_trainer_trains_an_fsdp2_model_as_the_unsplit_steps_with_one_rank_short_of_memory():
+    results = [json.loads(out.strip().splitlines()[-1]) for out in run_ranks(TRAINER, 2, timeout=180)]
+    for result in results:
+        assert result["difference"] < 1e-5 and result["micro_batch"] == 8, result
