@@ -4,11 +4,14 @@ by all without a hang, another error stopping every rank."""
 
 import ast
 import json
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 
-from helpers import run_ranks
+from helpers import REPO, run_ranks
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -199,24 +202,22 @@ def test_a_model_whose_blocks_are_sharded_but_not_its_root_is_refused_naming_the
     assert message is not None and "fully_shard on the root module" in message
 
 
-def test_the_example_trains_under_a_real_cap_on_one_rank_as_the_unsplit_steps():
-    import os
-    import subprocess
-    import sys
-
-    from helpers import REPO
-
+def torchrun(*script: str) -> str:
+    """The stdout of a script of this repository run by torchrun on 2 CPU ranks (fails the test if it fails)."""
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-        + ["examples/fsdp2_accumulate.py"],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *script],
         capture_output=True,
         text=True,
         timeout=300,
         cwd=REPO,
         env=dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1"),
     )
-    out = result.stdout
-    assert result.returncode == 0, out + result.stderr
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+def test_the_example_trains_under_a_real_cap_on_one_rank_as_the_unsplit_steps():
+    out = torchrun("examples/fsdp2_accumulate.py")
     own = [line for line in out.splitlines() if line.startswith("[rank 1] ") and "ran out of memory" in line]
     assert own and "needed" in own[0], "rank 1 must run out of memory for real, under its cap"
     assert "[rank 0]" in out and "another rank ran out of memory" in out, "rank 0 must follow rank 1"
@@ -227,23 +228,7 @@ def test_the_example_trains_under_a_real_cap_on_one_rank_as_the_unsplit_steps():
 
 
 def test_the_benchmark_runs_quick_and_toma_issues_no_all_gather_per_micro_batch():
-    import os
-    import subprocess
-    import sys
-
-    from helpers import REPO
-
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-        + ["benchmarks/fsdp2_steps.py", "--quick"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
-        env=dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1"),
-    )
-    out = result.stdout
-    assert result.returncode == 0, out + result.stderr
+    out = torchrun("benchmarks/fsdp2_steps.py", "--quick")
     counted = dict(re.findall(r"^collectives per logical batch, (.+?): (\{.*\})$", out, re.M))
     hand, ours = (ast.literal_eval(counted[name]) for name in ("hand-written FSDP2 loop", "toma.accumulate"))
     units = 3  # 2 blocks and the root
