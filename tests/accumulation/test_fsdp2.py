@@ -56,7 +56,7 @@ def finish(result):
 AGAINST_UNSPLIT = (
     SETUP
     + """
-MODE = os.environ["TOMA_MODE"]
+MODE, SYNC = os.environ["TOMA_MODE"], os.environ["TOMA_SYNC"]
 mine = data(100 + rank)
 reference = make()
 optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
@@ -68,11 +68,23 @@ expected = [p.full_tensor() for p in reference.parameters()]
 
 model = make()
 optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-forwards, backwards = [], []
+forwards, backwards, scatters = [], [], []
+reduce_scatter = dist.reduce_scatter_tensor
+
+
+def counted(*args, **kwargs):
+    scatters.append(1)
+    return reduce_scatter(*args, **kwargs)
+
+
+dist.reduce_scatter_tensor = counted
 
 
 def middle_forward(module, args):
     forwards.append(args[0].shape[0])
+    if MODE == "held" and rank == 1 and any(p.grad is not None for p in module.parameters()):
+        # the gradients of the micro-batches before, held unsharded, leave no room for this one's forward pass
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
     if rank == 1 and len(forwards) == 2:  # the second micro-batch of the first logical batch
         if MODE == "forward":
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
@@ -90,53 +102,95 @@ model[2].register_forward_pre_hook(middle_forward)
 model[2].register_full_backward_hook(middle_backward)
 
 
-@toma.accumulate(model=model, initial_micro_batch=4)
+@toma.accumulate(model=model, initial_micro_batch=4, gradient_sync=SYNC)
 def compute_loss(x):
     return loss_of(model, x)
 
 
-sizes = []
+sizes, retries = [], []
 try:
     for x in mine:
         optimizer.zero_grad()
         compute_loss(x)
         optimizer.step()
         sizes.append(compute_loss.stats.micro_batch)
+        retries.append(compute_loss.stats.oom_retries)
 except Exception as error:
-    finish(dict(rank=rank, error=type(error).__name__, message=str(error)))
+    notes = " ".join(getattr(error, "__notes__", []))
+    finish(dict(rank=rank, error=type(error).__name__, message=f"{error} {notes}"))
 largest = max(float((p.full_tensor() - e).abs().max() / e.abs().max()) for p, e in zip(model.parameters(), expected))
-finish(dict(rank=rank, difference=largest, sizes=sizes, forwards=forwards, retries=compute_loss.stats.oom_retries))
+finish(
+    dict(
+        rank=rank,
+        difference=largest,
+        sizes=sizes,
+        forwards=forwards,
+        retries=compute_loss.stats.oom_retries,
+        retries_after=retries,
+        scatters=len(scatters),
+    )
+)
 """
 )
 
 
-def ranks(mode: str) -> list:
-    outputs = run_ranks(AGAINST_UNSPLIT.replace('os.environ["TOMA_MODE"]', repr(mode)), 2, timeout=180)
+SYNCS = ["logical_batch", "micro_batch"]
+UNITS = 4  # 3 blocks and the root
+
+
+def ranks(mode: str, sync: str = "auto") -> list:
+    script = AGAINST_UNSPLIT.replace('os.environ["TOMA_MODE"]', repr(mode)).replace(
+        'os.environ["TOMA_SYNC"]', repr(sync)
+    )
+    outputs = run_ranks(script, 2, timeout=180)
     return [json.loads(out.strip().splitlines()[-1]) for out in outputs]
 
 
-def test_micro_batches_give_the_unsplit_fsdp2_steps_parameters():
-    for result in ranks("none"):
+@pytest.mark.parametrize("sync", SYNCS)
+def test_micro_batches_give_the_unsplit_fsdp2_steps_parameters(sync):
+    for result in ranks("none", sync):
         assert result["difference"] < 1e-5, result
         assert result["sizes"] == [4, 4, 4] and result["retries"] == 0
         assert result["forwards"] == [4] * 9, "3 micro-batches of 4 rows per logical batch of 12"
+        # micro_batch: one reduce-scatter per unit after each micro-batch; logical_batch: none (one all-reduce)
+        assert result["scatters"] == (9 * UNITS if sync == "micro_batch" else 0), result
 
 
+@pytest.mark.parametrize("sync", SYNCS)
 @pytest.mark.parametrize("where", ["forward", "backward"])
-def test_an_oom_on_one_rank_in_the_middle_block_of_the_second_micro_batch_is_retried_by_every_rank(where):
-    results = ranks(where)
+def test_an_oom_on_one_rank_in_the_middle_block_of_the_second_micro_batch_is_retried_by_every_rank(where, sync):
+    results = ranks(where, sync)
     for result in results:
         assert result["difference"] < 1e-5, result
         assert result["retries"] == 1, "every rank redid the logical batch, the one that ran out and the other"
         assert result["sizes"][0] == 2, "at the same smaller size"
-    # rank 1 stopped in its second micro-batch; rank 0 ran the attempt to its end before the agreement
-    assert results[1]["forwards"][:3] == [4, 4, 2] and results[0]["forwards"][:4] == [4, 4, 4, 2]
+    # rank 1 stopped in its second micro-batch; rank 0 ran the attempt to its end before the agreement, or, with
+    # an agreement after every micro-batch, to the end of the second
+    assert results[1]["forwards"][:3] == [4, 4, 2]
+    assert results[0]["forwards"][:4] == ([4, 4, 2, 2] if sync == "micro_batch" else [4, 4, 4, 2])
 
 
-def test_an_error_that_is_not_out_of_memory_on_one_rank_stops_every_rank_with_a_named_error():
-    by_rank = {result["rank"]: result for result in ranks("error")}
+@pytest.mark.parametrize("sync", SYNCS)
+def test_an_error_that_is_not_out_of_memory_on_one_rank_stops_every_rank_with_a_named_error(sync):
+    by_rank = {result["rank"]: result for result in ranks("error", sync)}
     assert by_rank[1]["error"] == "ValueError" and "a bug on rank 1" in by_rank[1]["message"]
     assert by_rank[0]["error"] == "RankFailed" and "rank 1" in by_rank[0]["message"], by_rank[0]
+
+
+def test_auto_reduces_after_every_micro_batch_once_the_held_gradients_leave_no_room_for_one_row():
+    results = ranks("held", "auto")
+    for result in results:
+        assert result["difference"] < 1e-5, result
+        first, *later = result["retries_after"]
+        assert first >= 1 and later == [first, first], "retried in the first logical batch only: the switch stays"
+        assert result["sizes"][0] == 1, "it shrank to one row before it switched"
+        assert result["scatters"] > 0, "reduce-scattered after micro-batches"
+
+
+def test_held_gradients_that_leave_no_room_for_one_row_stop_every_rank_when_asked_to_hold_them():
+    by_rank = {result["rank"]: result for result in ranks("held", "logical_batch")}
+    assert by_rank[1]["error"] == "OutOfMemoryError" and "smallest" in by_rank[1]["message"], by_rank[1]
+    assert by_rank[0]["error"] == "RankFailed" and "rank 1 ran out of memory" in by_rank[0]["message"], by_rank[0]
 
 
 WEIGHTED = (
@@ -152,7 +206,7 @@ def rows(seed, count, longest):
     return x[:, :-1], labels
 
 
-batches = [rows(7, 12, 9), rows(8, 12, 4)]
+batches = [rows(7, 12, 9), rows(8, 7, 4)]  # 3 micro-batches of rank 0's against 2 of rank 1's
 everything = [torch.cat(parts) for parts in zip(*batches)]
 single = make(shard=False)
 F.cross_entropy(single(everything[0]).flatten(0, 1), everything[1].flatten(), ignore_index=-100).backward()
@@ -161,7 +215,9 @@ expected = [p.grad for p in single.parameters()]
 model = make()
 
 
-@toma.accumulate(model=model, initial_micro_batch=5, weight=lambda x, labels: (labels != -100).sum())
+@toma.accumulate(
+    model=model, initial_micro_batch=5, weight=lambda x, labels: (labels != -100).sum(), gradient_sync=SYNC
+)
 def compute_loss(x, labels):
     return F.cross_entropy(model(x).flatten(0, 1), labels.flatten(), ignore_index=-100)
 
@@ -174,8 +230,10 @@ finish(dict(rank=rank, difference=largest, tokens=int((batches[rank][1] != -100)
 )
 
 
-def test_weight_gives_the_token_mean_over_every_ranks_rows():
-    results = [json.loads(out.strip().splitlines()[-1]) for out in run_ranks(WEIGHTED, 2, timeout=180)]
+@pytest.mark.parametrize("sync", SYNCS)
+def test_weight_gives_the_token_mean_over_every_ranks_rows(sync):
+    script = WEIGHTED.replace("gradient_sync=SYNC", f"gradient_sync={sync!r}")
+    results = [json.loads(out.strip().splitlines()[-1]) for out in run_ranks(script, 2, timeout=180)]
     assert results[0]["tokens"] != results[1]["tokens"]
     for result in results:
         assert result["difference"] < 1e-5, result

@@ -14,7 +14,15 @@ from toma.accumulation.sync import GradientSync, LocalSync, model_device, sync_f
 def test_every_strategy_is_a_gradient_sync_and_only_the_interface_is_abstract():
     strategies = [c for _, c in inspect.getmembers(sync, inspect.isclass) if issubclass(c, GradientSync)]
     names = {c.__name__ for c in strategies}
-    assert names == {"GradientSync", "LocalSync", "DDPNoSync", "AgreeingDDP", "AgreeingFSDP2", "AgreeingOnly"}
+    assert names == {
+        "GradientSync",
+        "LocalSync",
+        "DDPNoSync",
+        "AgreeingDDP",
+        "AgreeingFSDP2",
+        "ReducingFSDP2",
+        "AgreeingOnly",
+    }
     assert [c.__name__ for c in strategies if inspect.isabstract(c)] == ["GradientSync"]
     with pytest.raises(TypeError):
         GradientSync()  # type: ignore[abstract]

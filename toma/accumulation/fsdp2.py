@@ -8,7 +8,7 @@ backward pass that raised half-way leaves behind (a unit's training state, the r
 Those private parts are used here and nowhere else, checked when a model is first seen: a torch release that
 moved them gets an error naming this module and the releases it was written against, not a hang."""
 
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -52,7 +52,7 @@ class ShardedUnits:
     unsharded gradients averaged over the shard group and split into each rank's shard (`reduce`), and put back
     as they were (`release`; `reset` after an attempt that raised)."""
 
-    __slots__ = ("units", "params", "groups", "process_group", "_settings")
+    __slots__ = ("units", "params", "groups", "process_group", "rank", "world", "sums", "_settings")
 
     def __init__(self, root: torch.nn.Module) -> None:
         self.units: List[FSDPModule] = [m for m in root.modules() if isinstance(m, FSDPModule)]
@@ -62,7 +62,7 @@ class ShardedUnits:
             for name in ("unsharded_param", "to_sharded_dtensor"):
                 if not hasattr(type(param), name):
                     raise _changed(f"FSDPParam.{name}")
-            for name in ("sharded_param", "mesh_info"):
+            for name in ("sharded_param", "sharded_size", "mesh_info"):
                 if not hasattr(param, name):
                     raise _changed(f"FSDPParam.{name}")
         if not self.params:
@@ -77,6 +77,8 @@ class ShardedUnits:
         if len(groups) > 1:
             raise NotImplementedError("toma.accumulate: FSDP2 units sharded over different ranks are not supported")
         self.process_group = self.params[0].mesh_info.shard_process_group
+        self.rank, self.world = dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
+        self.sums: Optional[List[torch.Tensor]] = None  # this attempt's reduced shards, when reduced per micro-batch
         self._settings: Optional[List[Tuple[Any, Any, Any]]] = None
 
     def hold(self) -> None:
@@ -94,16 +96,72 @@ class ShardedUnits:
         multiplied by `scale` first), each rank's dim-0 shard its sharded parameter's gradient."""
         unsharded = [param.unsharded_param for param in self.params]
         all_reduce_gradients(unsharded, self.process_group, scale=scale)
-        rank, world = dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
         for param, full in zip(self.params, unsharded):
             assert full.grad is not None
-            pieces = torch.chunk(full.grad, world, dim=0)
-            local = pieces[rank] if rank < len(pieces) else full.grad[:0]
+            pieces = torch.chunk(full.grad, self.world, dim=0)
+            local = pieces[self.rank] if self.rank < len(pieces) else full.grad[:0]
             param.sharded_param.grad = param.to_sharded_dtensor(local.contiguous())
+        self.release()
+
+    def scatter_buffers(self) -> Dict[torch.dtype, Tuple[torch.Tensor, torch.Tensor]]:
+        """What `reduce_scatter` needs, allocated before the ranks agree to run it (a rank that runs out of memory
+        here tells the others in the agreement, instead of leaving them in a reduce-scatter): per gradient dtype,
+        an input of the largest unit's padded unsharded gradients and an output of its shard; the attempt's
+        sums of shards (zeros) on the first call."""
+        if self.sums is None:
+            self.sums = [
+                torch.zeros(p.sharded_size, dtype=p.sharded_param.dtype, device=p.sharded_param.device)
+                for p in self.params
+            ]
+        largest: Dict[Tuple[torch.dtype, torch.device], int] = {}
+        for group in self.groups:
+            param = group.fsdp_params[0].unsharded_param
+            key = (param.dtype, param.device)
+            largest[key] = max(largest.get(key, 0), sum(_padded_rows(p, self.world)[1] for p in group.fsdp_params))
+        return {
+            dtype: (torch.empty(self.world * n, dtype=dtype, device=device), torch.empty(n, dtype=dtype, device=device))
+            for (dtype, device), n in largest.items()
+        }
+
+    def reduce_scatter(self, scale: float, buffers: Dict[torch.dtype, Tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """After a micro-batch every rank finished: each unit's unsharded gradients (a parameter without one
+        counts as zeros) reduce-scattered over the ranks, averaged, this rank's shard added to its sum, and the
+        unsharded gradients dropped (the memory this way of reducing saves for the next micro-batch)."""
+        assert self.sums is not None
+        sums = iter(self.sums)
+        for group in self.groups:
+            params = group.fsdp_params
+            dtype = params[0].unsharded_param.dtype
+            flat_in, flat_out = buffers[dtype]
+            shapes = [_padded_rows(p, self.world) for p in params]
+            total = sum(n for _, n in shapes)
+            matrix = flat_in[: self.world * total].view(self.world, total)
+            offset = 0
+            for param, (rows, n) in zip(params, shapes):
+                _copy_padded(param.unsharded_param.grad, matrix[:, offset : offset + n], rows)
+                offset += n
+            if scale != 1.0:
+                matrix.mul_(scale)
+            out = flat_out[:total]
+            dist.reduce_scatter_tensor(out, matrix.reshape(-1), group=self.process_group)
+            out.div_(self.world)
+            offset = 0
+            for param, (rows, n) in zip(params, shapes):
+                total_sum = next(sums)
+                total_sum.add_(out[offset : offset + total_sum.numel()].view_as(total_sum))
+                offset += n
+                param.unsharded_param.grad = None
+
+    def keep_sums(self) -> None:
+        """After an attempt reduced per micro-batch: the sums of shards the sharded parameters' gradients."""
+        assert self.sums is not None
+        for param, total_sum in zip(self.params, self.sums):
+            param.sharded_param.grad = param.to_sharded_dtensor(total_sum)
         self.release()
 
     def release(self) -> None:
         """The units as they were before `hold`: unsharded gradients dropped, settings back, resharded."""
+        self.sums = None
         for param in self.params:
             if hasattr(param, "_unsharded_param"):  # made by the first unshard
                 param.unsharded_param.grad = None
@@ -129,3 +187,31 @@ class ShardedUnits:
             for group in _groups(unit):
                 group._training_state = type(group._training_state).IDLE
         self.release()
+
+
+def _padded_rows(param: Any, world: int) -> Tuple[int, int]:
+    """A sharded parameter's rows per rank (dim 0 split into `world` chunks, the last ones padded, as FSDP2
+    pads them) and the elements of one rank's padded chunk."""
+    shape = param.unsharded_param.shape
+    rows = -(-shape[0] // world) if len(shape) else 1
+    per_row = 1
+    for length in shape[1:]:
+        per_row *= length
+    return rows, rows * per_row
+
+
+def _copy_padded(grad: Optional[torch.Tensor], into: torch.Tensor, rows: int) -> None:
+    """`grad` (None: zeros) into `into` (world x padded chunk): rank r's chunk of dim 0 into its row, zeros
+    where dim 0 ran out."""
+    if grad is None:
+        into.zero_()
+        return
+    world = into.shape[0]
+    flat = grad.reshape(grad.shape[0], -1) if grad.dim() else grad.reshape(1, 1)
+    if flat.shape[0] == rows * world:
+        into.copy_(flat.reshape(world, -1))
+        return
+    for r in range(world):
+        piece = flat[r * rows : (r + 1) * rows].reshape(-1)
+        into[r, : piece.numel()].copy_(piece)
+        into[r, piece.numel() :].zero_()

@@ -8,7 +8,7 @@ import torch
 
 from toma.accumulation.fsdp2 import is_fsdp2
 from toma.accumulation.plan import NothingCounted, nothing_counted
-from toma.accumulation.sync import GradientSync
+from toma.accumulation.sync import GRADIENT_SYNCS, GradientSync
 from toma.batching.tokens import Lengths, check_lengths
 from toma.core.arguments import check_size
 
@@ -16,6 +16,7 @@ __all__ = [
     "AccumulationOptions",
     "NothingCounted",
     "REDUCTIONS",
+    "check_gradient_sync",
     "check_model",
     "check_reduction",
     "check_scaler",
@@ -38,6 +39,21 @@ def check_model(model: Any, name: str) -> torch.nn.Module:
             "on the root module too (as FSDP2 expects) and pass that"
         )
     return model
+
+
+def check_gradient_sync(gradient_sync: Any, name: str, model: torch.nn.Module) -> str:
+    """`gradient_sync=`: when an FSDP2 model's gradients are reduce-scattered (see `toma.accumulation.sync`)."""
+    if gradient_sync not in GRADIENT_SYNCS:
+        raise ValueError(
+            f"{name} must be 'auto', 'logical_batch' (reduce once per logical batch, holding the unsharded "
+            f"gradients) or 'micro_batch' (reduce-scatter after every micro-batch), got {gradient_sync!r}"
+        )
+    if gradient_sync == "micro_batch" and not is_fsdp2(model):
+        raise ValueError(
+            f"{name}='micro_batch' reduce-scatters an FSDP2 model's gradients after every micro-batch; this model "
+            "is not an FSDP2 module (fully_shard): leave it out"
+        )
+    return str(gradient_sync)
 
 
 def check_reduction(reduction: Any, name: str) -> str:
@@ -78,7 +94,8 @@ class AccumulationOptions:
     accelerator's backward, which scales for mixed precision); `sync`, how the gradients meet other ranks' (None:
     the one `model` calls for, `toma.accumulation.sync.sync_for`); `name`, what log lines call the function.
     `lengths` (each row's length: a mask's name or a function) makes the size a token budget
-    (`toma.batching.tokens`), starting at `initial_tokens` where given."""
+    (`toma.batching.tokens`), starting at `initial_tokens` where given. `gradient_sync`: when an FSDP2 model's
+    gradients are reduce-scattered ("auto", "logical_batch", "micro_batch": `toma.accumulation.sync`)."""
 
     model: torch.nn.Module
     reduction: str = "mean"
@@ -89,12 +106,15 @@ class AccumulationOptions:
     name: Optional[str] = None
     lengths: Optional[Lengths] = None
     initial_tokens: Optional[int] = None
+    gradient_sync: str = "auto"
 
     def as_kwargs(self) -> Dict[str, Any]:
         """The options as `toma.accumulate`'s keywords."""
         kwargs = dict(model=self.model, reduction=self.reduction, weight=self.weight, scaler=self.scaler)
         if self.lengths is not None:
             kwargs.update(lengths=self.lengths, initial_tokens=self.initial_tokens)
+        if self.gradient_sync != "auto":
+            kwargs.update(gradient_sync=self.gradient_sync)
         return kwargs
 
     @classmethod
@@ -107,6 +127,7 @@ class AccumulationOptions:
         prefix: str = "",
         lengths: Any = None,
         initial_tokens: Any = None,
+        gradient_sync: Any = "auto",
     ) -> "AccumulationOptions":
         """The options, each checked with an error naming the argument (`prefix` + its name)."""
         checked_model = check_model(model, "model")
@@ -119,4 +140,13 @@ class AccumulationOptions:
             tokens = check_size(initial_tokens, f"{prefix}initial_tokens")
             if checked_lengths is None:
                 raise ValueError(f"{prefix}initial_tokens is a token budget: it needs {prefix}lengths= as well")
-        return cls(checked_model, reduction, checked_weight, scaler, lengths=checked_lengths, initial_tokens=tokens)
+        sync = check_gradient_sync(gradient_sync, f"{prefix}gradient_sync", checked_model)
+        return cls(
+            checked_model,
+            reduction,
+            checked_weight,
+            scaler,
+            lengths=checked_lengths,
+            initial_tokens=tokens,
+            gradient_sync=sync,
+        )

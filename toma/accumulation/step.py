@@ -34,7 +34,8 @@ from toma.batching.micro_batch_cost import MicroBatchCost
 from toma.batching.splitting import LogicalBatch, MicroBatch
 from toma.batching.tokens import TokenBatch, token_batches
 from toma.batching.transfer import MicroBatchTransfers, shared_transfers
-from toma.core.oom import should_reduce_batch_size
+from toma.core.agreement import AgreedRetry
+from toma.core.oom import ControlException, should_reduce_batch_size
 from toma.core.steps import TOKEN_BUDGET, Step
 from toma.sizing.policies import SizePolicy
 
@@ -97,7 +98,7 @@ class AccumulateStep(Step):
     ) -> None:
         self.func, self.batch, self.options, self.policy, self.name = func, batch, options, policy, options.name
         self.model = model = options.model
-        self.sync = sync = sync_for(model) if options.sync is None else options.sync
+        self.sync = sync = sync_for(model, options.gradient_sync) if options.sync is None else options.sync
         self.weighting = Weighting(options.reduction == "mean", options.weight, total, sync.agreement is not None)
         # with a `total` that spans the ranks already, their gradients are averaged as DDP does
         self.rank_weighted = options.weight is not None and total is None
@@ -164,9 +165,11 @@ class AccumulateStep(Step):
         self.rollbacks.begin()
         try:
             result = self._agreed(asked, size)
-        except BaseException:
+        except BaseException as error:
             self.rollbacks.undo()
             self.sync.reset()
+            if isinstance(error, AgreedRetry) and error.lighter:
+                self.sync = self.sync.lightened()
             raise
         self.rollbacks.keep()
         self.result = result
@@ -177,25 +180,29 @@ class AccumulateStep(Step):
         the ones it started with are set aside)."""
         agreement = self.sync.agreement
         try:
-            result = self._attempt(size)
+            result = self._attempt(asked, size)
+        except ControlException:  # the ranks agreed already, within the attempt
+            raise
         except Exception as error:
             if agreement is not None:  # tell the other ranks: the retry restores all
-                agreement.after_attempt(asked, error, self.policy, size)
+                agreement.after_attempt(asked, error, self.policy, size, lighter=self.sync.lighter)
             raise
         if agreement is not None:
             agreement.after_attempt(asked, None, self.policy)
         self.sync.reduce(self.params, self.total_weight if self.rank_weighted else None)
         return result
 
-    def _attempt(self, size: int) -> torch.Tensor:
-        """Forward and backward of every micro-batch of the plan at `size`; the logical batch's loss, detached."""
+    def _attempt(self, asked: int, size: int) -> torch.Tensor:
+        """Forward and backward of every micro-batch of the plan at `size` (`asked`, what the ranks agreed on);
+        the logical batch's loss, detached."""
         plan = MicroBatchPlan(self.batch, size, self.weighting, self.tokens)
         self.total_weight = plan.weight
         if len(plan.micro_batches) > 1:
             warn_once_about_batchnorm(self.model)
         backward = backward_pass(self.options.backward, self.options.scaler)
         func, sync, watch = self.func, self.sync, self.watch
-        sync.begin()
+        sync.begin(asked, len(plan.running), self.total_weight if self.rank_weighted else None)
+        each = sync.each_micro_batch
         last = plan.running[-1][0] if plan.running else -1
         total: Optional[torch.Tensor] = None
         timer = self.tokens[0].cost.timer(self.device) if self.tokens else None
@@ -222,8 +229,12 @@ class AccumulateStep(Step):
                     backward(loss)
                 if index != last:
                     watch.backward_done()
+                if each:
+                    sync.micro_batch_done()
                 loss = loss.detach()
                 total = loss if total is None else total + loss
+        if each:
+            sync.finish()
         self.failing_rows = None
         if timer is not None:
             timer.end()

@@ -5,6 +5,8 @@ through the ranks' agreement and one all-reduce at the end (AgreeingDDP), the sa
 (AgreeingOnly); `sync_for` picks one for a model."""
 
 import contextlib
+import logging
+import weakref
 from abc import ABC, abstractmethod
 from typing import ContextManager, Iterable, Optional, Sequence
 
@@ -21,12 +23,15 @@ __all__ = [
     "DDPNoSync",
     "AgreeingDDP",
     "AgreeingFSDP2",
+    "ReducingFSDP2",
+    "GRADIENT_SYNCS",
     "AgreeingOnly",
     "model_device",
     "sync_for",
 ]
 
 _NOTHING: ContextManager[None] = contextlib.nullcontext()
+_log = logging.getLogger("toma")
 
 
 class GradientSync(ABC):
@@ -62,9 +67,23 @@ class GradientSync(ABC):
     copy_grads = False
     watch_grads = True
     layout = ""  # how the model is spread over the ranks, where that changes which sizes fit (the size file's key)
+    lighter = False  # whether `lightened` has a strategy that needs less memory at the same micro-batch size
+    each_micro_batch = False  # whether `micro_batch_done` and `finish` do anything
 
-    def begin(self) -> None:
-        """Before an attempt's first micro-batch (nothing, for most strategies)."""
+    def begin(self, size: int, micro_batches: int, weight: Optional[float]) -> None:
+        """Before the first micro-batch of an attempt at `size` that runs `micro_batches` of them (nothing, for
+        most strategies). `weight`, as for `reduce`."""
+
+    def micro_batch_done(self) -> None:
+        """After each micro-batch's backward pass, where `each_micro_batch`."""
+
+    def finish(self) -> None:
+        """After the attempt's last micro-batch, before the ranks' agreement, where `each_micro_batch`."""
+
+    def lightened(self) -> "GradientSync":
+        """The strategy to retry with, on every rank, after an out-of-memory error at the smallest size, where
+        `lighter`."""
+        raise NotImplementedError(f"{type(self).__name__} has no lighter strategy")
 
     @abstractmethod
     def scope(self, last: bool) -> ContextManager[object]:
@@ -157,21 +176,37 @@ class AgreeingFSDP2(GradientSync):
     rank waiting in a collective. After the ranks agree that all finished, the unsharded gradients are averaged
     (weighted as `AgreeingDDP` weighs them) and each rank keeps its shard, as FSDP2's reduce-scatter leaves it;
     then the units are resharded. The price: each rank holds the unsharded parameters and gradients for the
-    logical batch, as FSDP2 itself does when accumulating without `reshard_after_backward`."""
+    logical batch, as FSDP2 itself does when accumulating without `reshard_after_backward`.
 
-    __slots__ = ("units", "agreement")
+    `lighter` (gradient_sync="auto"): when even the smallest micro-batch runs out of memory with the gradients
+    held, every rank switches to `ReducingFSDP2` and retries, for this call and the model's later ones."""
+
+    __slots__ = ("model", "units", "agreement", "mode")
     watch_grads = False  # the sharded parameters' gradients change only in `reduce`
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.units = ShardedUnits(model)
-        self.agreement: Agreement = Agreement(self.units.process_group, model_device(model.parameters()))
+    def __init__(self, model: torch.nn.Module, units: ShardedUnits, agreement: Agreement, mode: str) -> None:
+        self.model, self.units, self.mode = model, units, mode
+        self.agreement: Agreement = agreement
 
     @property
     def layout(self) -> str:  # type: ignore[override]
         return f"FSDP2: {len(self.units.units)} units sharded over {self.agreement.world_size} ranks"
 
-    def begin(self) -> None:
+    @property
+    def lighter(self) -> bool:  # type: ignore[override]
+        return self.mode == "auto"
+
+    def lightened(self) -> GradientSync:
+        _LIGHTENED.add(self.model)
+        _log.info(
+            "toma: the FSDP2 model's unsharded gradients did not fit beside one micro-batch; from now on they are "
+            "reduce-scattered after every micro-batch"
+        )
+        return ReducingFSDP2(self.model, self.units, self.agreement, self.mode)
+
+    def begin(self, size: int, micro_batches: int, weight: Optional[float]) -> None:
         self.units.hold()
+        self.agreement.before_attempt(size)
 
     def scope(self, last: bool) -> ContextManager[object]:
         return _NOTHING
@@ -181,6 +216,45 @@ class AgreeingFSDP2(GradientSync):
 
     def reset(self) -> None:
         self.units.reset()
+
+
+class ReducingFSDP2(AgreeingFSDP2):
+    """FSDP2 with the gradients reduce-scattered after every micro-batch (gradient_sync="micro_batch", or "auto"
+    once the held ones did not fit): a micro-batch's forward pass no longer shares memory with the gradients of
+    the ones before, for one reduce-scatter per micro-batch.
+
+    The passes stay free of collectives; after each micro-batch the ranks agree that all finished it (a rank
+    that ran out of memory in it answers with its `after_attempt`) and only then reduce-scatter. Everything the
+    reduce-scatter needs is allocated before that agreement. Ranks with fewer micro-batches join the remaining
+    rounds with zeros, so every rank runs as many collectives."""
+
+    __slots__ = ("_size", "_rounds", "_done", "_weight", "_scale")
+    each_micro_batch = True
+
+    @property
+    def lighter(self) -> bool:  # type: ignore[override]
+        return False
+
+    def begin(self, size: int, micro_batches: int, weight: Optional[float]) -> None:
+        self.units.hold()
+        self._size, self._done, self._weight = size, 0, weight
+        self._scale: Optional[float] = None
+        self._rounds = self.agreement.before_attempt(size, micro_batches)
+
+    def micro_batch_done(self) -> None:
+        buffers = self.units.scatter_buffers()
+        self.agreement.all_finished(self._size)
+        if self._scale is None:
+            self._scale = _rank_scale(self.agreement, self._weight)
+        self.units.reduce_scatter(self._scale, buffers)
+        self._done += 1
+
+    def finish(self) -> None:
+        while self._done < self._rounds:
+            self.micro_batch_done()
+
+    def reduce(self, params: Sequence[torch.Tensor], weight: Optional[float]) -> None:
+        self.units.keep_sums()
 
 
 def _rank_scale(agreement: Agreement, weight: Optional[float]) -> float:
@@ -227,11 +301,25 @@ def _ddp_device(model: DistributedDataParallel) -> Optional[torch.device]:
     return model_device(model.module.parameters())
 
 
-def sync_for(model: torch.nn.Module) -> GradientSync:
+GRADIENT_SYNCS = ("auto", "logical_batch", "micro_batch")  # gradient_sync=, for FSDP2 models
+
+# FSDP2 models whose "auto" gradient sync switched to reducing after every micro-batch: for their later calls too
+_LIGHTENED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
+def _fsdp2_sync(model: torch.nn.Module, mode: str) -> AgreeingFSDP2:
+    units = ShardedUnits(model)
+    agreement = Agreement(units.process_group, model_device(model.parameters()))
+    reducing = mode == "micro_batch" or (mode == "auto" and model in _LIGHTENED)
+    return (ReducingFSDP2 if reducing else AgreeingFSDP2)(model, units, agreement, mode)
+
+
+def sync_for(model: torch.nn.Module, gradient_sync: str = "auto") -> GradientSync:
     """The strategy `model` calls for: DDP's on a DistributedDataParallel (agreeing when several ranks run),
-    FSDP2's on a module `fully_shard` made, else the local one."""
+    FSDP2's on a module `fully_shard` made (`gradient_sync`: once per logical batch, after every micro-batch, or
+    "auto"), else the local one."""
     if is_fsdp2(model):  # a model sharded in part only is refused where it enters (`check_model`)
-        return AgreeingFSDP2(model)
+        return _fsdp2_sync(model, gradient_sync)
     if not isinstance(model, DistributedDataParallel):
         return _LOCAL
     return AgreeingDDP(model) if is_distributed(model.process_group) else DDPNoSync(model)

@@ -37,6 +37,8 @@ __all__ = [
 ]
 
 FINISHED = 2**62  # larger than any size: the MIN over ranks is FINISHED only when every rank finished
+_COUNTS = 2**40  # FINISHED - n, for a count n below this, also means every rank finished (`before_attempt`)
+LIGHTER = 0  # below every size, above every stop: all retry at the same size in the lighter way
 
 
 class RankFailed(ControlException):
@@ -46,11 +48,12 @@ class RankFailed(ControlException):
 
 
 class AgreedRetry(ControlException):
-    """Raised on every rank when the ranks agreed to redo the attempt at `size` (some rank ran out of memory)."""
+    """Raised on every rank when the ranks agreed to redo the attempt at `size` (some rank ran out of memory);
+    `lighter`: at the same size, in the way that needs less memory (see `Agreement.after_attempt`)."""
 
-    def __init__(self, size: int, reason: str) -> None:
+    def __init__(self, size: int, reason: str, lighter: bool = False) -> None:
         super().__init__(f"the ranks agreed to retry at {size}: {reason}")
-        self.size, self.reason = size, reason
+        self.size, self.reason, self.lighter = size, reason, lighter
 
 
 def is_distributed(group: Any = None) -> bool:
@@ -111,12 +114,19 @@ class Agreement:
         return self._min(size)
 
     def after_attempt(
-        self, size: int, error: Optional[BaseException], policy: SizePolicy, failed: Optional[int] = None
+        self,
+        size: int,
+        error: Optional[BaseException],
+        policy: SizePolicy,
+        failed: Optional[int] = None,
+        lighter: bool = False,
     ) -> None:
         """Called on every rank after every attempt at `size`, inside the `except` block that caught `error`
         (None when the attempt finished; `failed`: the work that ran out of memory, when less than `size`).
         Returns when all finished, or when this rank's own `error` is the one to re-raise; raises AgreedRetry
-        when all must redo the attempt, RankFailed when another rank failed."""
+        when all must redo the attempt, RankFailed when another rank failed. `lighter`: the step has a way to
+        need less memory at the same size; an out-of-memory error at the smallest size then makes every rank
+        retry at `size` that way (`AgreedRetry.lighter`) instead of stopping."""
         oom = error is not None and should_reduce_batch_size(error)
         if error is None:
             proposal = FINISHED
@@ -127,14 +137,38 @@ class Agreement:
                 smaller = shrink_below(policy, size, failed) if propose is None else propose(size, failed, error)
             except ValueError:
                 smaller = None
-            valid = smaller is not None
-            # Out of memory at the smallest size: every rank stops (the most negative codes win the MIN).
-            proposal = smaller if valid else -(1 + self.world_size + self.rank)  # type: ignore[assignment]
+            if smaller is not None:
+                proposal = smaller
+            elif lighter:
+                proposal = LIGHTER
+            else:  # out of memory at the smallest size: every rank stops (the most negative codes win the MIN)
+                proposal = -(1 + self.world_size + self.rank)
         else:
             proposal = -(1 + self.rank)
-        agreed = self._min(proposal)
-        if agreed == FINISHED:
+        self._decide(self._min(proposal), proposal, size, oom, error)
+
+    def before_attempt(self, size: int, count: int = 0) -> int:
+        """For an attempt with collectives of its own, before the first: every rank reached it (one that failed
+        earlier in its attempt reports through `after_attempt`, which this matches: then AgreedRetry or
+        RankFailed, as there). Returns the largest `count` (>= 0) any rank gave, such as its micro-batches."""
+        agreed = self._min(FINISHED - count)
+        if agreed > FINISHED - _COUNTS:
+            return FINISHED - agreed
+        self._decide(agreed, FINISHED, size, False, None)
+        return 0  # not reached: _decide raises for another rank's outcome
+
+    def all_finished(self, size: int) -> None:
+        """Within an attempt, where every rank gets to the same point (a micro-batch's end): returns when all got
+        there; a rank whose attempt failed before reports through `after_attempt`, which this matches."""
+        self._decide(self._min(FINISHED), FINISHED, size, False, None)
+
+    def _decide(self, agreed: int, proposal: int, size: int, oom: bool, error: Optional[BaseException]) -> None:
+        """What the ranks' MIN of their proposals means for this rank."""
+        if agreed >= FINISHED - _COUNTS:
             return
+        if agreed == LIGHTER:
+            reason = "out of memory at the smallest size; all retry at it in the way that needs less memory"
+            raise AgreedRetry(size, reason, lighter=True) from error
         if agreed > 0:
             reason = f"rank {self.rank} ran out of memory" if oom else "another rank ran out of memory"
             raise AgreedRetry(agreed, reason) from error

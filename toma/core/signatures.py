@@ -101,6 +101,7 @@ class AccumulateOptions(_CachedOptions, total=False):
     scaler: Any
     lengths: Any
     initial_tokens: Optional[int]
+    gradient_sync: str
 
 
 class _Wrapper(Protocol):

@@ -281,6 +281,7 @@ class toma(metaclass=SettingsNamespace):
         policy: Optional[SizePolicy] = None,
         lengths: Any = None,
         initial_tokens: Optional[int] = None,
+        gradient_sync: str = "auto",
     ) -> Any:
         """`@toma.accumulate(model=model, initial_micro_batch=256)` on a function returning a micro-batch's
         loss: each call runs forward and backward over the logical batch in micro-batches that fit.
@@ -288,9 +289,17 @@ class toma(metaclass=SettingsNamespace):
         tokens, say) when that is not its rows. `lengths=` (a 0/1 mask's name, such as "attention_mask", or a
         function of the arguments giving each row's length) sorts the rows by length and packs them under a
         token budget, each micro-batch trimmed to its longest row; the budget starts at `initial_tokens`, or at
-        `initial_micro_batch` rows of the batch's longest."""
+        `initial_micro_batch` rows of the batch's longest. `gradient_sync=` (FSDP2 models): "logical_batch" holds
+        the unsharded gradients and reduce-scatters once per logical batch, "micro_batch" after every micro-batch
+        (less memory, more communication), "auto" the first until even one row does not fit beside them."""
         accumulation = AccumulationOptions.checked(
-            model, reduction, weight, scaler, lengths=lengths, initial_tokens=initial_tokens
+            model,
+            reduction,
+            weight,
+            scaler,
+            lengths=lengths,
+            initial_tokens=initial_tokens,
+            gradient_sync=gradient_sync,
         )
         default = _ACCUMULATE.default(initial_micro_batch)
         if accumulation.initial_tokens is not None:

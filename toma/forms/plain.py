@@ -129,6 +129,7 @@ class explicit:
         toma_cache_type: CacheType = None,
         toma_policy: Optional[SizePolicy] = None,
         toma_lengths: Any = None,
+        toma_gradient_sync: str = "auto",
         **kwargs: Any,
     ) -> torch.Tensor:
         """Forward and backward `func(*args, **kwargs)` over the logical batch in micro-batches that fit,
@@ -136,7 +137,13 @@ class explicit:
         `toma.accumulate`'s `lengths=`, starting from `initial_micro_batch` rows of the batch's longest."""
         check_function(func, "explicit.accumulate")
         accumulation = AccumulationOptions.checked(
-            model, toma_reduction, toma_weight, toma_scaler, prefix="toma_", lengths=toma_lengths
+            model,
+            toma_reduction,
+            toma_weight,
+            toma_scaler,
+            prefix="toma_",
+            lengths=toma_lengths,
+            gradient_sync=toma_gradient_sync,
         )
         initial = check_size(initial_micro_batch, "initial_micro_batch")
         options = calls(toma_cache_type, toma_context, toma_policy, False, "toma_", ACCUMULATION)

@@ -68,6 +68,7 @@ class Trainer:
     number of items a batch's mean loss averages over when that is not its rows (label tokens, say).
     `lengths=` (a 0/1 mask's name in a dict batch, or a function of a batch giving each row's length) packs the
     rows by tokens, as `toma.accumulate(lengths=)` does: the micro-batch size is then a token budget.
+    `gradient_sync=`: as `toma.accumulate`'s, for an FSDP2 model.
     """
 
     def __init__(
@@ -90,8 +91,11 @@ class Trainer:
         file: Optional[TextIO] = None,
         policy: Optional[SizePolicy] = None,
         lengths: Any = None,
+        gradient_sync: str = "auto",
     ) -> None:
-        self.accumulation = AccumulationOptions.checked(model, reduction, weight, scaler, lengths=lengths)
+        self.accumulation = AccumulationOptions.checked(
+            model, reduction, weight, scaler, lengths=lengths, gradient_sync=gradient_sync
+        )
         self.model = self.accumulation.model
         given = check_policy(policy, "policy")
         check_functions(optimizer, loss_fn, forward, targets)
