@@ -8,8 +8,14 @@ logical batch of 64 sequences of 32 tokens in micro-batches of 16, SGD. The hand
 FSDP2 all-gathers each block in every forward and backward pass. `toma.accumulate(model=..., initial_micro_batch=16)`
 unshards every block once per logical batch, runs the micro-batches without collectives, agrees with the other
 rank, then averages the gradients once (an all-reduce: gloo has no reduce-scatter of its own) and keeps its shard.
-The two alternate, a logical batch each, for `--rounds` rounds of 8 logical batches; rank 0 prints the median
-time per logical batch of each and their ratio, and the collectives each issues per logical batch, by kind.
+`toma.accumulate(..., gradient_sync="micro_batch")` instead reduce-scatters after every micro-batch, after the
+ranks agreed that all finished it: less memory held (the unsharded gradients do not stay beside the next
+micro-batch's forward pass), more communication; its hand-written counterpart is FSDP2's default loop, which
+reduce-scatters in every backward pass. The four alternate, a logical batch each, for `--rounds` rounds
+of 8 logical batches; rank 0 prints the median time per logical batch of each and its ratio to the hand-written
+loop, the collectives each issues per logical batch, by kind, and the unsharded gradients each toma mode holds
+when a micro-batch's forward pass starts (the memory "micro_batch" frees for activations; on a GPU
+`benchmarks/gpu_check.py` measures the peak itself).
 """
 
 import argparse
@@ -76,9 +82,11 @@ def main() -> None:
     generator = torch.Generator().manual_seed(1 + rank)
     batches = [torch.randint(0, VOCAB, (LOGICAL, LENGTH), generator=generator) for _ in range(per_round)]
 
-    hand_model, toma_model = make(blocks), make(blocks)
+    hand_model, toma_model, reducing_model, every_model = make(blocks), make(blocks), make(blocks), make(blocks)
     hand_optimizer = torch.optim.SGD(hand_model.parameters(), lr=1e-3)
+    every_optimizer = torch.optim.SGD(every_model.parameters(), lr=1e-3)
     toma_optimizer = torch.optim.SGD(toma_model.parameters(), lr=1e-3)
+    reducing_optimizer = torch.optim.SGD(reducing_model.parameters(), lr=1e-3)
 
     def hand(x: torch.Tensor) -> None:
         hand_optimizer.zero_grad()
@@ -86,6 +94,12 @@ def main() -> None:
             hand_model.set_requires_gradient_sync(start + MICRO >= LOGICAL)
             (loss_of(hand_model, x[start : start + MICRO]) * (MICRO / LOGICAL)).backward()
         hand_optimizer.step()
+
+    def hand_every(x: torch.Tensor) -> None:  # FSDP2's default: a reduce-scatter in every backward pass
+        every_optimizer.zero_grad()
+        for start in range(0, LOGICAL, MICRO):
+            (loss_of(every_model, x[start : start + MICRO]) * (MICRO / LOGICAL)).backward()
+        every_optimizer.step()
 
     compute_loss = toma.accumulate(model=toma_model, initial_micro_batch=MICRO, cache_type=NoBatchsizeCache)(
         lambda x: loss_of(toma_model, x)
@@ -96,9 +110,34 @@ def main() -> None:
         compute_loss(x)
         toma_optimizer.step()
 
-    methods: Dict[str, Callable[[torch.Tensor], None]] = {"hand-written FSDP2 loop": hand, "toma.accumulate": by_toma}
+    reducing_loss = toma.accumulate(
+        model=reducing_model, initial_micro_batch=MICRO, cache_type=NoBatchsizeCache, gradient_sync="micro_batch"
+    )(lambda x: loss_of(reducing_model, x))
+
+    def reducing(x: torch.Tensor) -> None:
+        reducing_optimizer.zero_grad()
+        reducing_loss(x)
+        reducing_optimizer.step()
+
+    methods: Dict[str, Callable[[torch.Tensor], None]] = {
+        "hand-written FSDP2 loop": hand,
+        "toma.accumulate": by_toma,
+        "hand-written FSDP2 loop, reduce-scatter every micro-batch": hand_every,
+        'toma.accumulate, gradient_sync="micro_batch"': reducing,
+    }
     count_collectives()
     collectives: Dict[str, Counter] = {}
+    held: Dict[str, int] = {}
+
+    def holding(model: nn.Module, name: str) -> None:
+        def hook(module: nn.Module, args: object) -> None:
+            grads = sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
+            held[name] = max(held.get(name, 0), int(grads))
+
+        model.register_forward_pre_hook(hook)
+
+    holding(toma_model, "toma.accumulate")
+    holding(reducing_model, 'toma.accumulate, gradient_sync="micro_batch"')
     for name, method in methods.items():  # warm up; count one logical batch's collectives
         method(batches[0])
         calls.clear()
@@ -114,23 +153,38 @@ def main() -> None:
                 methods[name](x)
                 dist.barrier()
                 times[name].append(time.perf_counter() - start)
-    difference = max(
-        float((a.detach().full_tensor() - b.detach().full_tensor()).abs().max() / b.detach().full_tensor().abs().max())
-        for a, b in zip(toma_model.parameters(), hand_model.parameters())
-    )
+
+    def differs(model: nn.Module, norm: bool = False) -> float:
+        pairs = [
+            (a.detach().full_tensor(), b.detach().full_tensor())
+            for a, b in zip(model.parameters(), hand_model.parameters())
+        ]
+        if norm:  # over all parameters: zero-initialised biases stay small, their own scale magnifies rounding
+            apart = torch.cat([(a - b).flatten() for a, b in pairs]).norm()
+            return float(apart / torch.cat([b.flatten() for _, b in pairs]).norm())
+        return max(float((a - b).abs().max() / b.abs().max()) for a, b in pairs)
+
+    difference, reducing_difference = differs(toma_model), differs(reducing_model, norm=True)
     if rank == 0:
-        hand_ms = statistics.median(times["hand-written FSDP2 loop"]) * 1e3
-        toma_ms = statistics.median(times["toma.accumulate"]) * 1e3
         print(
             f"FSDP2, 2 gloo ranks, {blocks} blocks of width {WIDTH}: logical batch {LOGICAL} x {LENGTH} tokens per "
             f"rank in micro-batches of {MICRO}; {rounds} rounds of {per_round} logical batches"
         )
-        print(f"hand-written FSDP2 loop: {hand_ms:.1f} ms per logical batch")
-        print(f"toma.accumulate: {toma_ms:.1f} ms per logical batch")
+        hand_ms = statistics.median(times["hand-written FSDP2 loop"]) * 1e3
+        for name in methods:
+            ms = statistics.median(times[name]) * 1e3
+            print(f"{name}: {ms:.1f} ms per logical batch, {ms / hand_ms:.3f} of the hand-written loop")
+        toma_ms = statistics.median(times["toma.accumulate"]) * 1e3
         print(f"toma / hand-written: {toma_ms / hand_ms:.3f}")
+        every_ms = statistics.median(times["hand-written FSDP2 loop, reduce-scatter every micro-batch"]) * 1e3
+        reducing_ms = statistics.median(times['toma.accumulate, gradient_sync="micro_batch"']) * 1e3
+        print(f"toma micro_batch / hand-written reduce-scatter every micro-batch: {reducing_ms / every_ms:.3f}")
         for name, counted in collectives.items():
             print(f"collectives per logical batch, {name}: {dict(sorted(counted.items()))}")
+        for name, grads in held.items():
+            print(f"unsharded gradients held when a micro-batch's forward pass starts, {name}: {grads / 2**20:.2f} MiB")
         print(f"largest parameter difference between the two at the end: {difference:.1e}")
+        print(f"parameter difference, micro_batch against the hand-written loop (norm-wise): {reducing_difference:.1e}")
     dist.barrier()
     dist.destroy_process_group()
 

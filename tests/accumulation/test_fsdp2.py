@@ -239,6 +239,38 @@ def test_weight_gives_the_token_mean_over_every_ranks_rows(sync):
         assert result["difference"] < 1e-5, result
 
 
+TOO_LARGE = (
+    SETUP
+    + """
+import time
+from toma.memory.cpu import predictable_heap, set_cpu_memory_headroom
+predictable_heap()
+torch.manual_seed(0)
+wide = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(4)])  # 64 MiB unsharded, 32 MiB on each rank
+for layer in wide:
+    fully_shard(layer)
+fully_shard(wide)
+if rank == 1:
+    set_cpu_memory_headroom(48 / 1024)  # room for micro-batches, not for every unit unsharded
+started = time.monotonic()
+try:
+    toma.accumulate(model=wide, initial_micro_batch=4)(lambda x: wide(x).square().mean())(torch.randn(16, 2048))
+except Exception as error:
+    finish(dict(rank=rank, error=type(error).__name__, message=str(error), seconds=time.monotonic() - started))
+finish(dict(rank=rank, error=None))
+"""
+)
+
+
+def test_a_rank_that_cannot_hold_the_units_unsharded_stops_every_rank_at_once_naming_why():
+    by_rank = {json.loads(out.strip().splitlines()[-1])["rank"]: json.loads(out.strip().splitlines()[-1])
+               for out in run_ranks(TOO_LARGE, 2, timeout=120)}  # fmt: skip
+    assert by_rank[1]["error"] == "UnshardedDoesNotFit", by_rank[1]
+    assert "rank 1 cannot hold the model's units unsharded" in by_rank[1]["message"]
+    assert by_rank[0]["error"] == "RankFailed" and "rank 1" in by_rank[0]["message"], by_rank[0]
+    assert max(result["seconds"] for result in by_rank.values()) < 30, "no collective left waiting for its timeout"
+
+
 REFUSALS = (
     SETUP
     + """
@@ -293,6 +325,13 @@ def test_the_benchmark_runs_quick_and_toma_issues_no_all_gather_per_micro_batch(
     assert ours.get("all_gather_single", 0) + ours.get("all_gather_into_tensor", 0) == units, "once per unit"
     assert hand.get("all_gather_single", 0) + hand.get("all_gather_into_tensor", 0) > units
     assert float(out.split("largest parameter difference between the two at the end: ")[1].split()[0]) < 1e-5
+    reducing = ast.literal_eval(counted['toma.accumulate, gradient_sync="micro_batch"'])
+    assert reducing.get("reduce_scatter_tensor", 0) == units * 4, "one per unit after each of 4 micro-batches"
+    held = dict(
+        re.findall(r"^unsharded gradients held when a micro-batch's forward pass starts, (.+?): (\S+) MiB$", out, re.M)
+    )
+    assert float(held["toma.accumulate"]) > 0 and float(held['toma.accumulate, gradient_sync="micro_batch"']) == 0
+    assert float(out.split("micro_batch against the hand-written loop (norm-wise): ")[1].split()[0]) < 1e-5
 
 
 SIZE_FILE = (

@@ -15,14 +15,20 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from toma.core.agreement import all_reduce_gradients
+from toma.core.oom import should_reduce_batch_size
 
-__all__ = ["is_fsdp2", "Fsdp2Changed", "ShardedUnits"]
+__all__ = ["is_fsdp2", "Fsdp2Changed", "UnshardedDoesNotFit", "ShardedUnits"]
 
 WRITTEN_FOR = "torch 2.11 and 2.13"
 
 
 class Fsdp2Changed(RuntimeError):
     """This torch's FSDP2 lacks a private part toma relies on."""
+
+
+class UnshardedDoesNotFit(RuntimeError):
+    """This rank cannot hold every unit of the model unsharded, as toma's FSDP2 accumulation does for a logical
+    batch: no micro-batch size changes that, so it is not taken for an out-of-memory error to retry smaller."""
 
 
 def is_fsdp2(model: torch.nn.Module) -> bool:
@@ -80,6 +86,36 @@ class ShardedUnits:
         self.rank, self.world = dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
         self.sums: Optional[List[torch.Tensor]] = None  # this attempt's reduced shards, when reduced per micro-batch
         self._settings: Optional[List[Tuple[Any, Any, Any]]] = None
+
+    def probe(self) -> None:
+        """Before the ranks agree to unshard: whether this rank can allocate what `hold` will (every unit's
+        unsharded parameters, and the largest unit's all-gather buffer), so that a rank short of memory says so in
+        the agreement rather than leaving the others in an all-gather. What it allocates is freed at once (a
+        CUDA allocator keeps it cached for the unshard)."""
+        needs: Dict[torch.device, int] = {}
+        largest: Dict[torch.device, int] = {}
+        for group in self.groups:
+            held = 0
+            for param in group.fsdp_params:
+                dtype = getattr(param, "param_dtype", None) or param.sharded_param.dtype
+                held += param.sharded_param.numel() * torch.empty((), dtype=dtype).element_size()
+            device = group.fsdp_params[0].sharded_param.device
+            needs[device] = needs.get(device, 0) + held
+            largest[device] = max(largest.get(device, 0), held)
+        for device, held in needs.items():
+            wanted = held + largest[device]
+            try:
+                torch.empty(wanted, dtype=torch.uint8, device=device)
+            except Exception as error:
+                if not should_reduce_batch_size(error):
+                    raise
+                message = (
+                    f"toma.accumulate with FSDP2: rank {self.rank} cannot hold the model's units unsharded "
+                    f"({wanted / 2**20:.0f} MiB on {device}), which toma does for each logical batch so that no "
+                    "collective runs inside a micro-batch; no micro-batch size changes that. Shard over more ranks, "
+                    "or train with FSDP2's own loop (its per-unit all-gathers are not hang-safe under toma)"
+                )
+                raise UnshardedDoesNotFit(message) from None
 
     def hold(self) -> None:
         """Before an attempt: no reduce-scatter and no resharding in its passes, every unit unsharded (the

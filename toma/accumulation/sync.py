@@ -205,8 +205,9 @@ class AgreeingFSDP2(GradientSync):
         return ReducingFSDP2(self.model, self.units, self.agreement, self.mode)
 
     def begin(self, size: int, micro_batches: int, weight: Optional[float]) -> None:
-        self.units.hold()
+        self.units.probe()
         self.agreement.before_attempt(size)
+        self.units.hold()
 
     def scope(self, last: bool) -> ContextManager[object]:
         return _NOTHING
@@ -236,10 +237,11 @@ class ReducingFSDP2(AgreeingFSDP2):
         return False
 
     def begin(self, size: int, micro_batches: int, weight: Optional[float]) -> None:
-        self.units.hold()
+        self.units.probe()
         self._size, self._done, self._weight = size, 0, weight
         self._scale: Optional[float] = None
         self._rounds = self.agreement.before_attempt(size, micro_batches)
+        self.units.hold()
 
     def micro_batch_done(self) -> None:
         buffers = self.units.scatter_buffers()
