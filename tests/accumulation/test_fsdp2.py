@@ -292,6 +292,48 @@ def test_a_model_whose_blocks_are_sharded_but_not_its_root_is_refused_naming_the
     assert message is not None and "fully_shard on the root module" in message
 
 
+ROOTS = (
+    SETUP
+    + """
+from toma.accumulation.fsdp2 import fsdp2_root
+
+
+def outcome(module):
+    try:
+        root = fsdp2_root(module, "here")
+    except ValueError as error:
+        return str(error)
+    return None if root is None else next(name for name, m in module.named_modules() if m is root)
+
+
+class Holder(nn.Module):  # a LightningModule-like holder of the sharded model
+    def __init__(self, extra=False, two=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        self.other = nn.Linear(2, 2) if two else None
+        self.scale = nn.Parameter(torch.ones(1)) if extra else None
+
+
+plain, inner, itself, extra, two = Holder(), Holder(), Holder(), Holder(extra=True), Holder(two=True)
+for holder in (inner, itself, extra, two):
+    fully_shard(holder.net[0])
+    fully_shard(holder.net)
+fully_shard(two.other)
+fully_shard(itself)
+finish(dict(plain=outcome(plain), inner=outcome(inner), itself=outcome(itself), extra=outcome(extra), two=outcome(two)))
+"""
+)
+
+
+def test_the_fsdp2_root_is_the_model_or_its_one_outermost_sharded_module_holding_every_trained_parameter():
+    (output,) = run_ranks(ROOTS, 1, timeout=120)
+    found = json.loads(output.strip().splitlines()[-1])
+    assert found["plain"] is None and found["inner"] == "net" and found["itself"] == ""
+    assert "outside the FSDP2 root 'net' (scale)" in found["extra"], found["extra"]
+    assert "several FSDP2 roots (net, other)" in found["two"], found["two"]
+
+
 def torchrun(*script: str) -> str:
     """The stdout of a script of this repository run by torchrun on 2 CPU ranks (fails the test if it fails)."""
     result = subprocess.run(

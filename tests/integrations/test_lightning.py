@@ -808,11 +808,8 @@ print(json.dumps(dict(plain=plain, close=close, micro_batch=callback.stats.micro
     assert all(result["close"]), "the step must equal the full-batch reference step"
 
 
-@pytest.mark.slow
-@pytest.mark.multiprocess
-def test_ddp_ranks_agree_on_the_micro_batch_and_match_plain_ddp():
-    """`examples/lightning_ddp.py`: two gloo ranks under Lightning's DDP, rank 0 alone out of memory above 8 rows;
-    both ranks train at 8 and end with the plain DDP run's parameters."""
+def two_rank_example(name: str, *args: str) -> tuple:
+    """An example that makes Lightning start a second CPU rank: its stdout and the JSON line each rank printed."""
     import os
     import subprocess
     import sys
@@ -820,7 +817,7 @@ def test_ddp_ranks_agree_on_the_micro_batch_and_match_plain_ddp():
     from helpers import REPO
 
     done = subprocess.run(
-        [sys.executable, os.path.join(REPO, "examples", "lightning_ddp.py")],
+        [sys.executable, os.path.join(REPO, "examples", name), *args],
         capture_output=True,
         text=True,
         timeout=240,
@@ -830,4 +827,37 @@ def test_ddp_ranks_agree_on_the_micro_batch_and_match_plain_ddp():
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     ranks = [json.loads(found) for found in re.findall(r'\{"rank"[^}]*\}', done.stdout)]  # the ranks share stdout
     assert sorted(r["rank"] for r in ranks) == [0, 1], done.stdout
+    return done.stdout, ranks
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_ddp_ranks_agree_on_the_micro_batch_and_match_plain_ddp():
+    """`examples/lightning_ddp.py`: two gloo ranks under Lightning's DDP, rank 0 alone out of memory above 8 rows;
+    both ranks train at 8 and end with the plain DDP run's parameters."""
+    _, ranks = two_rank_example("lightning_ddp.py")
     assert all(r["micro_batch"] == 8 and r["same_parameters_as_plain_ddp"] for r in ranks), ranks
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("gradient_sync", ["auto", "micro_batch"])
+def test_fsdp2_ranks_one_of_them_capped_for_real_agree_and_match_plain_fsdp2(gradient_sync):
+    """`examples/lightning_fsdp2.py`: two gloo ranks under ModelParallelStrategy (FSDP2), rank 1 under a real
+    address-space cap; both ranks retry together, train at the same micro-batch and end with the plain FSDP2 run's
+    parameters."""
+    out, ranks = two_rank_example("lightning_fsdp2.py", "--gradient-sync", gradient_sync)
+    assert "[rank 1] capped" in out
+    assert ranks[0]["micro_batch"] == ranks[1]["micro_batch"] < 4096, ranks
+    assert all(r["oom_retries"] >= 1 and r["same_parameters_as_plain_fsdp2"] for r in ranks), ranks
+
+
+def test_fsdp1_and_other_strategies_that_shard_or_accumulate_themselves_are_refused_naming_what_works():
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+    from toma.integrations.lightning import _check_strategy
+
+    with pytest.raises(ValueError, match=r"FSDPStrategy shards or accumulates .*\(FSDP1, DeepSpeed\)") as refused:
+        _check_strategy(FSDPStrategy())
+    assert "ModelParallelStrategy" in str(refused.value), "the message names the FSDP2 strategy that works"
+    _check_strategy(ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1))  # accepted

@@ -652,6 +652,21 @@ def test_setups_that_cannot_be_split_are_refused_naming_the_setting(tmp_path):
         TomaTrainer(model=gpt2(), args=arguments(tmp_path, optim="lomo"))
 
 
+@pytest.mark.parametrize("version, named", [(1, r"FSDP \(args.fsdp, FSDP1\)"), (2, "FSDP2 through accelerate")])
+def test_fsdp_through_accelerate_is_refused_naming_its_version_and_what_trains_fsdp2(tmp_path, version, named):
+    """accelerate turns FSDP on for GPUs only: the refusal's text is checked here with the plugin set by hand."""
+    trainer = TomaTrainer(model=gpt2(), args=arguments(tmp_path))
+    trainer.is_fsdp_enabled = True
+    trainer.accelerator.state.fsdp_plugin = type("Plugin", (), {"fsdp_version": version})()
+    try:
+        with pytest.raises(ValueError, match=f"cannot split batches into micro-batches under {named}") as refused:
+            trainer._toma_check_setup()
+    finally:
+        trainer.accelerator.state.fsdp_plugin = None
+    if version == 2:
+        assert "ModelParallelStrategy" in str(refused.value) and "toma.accumulate" in str(refused.value)
+
+
 def test_an_error_that_is_not_out_of_memory_passes_through_untouched(tmp_path):
     model = gpt2()
     problem = ValueError("a bug in the model")

@@ -17,7 +17,7 @@ from torch.distributed.fsdp import FSDPModule
 from toma.core.agreement import all_reduce_gradients
 from toma.core.oom import should_reduce_batch_size
 
-__all__ = ["is_fsdp2", "Fsdp2Changed", "UnshardedDoesNotFit", "ShardedUnits"]
+__all__ = ["is_fsdp2", "fsdp2_root", "Fsdp2Changed", "UnshardedDoesNotFit", "ShardedUnits"]
 
 WRITTEN_FOR = "torch 2.11 and 2.13"
 
@@ -33,6 +33,36 @@ class UnshardedDoesNotFit(RuntimeError):
 
 def is_fsdp2(model: torch.nn.Module) -> bool:
     return isinstance(model, FSDPModule)
+
+
+def fsdp2_root(module: torch.nn.Module, where: str) -> Optional[torch.nn.Module]:
+    """The FSDP2 root of `module` for an accumulation: `module` itself, or its one outermost `fully_shard`
+    submodule, which must hold every parameter that trains; None when nothing in it is sharded. `where` names
+    the caller in the errors."""
+    if is_fsdp2(module):
+        return module
+    roots: List[Tuple[str, torch.nn.Module]] = []
+    for name, sub in module.named_modules():
+        if is_fsdp2(sub) and not any(name.startswith(f"{outer}.") for outer, _ in roots):
+            roots.append((name, sub))
+    if not roots:
+        return None
+    if len(roots) > 1:
+        names = ", ".join(name for name, _ in roots)
+        raise ValueError(
+            f"{where}: the model has several FSDP2 roots ({names}); call fully_shard on the module that holds "
+            "them all too, as FSDP2 expects of a model it trains"
+        )
+    name, root = roots[0]
+    inside = {id(p) for p in root.parameters()}
+    outside = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in inside]
+    if outside:
+        raise ValueError(
+            f"{where}: parameters that train lie outside the FSDP2 root {name!r} ({', '.join(outside[:3])}"
+            f"{', ...' if len(outside) > 3 else ''}), where no rank's gradients would reach the others'; put them "
+            "in a fully_shard module"
+        )
+    return root
 
 
 def _changed(what: str) -> Fsdp2Changed:
@@ -74,6 +104,11 @@ class ShardedUnits:
         if not self.params:
             raise ValueError("toma.accumulate: the FSDP2 model has no sharded parameters")
         for param in self.params:
+            if getattr(param, "is_dtensor", False):
+                raise NotImplementedError(
+                    "toma.accumulate supports FSDP2 over plain parameters; parameters that are DTensors already "
+                    "(tensor parallelism) are not supported yet"
+                )
             if param.mesh_info.mesh.ndim != 1 or not hasattr(param.mesh_info, "shard_process_group"):
                 raise NotImplementedError(
                     "toma.accumulate supports FSDP2 on a 1-D device mesh (fully sharded); HSDP and replication are "

@@ -28,11 +28,12 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy, Strategy
 
 from toma.accumulation.accumulate import AccumulationStats, Sizing, accumulate
+from toma.accumulation.fsdp2 import fsdp2_root
 from toma.accumulation.options import AccumulationOptions, NothingCounted, check_reduction, check_weight
-from toma.accumulation.sync import AgreeingOnly, model_device
+from toma.accumulation.sync import GRADIENT_SYNCS, AgreeingOnly, GradientSync, model_device, sync_for
 from toma.batching.splitting import ArgumentBatch
 from toma.core.agreement import Agreement, is_distributed
 from toma.core.arguments import check_size
@@ -173,23 +174,30 @@ def _writes_logs(trainer: "pl.Trainer") -> bool:
 
 
 def _check_strategy(strategy: Strategy) -> None:
+    if isinstance(strategy, ModelParallelStrategy):
+        return
     if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) or strategy.handles_gradient_accumulation:
         raise ValueError(
-            f"MicroBatching runs on one device or under DDP (strategy='ddp'); {type(strategy).__name__} shards or "
-            "accumulates the model itself, which the micro-batches' rollback after an out-of-memory error does not "
-            "cover"
+            f"MicroBatching runs on one device, under DDP (strategy='ddp') or under FSDP2 (ModelParallelStrategy, "
+            f"fully_shard in configure_model); {type(strategy).__name__} shards or accumulates the model in a way "
+            "the micro-batches' rollback after an out-of-memory error does not cover (FSDP1, DeepSpeed)"
         )
 
 
 class _Fit:
     """What one fit's wrapped training step works with: the module, its own step, the scaler, the ranks' sync."""
 
-    __slots__ = ("module", "original", "model", "scaler", "sync", "told_whole")
+    __slots__ = ("module", "original", "model", "scaler", "sync", "root", "told_whole")
 
     def __init__(
-        self, module: "pl.LightningModule", original: Callable[..., Any], scaler: Any, sync: Optional[AgreeingOnly]
+        self,
+        module: "pl.LightningModule",
+        original: Callable[..., Any],
+        scaler: Any,
+        sync: Optional[AgreeingOnly],
+        root: Optional[torch.nn.Module] = None,
     ) -> None:
-        self.module, self.original, self.scaler, self.sync = module, original, scaler, sync
+        self.module, self.original, self.scaler, self.sync, self.root = module, original, scaler, sync, root
         self.model: _Accumulated
         self.told_whole = False
 
@@ -242,7 +250,7 @@ class MicroBatching(Callback):
             micro-batch that returns how many items its loss averages over (`toma.accumulate`'s `weight=`).
         reduction: how `training_step`'s loss reduces its batch, "mean" (default) or "sum".
         distributed: under DDP, the ranks agree on every micro-batch size and out-of-memory error, as
-            `toma.accumulate` makes them (default True).
+            `toma.accumulate` makes them (default True). Under FSDP2 they always do.
         log_micro_batch: also log the micro-batch size as "micro_batch" through the module's `self.log`, on the
             steps Lightning writes to its loggers (every `log_every_n_steps`); default False, so that the logged
             metrics are a plain run's.
@@ -250,6 +258,9 @@ class MicroBatching(Callback):
             length, micro-batches within a token budget (`initial_micro_batch` rows of the batch's longest to
             start), each trimmed to its longest row, as `toma.accumulate(lengths="attention_mask")`; default True
             (False: micro-batches of rows in the loader's order, at the batch's padded width).
+        gradient_sync: under FSDP2 (`ModelParallelStrategy` with `fully_shard` in `configure_model`), when the
+            sharded gradients are reduced: "auto" (default), "logical_batch" or "micro_batch", as
+            `toma.accumulate`'s `gradient_sync=`.
 
     `stats` (a `toma.accumulation.accumulate.AccumulationStats`) holds the last size and the retries so far. A copy
     (pickle, `copy.deepcopy`, the processes of `strategy="ddp_spawn"`) keeps the options, `stats` and the size found
@@ -266,6 +277,7 @@ class MicroBatching(Callback):
         distributed: bool = True,
         log_micro_batch: bool = False,
         pack_tokens: bool = True,
+        gradient_sync: str = "auto",
     ) -> None:
         self.initial_micro_batch = (
             None if initial_micro_batch is None else check_size(initial_micro_batch, "initial_micro_batch")
@@ -276,6 +288,11 @@ class MicroBatching(Callback):
         if not isinstance(pack_tokens, bool):
             raise TypeError(f"pack_tokens must be True or False, got {pack_tokens!r}")
         self.pack_tokens = pack_tokens
+        if gradient_sync not in GRADIENT_SYNCS:
+            raise ValueError(
+                f"gradient_sync must be one of {', '.join(map(repr, GRADIENT_SYNCS))}, got {gradient_sync!r}"
+            )
+        self.gradient_sync = gradient_sync
         self.stats = AccumulationStats()
         self.cache = GlobalBatchsizeCache()  # one size per callback, wherever the step runs from
         self._runner = Runner(ACCUMULATION, policy=policy, cache=self.cache)
@@ -324,9 +341,17 @@ class MicroBatching(Callback):
         own = module.__dict__.get("training_step", _NOT_SET)
         original = module.training_step
         sync: Optional[AgreeingOnly] = None
-        if self.distributed and isinstance(trainer.strategy, DDPStrategy) and is_distributed():
+        root = None
+        if isinstance(trainer.strategy, ModelParallelStrategy):
+            root = fsdp2_root(module, "MicroBatching under ModelParallelStrategy")
+            if root is None:
+                raise ValueError(
+                    "MicroBatching under ModelParallelStrategy trains FSDP2 models: call fully_shard on the model in "
+                    "configure_model (tensor parallelism alone is not supported)"
+                )
+        elif self.distributed and isinstance(trainer.strategy, DDPStrategy) and is_distributed():
             sync = AgreeingOnly(Agreement(None, model_device(module.parameters())))
-        fit = _Fit(module, original, _scaler_of(trainer.precision_plugin), sync)
+        fit = _Fit(module, original, _scaler_of(trainer.precision_plugin), sync, root)
         fit.model = _Accumulated(module, StepLogs(self.weight, self.reduction))
 
         def training_step(batch: Any, *args: Any, **kwargs: Any) -> Any:
@@ -365,8 +390,10 @@ class MicroBatching(Callback):
             with _micro_batch_region(fit.module, params, model.logs):
                 mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
                 packed = self.pack_tokens and isinstance(mask, torch.Tensor) and mask.dim() == 2
+                # FSDP2's strategy each batch: "auto" may have switched to reducing after every micro-batch
+                sync: Optional[GradientSync] = fit.sync if fit.root is None else sync_for(fit.root, self.gradient_sync)
                 options = AccumulationOptions(
-                    model, self.reduction, self.weight, fit.scaler, _backward, fit.sync, "MicroBatching",
+                    model, self.reduction, self.weight, fit.scaler, _backward, sync, "MicroBatching",
                     lengths="attention_mask" if packed else None,
                 )  # fmt: skip
                 sizing = Sizing(self.initial_micro_batch or split.size, self._runner, stats=self.stats)
