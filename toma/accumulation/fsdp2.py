@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from toma.core.agreement import all_reduce_gradients
 from toma.core.oom import should_reduce_batch_size
 
 __all__ = ["is_fsdp2", "fsdp2_root", "Fsdp2Changed", "UnshardedDoesNotFit", "ShardedUnits"]
@@ -98,7 +97,7 @@ class ShardedUnits:
             for name in ("unsharded_param", "to_sharded_dtensor"):
                 if not hasattr(type(param), name):
                     raise _changed(f"FSDPParam.{name}")
-            for name in ("sharded_param", "sharded_size", "mesh_info"):
+            for name in ("sharded_param", "sharded_size", "mesh_info", "unsharded_accumulated_grad"):
                 if not hasattr(param, name):
                     raise _changed(f"FSDPParam.{name}")
         if not self.params:
@@ -162,23 +161,11 @@ class ShardedUnits:
         for unit in self.units:
             unit.unshard()
 
-    def reduce(self, scale: float) -> None:
-        """After an attempt every rank finished: the unsharded gradients averaged over the ranks (this rank's
-        multiplied by `scale` first), each rank's dim-0 shard its sharded parameter's gradient."""
-        unsharded = [param.unsharded_param for param in self.params]
-        all_reduce_gradients(unsharded, self.process_group, scale=scale)
-        for param, full in zip(self.params, unsharded):
-            assert full.grad is not None
-            pieces = torch.chunk(full.grad, self.world, dim=0)
-            local = pieces[self.rank] if self.rank < len(pieces) else full.grad[:0]
-            param.sharded_param.grad = param.to_sharded_dtensor(local.contiguous())
-        self.release()
-
     def scatter_buffers(self) -> Dict[torch.dtype, Tuple[torch.Tensor, torch.Tensor]]:
         """What `reduce_scatter` needs, allocated before the ranks agree to run it (a rank that runs out of memory
-        here tells the others in the agreement, instead of leaving them in a reduce-scatter): per gradient dtype,
-        an input of the largest unit's padded unsharded gradients and an output of its shard; the attempt's
-        sums of shards (zeros) on the first call."""
+        here tells the others in the agreement, instead of leaving them in a reduce-scatter): per dtype the
+        gradients are reduced in (FSDP2's `reduce_dtype`, else theirs), an input of the largest unit's padded
+        unsharded gradients and an output of its shard; the attempt's sums of shards (zeros) on the first call."""
         if self.sums is None:
             self.sums = [
                 torch.zeros(p.sharded_size, dtype=p.sharded_param.dtype, device=p.sharded_param.device)
@@ -186,8 +173,8 @@ class ShardedUnits:
             ]
         largest: Dict[Tuple[torch.dtype, torch.device], int] = {}
         for group in self.groups:
-            param = group.fsdp_params[0].unsharded_param
-            key = (param.dtype, param.device)
+            first = group.fsdp_params[0]
+            key = (_reduce_dtype(first), first.unsharded_param.device)
             largest[key] = max(largest.get(key, 0), sum(_padded_rows(p, self.world)[1] for p in group.fsdp_params))
         return {
             dtype: (torch.empty(self.world * n, dtype=dtype, device=device), torch.empty(n, dtype=dtype, device=device))
@@ -195,21 +182,21 @@ class ShardedUnits:
         }
 
     def reduce_scatter(self, scale: float, buffers: Dict[torch.dtype, Tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """After a micro-batch every rank finished: each unit's unsharded gradients (a parameter without one
-        counts as zeros) reduce-scattered over the ranks, averaged, this rank's shard added to its sum, and the
-        unsharded gradients dropped (the memory this way of reducing saves for the next micro-batch)."""
+        """Once every rank finished (a micro-batch, or the attempt): each unit's unsharded gradients (a parameter
+        without one counts as zeros; this rank's multiplied by `scale`) reduce-scattered over the ranks, averaged,
+        this rank's shard added to its sum, and the unsharded gradients dropped (after a micro-batch, the memory
+        the next one's forward pass gets)."""
         assert self.sums is not None
         sums = iter(self.sums)
         for group in self.groups:
             params = group.fsdp_params
-            dtype = params[0].unsharded_param.dtype
-            flat_in, flat_out = buffers[dtype]
+            flat_in, flat_out = buffers[_reduce_dtype(params[0])]
             shapes = [_padded_rows(p, self.world) for p in params]
             total = sum(n for _, n in shapes)
             matrix = flat_in[: self.world * total].view(self.world, total)
             offset = 0
             for param, (rows, n) in zip(params, shapes):
-                _copy_padded(param.unsharded_param.grad, matrix[:, offset : offset + n], rows)
+                _copy_padded(_unsharded_grad(param), matrix[:, offset : offset + n], rows)
                 offset += n
             if scale != 1.0:
                 matrix.mul_(scale)
@@ -221,10 +208,11 @@ class ShardedUnits:
                 total_sum = next(sums)
                 total_sum.add_(out[offset : offset + total_sum.numel()].view_as(total_sum))
                 offset += n
-                param.unsharded_param.grad = None
+                _drop_unsharded_grad(param)
 
     def keep_sums(self) -> None:
-        """After an attempt reduced per micro-batch: the sums of shards the sharded parameters' gradients."""
+        """After an attempt every rank finished and reduced: the sums of shards the sharded parameters'
+        gradients."""
         assert self.sums is not None
         for param, total_sum in zip(self.params, self.sums):
             param.sharded_param.grad = param.to_sharded_dtensor(total_sum)
@@ -234,8 +222,7 @@ class ShardedUnits:
         """The units as they were before `hold`: unsharded gradients dropped, settings back, resharded."""
         self.sums = None
         for param in self.params:
-            if hasattr(param, "_unsharded_param"):  # made by the first unshard
-                param.unsharded_param.grad = None
+            _drop_unsharded_grad(param)
         if self._settings is not None:
             for group, (reduce_grads, after_backward, post_forward) in zip(self.groups, self._settings):
                 group.reduce_grads, group.reshard_after_backward = reduce_grads, after_backward
@@ -258,6 +245,28 @@ class ShardedUnits:
             for group in _groups(unit):
                 group._training_state = type(group._training_state).IDLE
         self.release()
+
+
+def _reduce_dtype(param: Any) -> torch.dtype:
+    """The dtype FSDP2 reduces a parameter's gradients in: its mixed-precision `reduce_dtype`, else the
+    unsharded parameter's."""
+    return getattr(param, "reduce_dtype", None) or param.unsharded_param.dtype
+
+
+def _unsharded_grad(param: Any) -> Optional[torch.Tensor]:
+    """The gradient an unsharded parameter accumulated without reduction: FSDP2 moves it, after each backward
+    pass, into `unsharded_accumulated_grad` where it reduces in another dtype than the parameter's."""
+    accumulated = getattr(param, "unsharded_accumulated_grad", None)
+    grad = param.unsharded_param.grad
+    if accumulated is None:
+        return grad
+    return accumulated if grad is None else accumulated + grad
+
+
+def _drop_unsharded_grad(param: Any) -> None:
+    if hasattr(param, "_unsharded_param"):  # made by the first unshard
+        param.unsharded_param.grad = None
+    param.unsharded_accumulated_grad = None
 
 
 def _padded_rows(param: Any, world: int) -> Tuple[int, int]:

@@ -233,8 +233,7 @@ class AccumulateStep(Step):
                     sync.micro_batch_done()
                 loss = loss.detach()
                 total = loss if total is None else total + loss
-        if each:
-            sync.finish()
+        sync.finish()
         self.failing_rows = None
         if timer is not None:
             timer.end()

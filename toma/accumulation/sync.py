@@ -8,7 +8,7 @@ import contextlib
 import logging
 import weakref
 from abc import ABC, abstractmethod
-from typing import ContextManager, Iterable, Optional, Sequence
+from typing import ContextManager, Dict, Iterable, Optional, Sequence, Tuple
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -43,7 +43,8 @@ class GradientSync(ABC):
     0. `begin()` before the attempt's first micro-batch (FSDP2: every unit unsharded, nothing reduced in the
        passes).
     1. `with sync.scope(last):` around each micro-batch's forward and backward pass; `last` is True for
-       the attempt's last micro-batch that runs (what DDP reduces in, or FSDP2 reduce-scatters in).
+       the attempt's last micro-batch that runs (what DDP reduces in); then, where `each_micro_batch`,
+       `micro_batch_done()`; after the last, `finish()`.
     2. After the last micro-batch, with an `agreement`, the ranks agree whether every one of them finished
        (`Agreement.after_attempt`; a rank that ran out of memory makes all retry together at one size).
     3. `reduce(params, weight)` once every rank finished: this attempt's gradients only, before they are added
@@ -78,7 +79,8 @@ class GradientSync(ABC):
         """After each micro-batch's backward pass, where `each_micro_batch`."""
 
     def finish(self) -> None:
-        """After the attempt's last micro-batch, before the ranks' agreement, where `each_micro_batch`."""
+        """After the attempt's last micro-batch, before the ranks' agreement (what `reduce` needs allocated
+        there, where a rank that runs out of memory can still tell the others)."""
 
     def lightened(self) -> "GradientSync":
         """The strategy to retry with, on every rank, after an out-of-memory error at the smallest size, where
@@ -173,20 +175,22 @@ class AgreeingFSDP2(GradientSync):
     Before an attempt every unit is unsharded (`toma.accumulation.fsdp2.ShardedUnits.hold`: the all-gathers
     FSDP2 would run in each forward pass, once), and the micro-batches' forward and backward passes neither
     all-gather, nor reduce-scatter, nor reshard: a rank that runs out of memory in any of them leaves no other
-    rank waiting in a collective. After the ranks agree that all finished, the unsharded gradients are averaged
-    (weighted as `AgreeingDDP` weighs them) and each rank keeps its shard, as FSDP2's reduce-scatter leaves it;
-    then the units are resharded. The price: each rank holds the unsharded parameters and gradients for the
+    rank waiting in a collective. After the ranks agree that all finished, the unsharded gradients are
+    reduce-scattered, one unit at a time into buffers allocated before that agreement (averaged, weighted as
+    `AgreeingDDP` weighs them, in FSDP2's `reduce_dtype`), each rank keeping its shard as FSDP2 leaves it; then
+    the units are resharded. The price: each rank holds the unsharded parameters and gradients for the
     logical batch, as FSDP2 itself does when accumulating without `reshard_after_backward`.
 
     `lighter` (gradient_sync="auto"): when even the smallest micro-batch runs out of memory with the gradients
     held, every rank switches to `ReducingFSDP2` and retries, for this call and the model's later ones."""
 
-    __slots__ = ("model", "units", "agreement", "mode")
+    __slots__ = ("model", "units", "agreement", "mode", "_buffers")
     watch_grads = False  # the sharded parameters' gradients change only in `reduce`
 
     def __init__(self, model: torch.nn.Module, units: ShardedUnits, agreement: Agreement, mode: str) -> None:
         self.model, self.units, self.mode = model, units, mode
         self.agreement: Agreement = agreement
+        self._buffers: Optional[Dict[torch.dtype, Tuple[torch.Tensor, torch.Tensor]]] = None
 
     @property
     def layout(self) -> str:  # type: ignore[override]
@@ -208,12 +212,19 @@ class AgreeingFSDP2(GradientSync):
         self.units.probe()
         self.agreement.before_attempt(size)
         self.units.hold()
+        self._buffers = None
 
     def scope(self, last: bool) -> ContextManager[object]:
         return _NOTHING
 
+    def finish(self) -> None:
+        self._buffers = self.units.scatter_buffers()  # before the ranks agree: see `ShardedUnits.scatter_buffers`
+
     def reduce(self, params: Sequence[torch.Tensor], weight: Optional[float]) -> None:
-        self.units.reduce(_rank_scale(self.agreement, weight))
+        buffers, self._buffers = self._buffers, None
+        assert buffers is not None
+        self.units.reduce_scatter(_rank_scale(self.agreement, weight), buffers)
+        self.units.keep_sums()
 
     def reset(self) -> None:
         self.units.reset()
