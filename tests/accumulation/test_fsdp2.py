@@ -69,7 +69,8 @@ expected = [p.full_tensor() for p in reference.parameters()]
 model = make()
 optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
 forwards, backwards, scatters = [], [], []
-reduce_scatter = dist.reduce_scatter_tensor
+NAME = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+reduce_scatter = getattr(dist, NAME)
 
 
 def counted(*args, **kwargs):
@@ -77,7 +78,7 @@ def counted(*args, **kwargs):
     return reduce_scatter(*args, **kwargs)
 
 
-dist.reduce_scatter_tensor = counted
+setattr(dist, NAME, counted)
 
 
 def middle_forward(module, args):
@@ -236,6 +237,42 @@ def test_weight_gives_the_token_mean_over_every_ranks_rows(sync):
     results = [json.loads(out.strip().splitlines()[-1]) for out in run_ranks(script, 2, timeout=180)]
     assert results[0]["tokens"] != results[1]["tokens"]
     for result in results:
+        assert result["difference"] < 1e-5, result
+
+
+GROUPED = (
+    SETUP
+    + """
+SYNC = os.environ["TOMA_SYNC"]
+
+
+def make_grouped():  # as accelerate shards a language model: the final norm and the head one FSDP2 group
+    torch.manual_seed(0)
+    blocks = [nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True) for _ in range(2)]
+    model = nn.Sequential(nn.Embedding(VOCAB, 16), *blocks, nn.LayerNorm(16), nn.Linear(16, VOCAB))
+    for block in blocks:
+        fully_shard(block)
+    fully_shard([model[3], model[4]])
+    fully_shard(model)
+    return model
+
+
+x = data(100 + rank)[0]
+reference = make_grouped()
+loss_of(reference, x).backward()
+expected = [p.grad.full_tensor() for p in reference.parameters()]
+model = make_grouped()
+toma.accumulate(model=model, initial_micro_batch=4, gradient_sync=SYNC)(lambda x: loss_of(model, x))(x)
+got = [p.grad.full_tensor() for p in model.parameters()]
+finish(dict(rank=rank, difference=max(float((g - e).abs().max() / e.abs().max()) for g, e in zip(got, expected))))
+"""
+)
+
+
+@pytest.mark.parametrize("sync", SYNCS)
+def test_modules_sharded_as_one_group_get_the_unsplit_fsdp2_gradients(sync):
+    script = GROUPED.replace('os.environ["TOMA_SYNC"]', repr(sync))
+    for result in [json.loads(out.strip().splitlines()[-1]) for out in run_ranks(script, 2, timeout=180)]:
         assert result["difference"] < 1e-5, result
 
 
@@ -434,7 +471,8 @@ def test_the_benchmark_runs_quick_and_toma_issues_no_all_gather_per_micro_batch(
     assert hand.get("all_gather_single", 0) + hand.get("all_gather_into_tensor", 0) > units
     assert float(out.split("largest parameter difference between the two at the end: ")[1].split()[0]) < 1e-5
     reducing = ast.literal_eval(counted['toma.accumulate, gradient_sync="micro_batch"'])
-    assert reducing.get("reduce_scatter_tensor", 0) == units * 4, "one per unit after each of 4 micro-batches"
+    scatters = reducing.get("reduce_scatter_single", 0) + reducing.get("reduce_scatter_tensor", 0)
+    assert scatters == units * 4, "one per unit after each of 4 micro-batches"
     held = dict(
         re.findall(r"^unsharded gradients held when a micro-batch's forward pass starts, (.+?): (\S+) MiB$", out, re.M)
     )

@@ -652,19 +652,25 @@ def test_setups_that_cannot_be_split_are_refused_naming_the_setting(tmp_path):
         TomaTrainer(model=gpt2(), args=arguments(tmp_path, optim="lomo"))
 
 
-@pytest.mark.parametrize("version, named", [(1, r"FSDP \(args.fsdp, FSDP1\)"), (2, "FSDP2 through accelerate")])
-def test_fsdp_through_accelerate_is_refused_naming_its_version_and_what_trains_fsdp2(tmp_path, version, named):
-    """accelerate turns FSDP on for GPUs only: the refusal's text is checked here with the plugin set by hand."""
+def test_fsdp1_through_accelerate_is_refused_and_fsdp2_taken_and_micro_batch_needs_fsdp2(tmp_path):
+    """accelerate turns FSDP on for GPU jobs only: the checks are shown here with its plugin set by hand."""
     trainer = TomaTrainer(model=gpt2(), args=arguments(tmp_path))
     trainer.is_fsdp_enabled = True
-    trainer.accelerator.state.fsdp_plugin = type("Plugin", (), {"fsdp_version": version})()
     try:
-        with pytest.raises(ValueError, match=f"cannot split batches into micro-batches under {named}") as refused:
+        trainer.accelerator.state.fsdp_plugin = type("Plugin", (), {"fsdp_version": 1})()
+        with pytest.raises(ValueError, match=r"under FSDP1 \(args.fsdp without fsdp_version 2\).*FSDP2 .* supported"):
+            trainer._toma_check_setup()
+        trainer.accelerator.state.fsdp_plugin = type("Plugin", (), {"fsdp_version": 2})()
+        trainer._toma_check_setup()  # taken
+        trainer.toma_gradient_sync = "micro_batch"
+        trainer._toma_check_setup()
+        trainer.is_fsdp_enabled = False
+        with pytest.raises(ValueError, match="toma_gradient_sync='micro_batch', which reduce-scatters FSDP2's"):
             trainer._toma_check_setup()
     finally:
         trainer.accelerator.state.fsdp_plugin = None
-    if version == 2:
-        assert "ModelParallelStrategy" in str(refused.value) and "toma.accumulate" in str(refused.value)
+    with pytest.raises(ValueError, match="toma_gradient_sync must be one of 'auto', 'logical_batch', 'micro_batch'"):
+        TomaTrainer(model=gpt2(), args=arguments(tmp_path), toma_gradient_sync="each")
 
 
 def test_an_error_that_is_not_out_of_memory_passes_through_untouched(tmp_path):
@@ -844,6 +850,23 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 from toma.integrations.transformers import TomaTrainer
 hf_logging.set_verbosity_error()
 rank = int(os.environ["RANK"])
+FSDP2, SYNC = False, "auto"
+if FSDP2 and not torch.cuda.is_available():
+    # accelerate turns FSDP on for GPU jobs only; everything else it does for FSDP2 runs on the CPU with gloo.
+    # This makes its state take a CPU job for a GPU one, so that its FSDP2 branch (the plugin, fully_shard on
+    # the blocks, the tail group and the root, its backward and clipping) is what runs here.
+    import accelerate.state as accelerate_state
+
+    accelerate_init = accelerate_state.AcceleratorState.__init__
+
+    def as_gpu_job(self, *args, **kwargs):
+        shared = accelerate_state.PartialState._shared_state
+        if shared.get("distributed_type") == accelerate_state.DistributedType.MULTI_CPU:
+            shared["distributed_type"] = accelerate_state.DistributedType.MULTI_GPU
+        accelerate_init(self, *args, **kwargs)
+
+    accelerate_state.AcceleratorState.__init__ = as_gpu_job
+sharding = dict(fsdp=True, fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"]})
 
 def make():
     torch.manual_seed(0)
@@ -867,16 +890,16 @@ def run(cls, oom):
         model.register_forward_pre_hook(refuse, with_kwargs=True)
     args = TrainingArguments(output_dir="out", per_device_train_batch_size=8, gradient_accumulation_steps=2,
                              max_steps=2, optim="sgd", learning_rate=0.5, report_to="none", use_cpu=True,
-                             save_strategy="no", disable_tqdm=True, seed=0)
-    options = dict(toma_pack_tokens=False) if cls is TomaTrainer else {}  # sizes in rows: <= 3 below
+                             save_strategy="no", disable_tqdm=True, seed=0, **(sharding if FSDP2 else {}))
+    options = dict(toma_pack_tokens=False, toma_gradient_sync=SYNC) if cls is TomaTrainer else {}  # rows: <= 3 below
     trainer = cls(model=model, args=args, train_dataset=rows, data_collator=pad, **options)
     trainer.train()
-    return trainer, [p.detach().clone() for p in model.parameters()]
+    return trainer, [(p.full_tensor() if FSDP2 else p).detach().clone().cpu() for p in model.parameters()]
 
 plain, reference = run(Trainer, False)
 toma, params = run(TomaTrainer, rank == 0)
 close = all(bool(torch.allclose(p, r, rtol=1e-5, atol=1e-7)) for p, r in zip(params, reference))
-ddp = type(toma.model_wrapped).__name__
+ddp = type(toma.model_wrapped).__name__ if not FSDP2 else toma.accelerator.distributed_type.value
 # Evaluation batches of 8 rows per rank, in chunks of at most 3 on both ranks (rank 0 refuses more): each chunk's
 # loss is normalised by its label tokens over both ranks, as the Trainer's prediction_step does.
 evaluation = rows[:32]
@@ -896,6 +919,26 @@ def test_ddp_through_accelerate_ranks_agree_on_the_micro_batch_and_match_the_pla
     outputs = run_ranks(f"import os; os.chdir({str(tmp_path)!r})\n" + DDP_RUN, 2, timeout=240)
     results = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
     assert [r["ddp"] for r in results] == ["DistributedDataParallel"] * 2
+    assert [r["micro"] for r in results] == [results[0]["micro"]] * 2 and results[0]["micro"] <= 3, results
+    assert results[1]["retries"] >= 1, "rank 1 never ran out of memory, yet retried with rank 0"
+    assert all(r["close"] for r in results), results
+    for r in results:
+        plain_loss, toma_loss = r["eval_losses"]
+        assert toma_loss == pytest.approx(plain_loss, rel=1e-5), r
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("gradient_sync", ["auto", "micro_batch"])
+def test_fsdp2_through_accelerate_ranks_agree_on_the_micro_batch_and_match_the_plain_trainer(tmp_path, gradient_sync):
+    """The DDP run above with accelerate's FSDP2 plugin (`fsdp_config={"fsdp_version": 2}`): the plain Trainer's
+    FSDP2 parameters and evaluation loss, with rank 0 refusing more than 3 rows."""
+    from helpers import run_ranks
+
+    script = DDP_RUN.replace('FSDP2, SYNC = False, "auto"', f"FSDP2, SYNC = True, {gradient_sync!r}")
+    outputs = run_ranks(f"import os; os.chdir({str(tmp_path)!r})\n" + script, 2, timeout=240)
+    results = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
+    assert [r["ddp"] for r in results] == ["FSDP"] * 2
     assert [r["micro"] for r in results] == [results[0]["micro"]] * 2 and results[0]["micro"] <= 3, results
     assert results[1]["retries"] >= 1, "rank 1 never ran out of memory, yet retried with rank 0"
     assert all(r["close"] for r in results), results

@@ -8,15 +8,17 @@ backward pass that raised half-way leaves behind (a unit's training state, the r
 Those private parts are used here and nowhere else, checked when a model is first seen: a torch release that
 moved them gets an error naming this module and the releases it was written against, not a hang."""
 
-from typing import Any, Dict, List, Optional, Tuple
+import contextlib
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
+from toma.core.agreement import Agreement, RankFailed
 from toma.core.oom import should_reduce_batch_size
 
-__all__ = ["is_fsdp2", "fsdp2_root", "Fsdp2Changed", "UnshardedDoesNotFit", "ShardedUnits"]
+__all__ = ["is_fsdp2", "fsdp2_root", "held_unsharded", "Fsdp2Changed", "UnshardedDoesNotFit", "ShardedUnits"]
 
 WRITTEN_FOR = "torch 2.11 and 2.13"
 
@@ -91,7 +93,10 @@ class ShardedUnits:
 
     def __init__(self, root: torch.nn.Module) -> None:
         self.units: List[FSDPModule] = [m for m in root.modules() if isinstance(m, FSDPModule)]
-        self.groups = [group for unit in self.units for group in _groups(unit)]
+        # Modules sharded together (`fully_shard([norm, head])`, as accelerate shards a model's tail) are units
+        # of one parameter group: each group once, or its gradients are reduced again as zeros.
+        groups = {id(group): group for unit in self.units for group in _groups(unit)}
+        self.groups = list(groups.values())
         self.params = [param for group in self.groups for param in group.fsdp_params]
         for param in self.params:
             for name in ("unsharded_param", "to_sharded_dtensor"):
@@ -113,8 +118,8 @@ class ShardedUnits:
                     "toma.accumulate supports FSDP2 on a 1-D device mesh (fully sharded); HSDP and replication are "
                     "not supported yet"
                 )
-        groups = {tuple(dist.get_process_group_ranks(p.mesh_info.shard_process_group)) for p in self.params}
-        if len(groups) > 1:
+        meshes = {tuple(dist.get_process_group_ranks(p.mesh_info.shard_process_group)) for p in self.params}
+        if len(meshes) > 1:
             raise NotImplementedError("toma.accumulate: FSDP2 units sharded over different ranks are not supported")
         self.process_group = self.params[0].mesh_info.shard_process_group
         self.rank, self.world = dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
@@ -201,7 +206,7 @@ class ShardedUnits:
             if scale != 1.0:
                 matrix.mul_(scale)
             out = flat_out[:total]
-            dist.reduce_scatter_tensor(out, matrix.reshape(-1), group=self.process_group)
+            _reduce_scatter()(out, matrix.reshape(-1), group=self.process_group)
             out.div_(self.world)
             offset = 0
             for param, (rows, n) in zip(params, shapes):
@@ -245,6 +250,35 @@ class ShardedUnits:
             for group in _groups(unit):
                 group._training_state = type(group._training_state).IDLE
         self.release()
+
+
+def _reduce_scatter() -> Any:
+    """torch.distributed's reduce-scatter of one tensor: `reduce_scatter_single` where the release has it (2.13),
+    else `reduce_scatter_tensor`."""
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@contextlib.contextmanager
+def held_unsharded(root: torch.nn.Module) -> Iterator[None]:
+    """Every unit of `root` unsharded around forward passes that run no collective of their own (evaluation
+    chunks a rank may fail and redo alone); the ranks first agree that each can hold them (else
+    `UnshardedDoesNotFit` on the rank that cannot, `RankFailed` on the others), and FSDP2's state is reset after."""
+    units = ShardedUnits(root)
+    failed: Optional[UnshardedDoesNotFit] = None
+    try:
+        units.probe()
+    except UnshardedDoesNotFit as error:
+        failed = error
+    unable = Agreement(units.process_group).sum(0.0 if failed is None else 1.0)
+    if failed is not None:
+        raise failed
+    if unable:
+        raise RankFailed("toma: another rank cannot hold the FSDP2 units unsharded; this rank stops with it")
+    units.hold()
+    try:
+        yield
+    finally:
+        units.reset()
 
 
 def _reduce_dtype(param: Any) -> torch.dtype:

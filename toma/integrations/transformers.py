@@ -20,6 +20,7 @@ mean the loss takes on its own (ignoring `num_items_in_batch`) is reproduced whe
 count. The division by the accumulation steps follows the Trainer's rule.
 """
 
+import contextlib
 import copy
 import logging
 from collections.abc import Mapping
@@ -33,7 +34,9 @@ from transformers.trainer_utils import unwrap_peft_model
 from transformers.training_args import OptimizerNames
 
 from toma.accumulation.accumulate import AccumulationStats, Sizing, accumulate
+from toma.accumulation.fsdp2 import held_unsharded, is_fsdp2
 from toma.accumulation.options import AccumulationOptions
+from toma.accumulation.sync import GRADIENT_SYNCS
 from toma.batching.splitting import ArgumentBatch
 from toma.core.arguments import check_size
 from toma.core.caches import GlobalBatchsizeCache
@@ -60,7 +63,14 @@ require("transformers", transformers.__version__, MINIMUM_TRANSFORMERS, "transfo
 
 log = logging.getLogger("toma")
 
-OPTIONS = ("toma_policy", "toma_initial_micro_batch", "toma_weight", "toma_log_micro_batch", "toma_pack_tokens")
+OPTIONS = (
+    "toma_policy",
+    "toma_initial_micro_batch",
+    "toma_weight",
+    "toma_log_micro_batch",
+    "toma_pack_tokens",
+    "toma_gradient_sync",
+)
 
 
 # Type checkers see the mixin as the Trainer it is mixed into; at run time it is a plain class.
@@ -112,6 +122,7 @@ class TomaTrainerMixin(_Trainer):
         toma_weight: Optional[Count] = None,
         toma_log_micro_batch: bool = False,
         toma_pack_tokens: bool = True,
+        toma_gradient_sync: str = "auto",
         **kwargs: Any,
     ) -> None:
         unknown = sorted(name for name in kwargs if name.startswith("toma_"))
@@ -139,6 +150,11 @@ class TomaTrainerMixin(_Trainer):
         if not isinstance(toma_pack_tokens, bool):
             raise TypeError(f"toma_pack_tokens must be True or False, got {toma_pack_tokens!r}")
         self.toma_pack_tokens = toma_pack_tokens
+        if toma_gradient_sync not in GRADIENT_SYNCS:
+            raise ValueError(
+                f"toma_gradient_sync must be one of {', '.join(map(repr, GRADIENT_SYNCS))}, got {toma_gradient_sync!r}"
+            )
+        self.toma_gradient_sync = toma_gradient_sync
         self.toma_stats = AccumulationStats()
         # One size per trainer, for training and for evaluation: set once found, whatever the batch's length.
         self._toma_training = Runner(ACCUMULATION, policy=given, cache=GlobalBatchsizeCache())
@@ -161,23 +177,27 @@ class TomaTrainerMixin(_Trainer):
         self._toma_training = self._toma_training.with_policy(policy)
         self._toma_evaluation = self._toma_evaluation.with_policy(policy)
 
-    def _toma_fsdp_refusal(self) -> str:
-        """Why FSDP through accelerate is refused: FSDP1's collectives run inside each pass; FSDP2's plugin runs
-        on GPUs only, where toma's handling of it is not in place yet (see docs/distributed.md)."""
+    @property
+    def _toma_fsdp2(self) -> bool:
+        """Whether accelerate shards the model with FSDP2 (`fsdp_config={"fsdp_version": 2}`), which the
+        accumulation handles (`toma.accumulation.sync.AgreeingFSDP2`); FSDP1 it refuses."""
         plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
-        if getattr(plugin, "fsdp_version", 1) == 2:
-            return (
-                "FSDP2 through accelerate (args.fsdp with fsdp_version 2), not supported yet; toma.accumulate on a "
-                "fully_shard model, toma.Trainer, and MicroBatching under Lightning's ModelParallelStrategy train "
-                "FSDP2 models"
-            )
-        return "FSDP (args.fsdp, FSDP1), whose collectives run inside each forward pass"
+        return bool(self.is_fsdp_enabled) and getattr(plugin, "fsdp_version", 1) == 2
 
     def _toma_check_setup(self) -> None:
         """Setups whose collectives or optimizers run inside a step cannot be split into micro-batches."""
         refused = [
             (self.is_deepspeed_enabled, "DeepSpeed (args.deepspeed), which runs its own accumulation"),
-            (self.is_fsdp_enabled, self._toma_fsdp_refusal()),
+            (
+                self.is_fsdp_enabled and not self._toma_fsdp2,
+                "FSDP1 (args.fsdp without fsdp_version 2), whose collectives run inside each forward pass; FSDP2 "
+                '(fsdp_config={"fsdp_version": 2}) is supported',
+            ),
+            (
+                self.toma_gradient_sync == "micro_batch" and not self._toma_fsdp2,
+                "toma_gradient_sync='micro_batch', which reduce-scatters FSDP2's gradients: FSDP2 is not on "
+                '(fsdp_config={"fsdp_version": 2})',
+            ),
             (
                 self.args.n_gpu > 1,
                 f"DataParallel over {self.args.n_gpu} GPUs in one process; launch one process per GPU (torchrun)",
@@ -284,7 +304,14 @@ class TomaTrainerMixin(_Trainer):
         backward = self.accelerator.backward
         lengths = "attention_mask" if self.toma_pack_tokens and _has_mask(inputs) else None
         options = AccumulationOptions(
-            model, reduction, shares.count, None, backward, name="TomaTrainer.training_step", lengths=lengths
+            model,
+            reduction,
+            shares.count,
+            None,
+            backward,
+            name="TomaTrainer.training_step",
+            lengths=lengths,
+            gradient_sync=self.toma_gradient_sync,
         )
         sizing = Sizing(self.toma_initial_micro_batch, self._toma_training, stats=self.toma_stats)
         loss = accumulate(micro_loss, batch, options, sizing, total=shares.total)
@@ -320,7 +347,10 @@ class TomaTrainerMixin(_Trainer):
         count = self._toma_count_for(inputs, as_the_trainer_counts=passes_count)
         summed = self.loss_is_scaled_for_ga is True and not passes_count
         chunks = _PredictionChunks(predict, split, model, prediction_loss_only, ignore_keys, count, summed)
-        return self._toma_evaluation.perform(chunks, WHOLE_BATCHES).joined()
+        # FSDP2's forward passes all-gather: held unsharded, a chunk one rank redoes leaves no other waiting
+        held = held_unsharded(model) if self._toma_fsdp2 and is_fsdp2(model) else contextlib.nullcontext()
+        with held:
+            return self._toma_evaluation.perform(chunks, WHOLE_BATCHES).joined()
 
 
 def _has_mask(inputs: Any) -> bool:
