@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from helpers import REPO, run_ranks
+from helpers import REPO, requires_cuda, run_ranks
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -563,3 +563,71 @@ def test_the_trainer_trains_an_fsdp2_model_as_the_unsplit_steps_with_one_rank_sh
     results = [json.loads(out.strip().splitlines()[-1]) for out in run_ranks(TRAINER, 2, timeout=180)]
     for result in results:
         assert result["difference"] < 1e-5 and result["micro_batch"] == 8, result
+
+
+ON_A_GPU = """
+import datetime, json, os
+import torch, torch.distributed as dist, torch.nn as nn, torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
+from toma import toma
+dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=120))
+device = torch.device("cuda", 0)
+torch.cuda.set_device(device)
+SYNC, ROWS, WIDTH = os.environ["TOMA_SYNC"], 16384, 8192
+
+
+def make():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Sequential(nn.Linear(64, WIDTH), nn.ReLU()), nn.Sequential(nn.Linear(WIDTH, 64), nn.ReLU()), nn.Linear(64, 10)
+    ).to(device)
+    for block in model[:2]:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+generator = torch.Generator().manual_seed(1)
+batches = [(torch.randn(ROWS, 64, generator=generator).to(device), torch.randint(0, 10, (ROWS,), generator=generator).to(device))
+           for _ in range(2)]  # fmt: skip
+reference = make()
+optimizer = torch.optim.SGD(reference.parameters(), lr=0.05)
+for x, y in batches:  # the unsplit FSDP2 steps, before any cap
+    optimizer.zero_grad()
+    F.cross_entropy(reference(x), y).backward()
+    optimizer.step()
+expected = [p.full_tensor().cpu() for p in reference.parameters()]
+del reference, optimizer
+torch.cuda.empty_cache()
+model = make()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+compute_loss = toma.accumulate(model=model, initial_micro_batch=ROWS, gradient_sync=SYNC)(
+    lambda x, y: F.cross_entropy(model(x), y)
+)
+# 512 MiB above what the process holds: one 16384 x 8192 activation alone is 512 MiB
+total = torch.cuda.get_device_properties(device).total_memory
+torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved(device) + 512 * 2**20) / total, device)
+sizes = []
+for x, y in batches:
+    optimizer.zero_grad()
+    compute_loss(x, y)
+    optimizer.step()
+    sizes.append(compute_loss.stats.micro_batch)
+got = [p.full_tensor().cpu() for p in model.parameters()]
+largest = max(float((g - e).abs().max() / e.abs().max()) for g, e in zip(got, expected))
+print(json.dumps(dict(difference=largest, sizes=sizes, retries=compute_loss.stats.oom_retries)), flush=True)
+dist.destroy_process_group()
+os._exit(0)
+"""
+
+
+@pytest.mark.cuda
+@requires_cuda
+@pytest.mark.parametrize("sync", SYNCS)
+def test_on_a_gpu_a_real_cuda_oom_under_fsdp2_over_nccl_is_retried_to_the_unsplit_parameters(sync):
+    """One rank on a GPU, NCCL's all-gathers and reduce-scatters, a real out-of-memory error under
+    `set_per_process_memory_fraction`."""
+    (output,) = run_ranks(ON_A_GPU.replace('os.environ["TOMA_SYNC"]', repr(sync)), 1, timeout=300)
+    result = json.loads(output.strip().splitlines()[-1])
+    assert result["retries"] >= 1 and result["sizes"][0] < 16384, result
+    assert result["difference"] < 1e-4, result

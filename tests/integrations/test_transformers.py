@@ -850,8 +850,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 from toma.integrations.transformers import TomaTrainer
 hf_logging.set_verbosity_error()
 rank = int(os.environ["RANK"])
-FSDP2, SYNC = False, "auto"
-if FSDP2 and not torch.cuda.is_available():
+FSDP2, SYNC, GPU = False, "auto", False
+if FSDP2 and not GPU:
     # accelerate turns FSDP on for GPU jobs only; everything else it does for FSDP2 runs on the CPU with gloo.
     # This makes its state take a CPU job for a GPU one, so that its FSDP2 branch (the plugin, fully_shard on
     # the blocks, the tail group and the root, its backward and clipping) is what runs here.
@@ -889,7 +889,7 @@ def run(cls, oom):
     if oom:
         model.register_forward_pre_hook(refuse, with_kwargs=True)
     args = TrainingArguments(output_dir="out", per_device_train_batch_size=8, gradient_accumulation_steps=2,
-                             max_steps=2, optim="sgd", learning_rate=0.5, report_to="none", use_cpu=True,
+                             max_steps=2, optim="sgd", learning_rate=0.5, report_to="none", use_cpu=not GPU,
                              save_strategy="no", disable_tqdm=True, seed=0, **(sharding if FSDP2 else {}))
     options = dict(toma_pack_tokens=False, toma_gradient_sync=SYNC) if cls is TomaTrainer else {}  # rows: <= 3 below
     trainer = cls(model=model, args=args, train_dataset=rows, data_collator=pad, **options)
@@ -935,7 +935,9 @@ def test_fsdp2_through_accelerate_ranks_agree_on_the_micro_batch_and_match_the_p
     FSDP2 parameters and evaluation loss, with rank 0 refusing more than 3 rows."""
     from helpers import run_ranks
 
-    script = DDP_RUN.replace('FSDP2, SYNC = False, "auto"', f"FSDP2, SYNC = True, {gradient_sync!r}")
+    script = DDP_RUN.replace(
+        'FSDP2, SYNC, GPU = False, "auto", False', f"FSDP2, SYNC, GPU = True, {gradient_sync!r}, False"
+    )
     outputs = run_ranks(f"import os; os.chdir({str(tmp_path)!r})\n" + script, 2, timeout=240)
     results = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
     assert [r["ddp"] for r in results] == ["FSDP"] * 2
@@ -945,3 +947,19 @@ def test_fsdp2_through_accelerate_ranks_agree_on_the_micro_batch_and_match_the_p
     for r in results:
         plain_loss, toma_loss = r["eval_losses"]
         assert toma_loss == pytest.approx(plain_loss, rel=1e-5), r
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_on_a_gpu_fsdp2_through_accelerate_trains_the_plain_trainers_parameters(tmp_path):
+    """The FSDP2 run above on one GPU, as accelerate runs it there (NCCL, no forcing): one rank refusing more
+    than 3 rows."""
+    from helpers import run_ranks
+
+    script = DDP_RUN.replace('FSDP2, SYNC, GPU = False, "auto", False', 'FSDP2, SYNC, GPU = True, "auto", True')
+    (output,) = run_ranks(f"import os; os.chdir({str(tmp_path)!r})\n" + script, 1, timeout=300)
+    result = json.loads(output.strip().splitlines()[-1])
+    assert result["ddp"] == "FSDP" and result["micro"] <= 3 and result["retries"] >= 1, result
+    assert result["close"], result
+    plain_loss, toma_loss = result["eval_losses"]
+    assert toma_loss == pytest.approx(plain_loss, rel=1e-5), result
