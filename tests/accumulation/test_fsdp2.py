@@ -250,6 +250,7 @@ def make_grouped():  # as accelerate shards a language model: the final norm and
     torch.manual_seed(0)
     blocks = [nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True) for _ in range(2)]
     model = nn.Sequential(nn.Embedding(VOCAB, 16), *blocks, nn.LayerNorm(16), nn.Linear(16, VOCAB))
+    model[0].weight.requires_grad_(False)  # frozen, as LoRA freezes the base weights: no gradient, as in FSDP2
     for block in blocks:
         fully_shard(block)
     fully_shard([model[3], model[4]])
@@ -260,20 +261,33 @@ def make_grouped():  # as accelerate shards a language model: the final norm and
 x = data(100 + rank)[0]
 reference = make_grouped()
 loss_of(reference, x).backward()
-expected = [p.grad.full_tensor() for p in reference.parameters()]
+expected = [None if p.grad is None else p.grad.full_tensor() for p in reference.parameters()]
 model = make_grouped()
 toma.accumulate(model=model, initial_micro_batch=4, gradient_sync=SYNC)(lambda x: loss_of(model, x))(x)
-got = [p.grad.full_tensor() for p in model.parameters()]
-finish(dict(rank=rank, difference=max(float((g - e).abs().max() / e.abs().max()) for g, e in zip(got, expected))))
+got = [None if p.grad is None else p.grad.full_tensor() for p in model.parameters()]
+frozen = [g is None for g in got] == [e is None for e in expected] and expected[0] is None
+trained = [(g, e) for g, e in zip(got, expected) if e is not None]
+largest = max(float((g - e).abs().max() / e.abs().max()) for g, e in trained)
+# every rank's micro-batches count nothing: the same error on every rank, no hang
+nothing = None
+try:
+    toma.accumulate(model=model, initial_micro_batch=4, gradient_sync=SYNC, weight=lambda x: 0)(
+        lambda x: loss_of(model, x)
+    )(x)
+except Exception as error:
+    nothing = type(error).__name__
+finish(dict(rank=rank, difference=largest, frozen=frozen, nothing=nothing))
 """
 )
 
 
 @pytest.mark.parametrize("sync", SYNCS)
-def test_modules_sharded_as_one_group_get_the_unsplit_fsdp2_gradients(sync):
+def test_modules_sharded_as_one_group_and_frozen_weights_get_the_unsplit_fsdp2_gradients(sync):
     script = GROUPED.replace('os.environ["TOMA_SYNC"]', repr(sync))
     for result in [json.loads(out.strip().splitlines()[-1]) for out in run_ranks(script, 2, timeout=180)]:
         assert result["difference"] < 1e-5, result
+        assert result["frozen"], "a frozen parameter keeps no gradient, as under FSDP2 itself"
+        assert result["nothing"] == "NothingCounted", result
 
 
 MIXED = (

@@ -1,7 +1,8 @@
 """FSDP2 (`torch.distributed.fsdp.fully_shard`) as an accumulation needs it: every unit held unsharded for one
 attempt at a logical batch, so that its micro-batches run no collective at all (a rank that runs out of memory
-cannot leave another waiting in an all-gather or a reduce-scatter), and the gradients reduced once after the
-ranks agreed that every one of them finished, each rank keeping its shard.
+cannot leave another waiting in an all-gather or a reduce-scatter), and the gradients reduce-scattered, each rank
+keeping its shard, only where the ranks agreed that every one of them got there (after the attempt, or after
+each micro-batch: `toma.accumulation.sync`).
 
 FSDP2 has no public way to reduce gradients it accumulated unsharded, nor to clear the state a forward or a
 backward pass that raised half-way leaves behind (a unit's training state, the root's queued final callback).
@@ -85,11 +86,12 @@ def _groups(unit: FSDPModule) -> List[Any]:
 
 
 class ShardedUnits:
-    """The FSDP2 units of a root module: held unsharded without gradient sync for an attempt (`hold`), their
-    unsharded gradients averaged over the shard group and split into each rank's shard (`reduce`), and put back
-    as they were (`release`; `reset` after an attempt that raised)."""
+    """The FSDP2 units of a root module: checked for room (`probe`), held unsharded without gradient sync for an
+    attempt (`hold`), the unsharded gradients of the parameters that train reduce-scattered into sums of each
+    rank's shard (`scatter_buffers`, `reduce_scatter`) that become the sharded gradients (`keep_sums`), and put
+    back as they were (`release`; `reset` after an attempt that raised)."""
 
-    __slots__ = ("units", "params", "groups", "process_group", "rank", "world", "sums", "_settings")
+    __slots__ = ("units", "params", "groups", "trained", "process_group", "rank", "world", "sums", "_settings")
 
     def __init__(self, root: torch.nn.Module) -> None:
         self.units: List[FSDPModule] = [m for m in root.modules() if isinstance(m, FSDPModule)]
@@ -98,6 +100,8 @@ class ShardedUnits:
         groups = {id(group): group for unit in self.units for group in _groups(unit)}
         self.groups = list(groups.values())
         self.params = [param for group in self.groups for param in group.fsdp_params]
+        # Per group, the parameters that train (frozen ones, LoRA's base weights, get no gradient, as in FSDP2)
+        self.trained: List[Tuple[Any, List[Any]]] = []
         for param in self.params:
             for name in ("unsharded_param", "to_sharded_dtensor"):
                 if not hasattr(type(param), name):
@@ -107,7 +111,15 @@ class ShardedUnits:
                     raise _changed(f"FSDPParam.{name}")
         if not self.params:
             raise ValueError("toma.accumulate: the FSDP2 model has no sharded parameters")
+        for group in self.groups:
+            trained = [param for param in group.fsdp_params if param.sharded_param.requires_grad]
+            if trained:
+                self.trained.append((group, trained))
         for param in self.params:
+            if getattr(param, "offload_to_cpu", False):
+                raise NotImplementedError(
+                    "toma.accumulate does not support FSDP2 with CPU offloading (CPUOffloadPolicy) yet"
+                )
             if getattr(param, "is_dtensor", False):
                 raise NotImplementedError(
                     "toma.accumulate supports FSDP2 over plain parameters; parameters that are DTensors already "
@@ -160,6 +172,12 @@ class ShardedUnits:
         """Before an attempt: no reduce-scatter and no resharding in its passes, every unit unsharded (the
         all-gathers, here, before any micro-batch)."""
         if self._settings is None:
+            # FSDP2 settles the root's settings in its first forward pass (the root is not resharded after it):
+            # settle them first, so that `release` puts back those
+            for unit in self.units[:1]:
+                state = unit._get_fsdp_state()
+                if hasattr(state, "_lazy_init"):
+                    state._lazy_init()
             self._settings = [(g.reduce_grads, g.reshard_after_backward, g.post_forward_mesh_info) for g in self.groups]
         for group in self.groups:
             group.reduce_grads, group.reshard_after_backward, group.post_forward_mesh_info = False, False, None
@@ -171,16 +189,11 @@ class ShardedUnits:
         here tells the others in the agreement, instead of leaving them in a reduce-scatter): per dtype the
         gradients are reduced in (FSDP2's `reduce_dtype`, else theirs), an input of the largest unit's padded
         unsharded gradients and an output of its shard; the attempt's sums of shards (zeros) on the first call."""
-        if self.sums is None:
-            self.sums = [
-                torch.zeros(p.sharded_size, dtype=p.sharded_param.dtype, device=p.sharded_param.device)
-                for p in self.params
-            ]
+        self.zero_sums()
         largest: Dict[Tuple[torch.dtype, torch.device], int] = {}
-        for group in self.groups:
-            first = group.fsdp_params[0]
-            key = (_reduce_dtype(first), first.unsharded_param.device)
-            largest[key] = max(largest.get(key, 0), sum(_padded_rows(p, self.world)[1] for p in group.fsdp_params))
+        for _, params in self.trained:
+            key = (_reduce_dtype(params[0]), params[0].unsharded_param.device)
+            largest[key] = max(largest.get(key, 0), sum(_padded_rows(p, self.world)[1] for p in params))
         return {
             dtype: (torch.empty(self.world * n, dtype=dtype, device=device), torch.empty(n, dtype=dtype, device=device))
             for (dtype, device), n in largest.items()
@@ -193,8 +206,7 @@ class ShardedUnits:
         the next one's forward pass gets)."""
         assert self.sums is not None
         sums = iter(self.sums)
-        for group in self.groups:
-            params = group.fsdp_params
+        for _, params in self.trained:
             flat_in, flat_out = buffers[_reduce_dtype(params[0])]
             shapes = [_padded_rows(p, self.world) for p in params]
             total = sum(n for _, n in shapes)
@@ -215,11 +227,22 @@ class ShardedUnits:
                 offset += n
                 _drop_unsharded_grad(param)
 
+    def zero_sums(self) -> None:
+        """The attempt's sums of shards, zeros until a reduce-scatter adds to them (allocated once)."""
+        if self.sums is None:
+            self.sums = [
+                torch.zeros(p.sharded_size, dtype=p.sharded_param.dtype, device=p.sharded_param.device)
+                for _, params in self.trained
+                for p in params
+            ]
+
     def keep_sums(self) -> None:
-        """After an attempt every rank finished and reduced: the sums of shards the sharded parameters'
-        gradients."""
+        """After an attempt every rank finished and reduced: the sums of shards the sharded gradients of the
+        parameters that train (zeros where no reduce-scatter ran: every rank's micro-batches counted nothing)."""
+        self.zero_sums()
         assert self.sums is not None
-        for param, total_sum in zip(self.params, self.sums):
+        trained = [p for _, params in self.trained for p in params]
+        for param, total_sum in zip(trained, self.sums):
             param.sharded_param.grad = param.to_sharded_dtensor(total_sum)
         self.release()
 
@@ -269,7 +292,8 @@ def held_unsharded(root: torch.nn.Module) -> Iterator[None]:
         units.probe()
     except UnshardedDoesNotFit as error:
         failed = error
-    unable = Agreement(units.process_group).sum(0.0 if failed is None else 1.0)
+    device = units.params[0].sharded_param.device
+    unable = Agreement(units.process_group, device).sum(0.0 if failed is None else 1.0)
     if failed is not None:
         raise failed
     if unable:
@@ -294,7 +318,10 @@ def _unsharded_grad(param: Any) -> Optional[torch.Tensor]:
     grad = param.unsharded_param.grad
     if accumulated is None:
         return grad
-    return accumulated if grad is None else accumulated + grad
+    if grad is not None:  # in place: nothing is allocated once the ranks agreed to reduce
+        accumulated.add_(grad)
+        param.unsharded_param.grad = None
+    return accumulated
 
 
 def _drop_unsharded_grad(param: Any) -> None:

@@ -1,8 +1,9 @@
 """How an accumulation's gradients meet other ranks': `GradientSync`, the interface the accumulation step drives,
 and its strategies: alone (LocalSync), through DDP with `no_sync` on all but the last micro-batch (DDPNoSync),
-through the ranks' agreement and one all-reduce at the end (AgreeingDDP), the same for FSDP2's shards
-(AgreeingFSDP2), or through the agreement alone when a framework reduces the gradients after the logical batch
-(AgreeingOnly); `sync_for` picks one for a model."""
+through the ranks' agreement and one all-reduce at the end (AgreeingDDP), FSDP2's shards reduce-scattered once at
+the end (AgreeingFSDP2) or after every micro-batch, each after an agreement (ReducingFSDP2), or through the
+agreement alone when a framework reduces the gradients after the logical batch (AgreeingOnly); `sync_for` picks
+one for a model."""
 
 import contextlib
 import logging
@@ -60,7 +61,8 @@ class GradientSync(ABC):
     A new strategy is a subclass in this module, returned by `sync_for` for its models (FSDP2's: `AgreeingFSDP2`,
     `begin` holds the units unsharded, `reduce` reduces once after the agreement, `reset` clears the state a pass
     that failed half-way left behind); with a process group of several ranks it holds an `Agreement` on that
-    group. The step and the engine need no change.
+    group. Collectives inside an attempt (FSDP2's) must each be one the others can meet: an `Agreement` call
+    (`before_attempt`, `all_finished`), which a failed rank's `after_attempt` matches, before any other collective.
     """
 
     __slots__ = ()
@@ -209,10 +211,10 @@ class AgreeingFSDP2(GradientSync):
         return ReducingFSDP2(self.model, self.units, self.agreement, self.mode)
 
     def begin(self, size: int, micro_batches: int, weight: Optional[float]) -> None:
+        self._buffers = None
         self.units.probe()
         self.agreement.before_attempt(size)
         self.units.hold()
-        self._buffers = None
 
     def scope(self, last: bool) -> ContextManager[object]:
         return _NOTHING
@@ -227,6 +229,7 @@ class AgreeingFSDP2(GradientSync):
         self.units.keep_sums()
 
     def reset(self) -> None:
+        self._buffers = None  # a failed attempt's: not held through the retry's probe
         self.units.reset()
 
 
@@ -267,6 +270,8 @@ class ReducingFSDP2(AgreeingFSDP2):
             self.micro_batch_done()
 
     def reduce(self, params: Sequence[torch.Tensor], weight: Optional[float]) -> None:
+        if self._scale is None:  # no round ran on any rank: weighted, every rank counted nothing
+            _rank_scale(self.agreement, self._weight)  # raises NothingCounted, as AgreeingFSDP2 does
         self.units.keep_sums()
 
 

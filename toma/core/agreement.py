@@ -2,7 +2,9 @@
 
 When one rank runs out of memory and retries while the others have gone on into a collective, the
 collectives no longer match and the job hangs. toma's protocol keeps every retried region free of
-collectives of its own and puts one small all-reduce (MIN over int64s) at two points:
+collectives of its own and puts one small all-reduce (MIN over int64s) at two points (and, for steps with
+collectives of their own such as FSDP2's, before each of them: `before_attempt`, `all_finished`, which a failed
+rank's `after_attempt` meets):
 
 - before the first attempt, the ranks agree on the size to start with (the smallest of their cached
   sizes), so every rank's cache holds the same size afterwards;

@@ -402,7 +402,7 @@ class MicroBatching(Callback):
         except _AsReturned as returned:
             model.logs.clear()
             return returned.output
-        except NothingCounted:  # raised before any forward pass: the module's own step, its own logging
+        except NothingCounted:  # before any forward pass (after them under FSDP2): the module's own step runs
             model.logs.clear()
             return fit.original(batch, *args, **kwargs)
         return self._output(fit, step, loss, grads, params)

@@ -300,6 +300,11 @@ class TomaTrainerMixin(_Trainer):
                 raise TypeError(f"compute_loss must return the loss as a tensor, got {type(loss).__name__}")
             return loss if shares.divisor == 1 else loss / shares.divisor
 
+        if self._toma_fsdp2 and not is_fsdp2(model):
+            raise ValueError(
+                f"{type(self).__name__}: accelerate shards with FSDP2 but the model the step gets is "
+                f"{type(model).__name__}, not the fully_shard root; toma holds and reduces the root's units"
+            )
         reduction = "sum" if shares.summed else "mean"
         backward = self.accelerator.backward
         lengths = "attention_mask" if self.toma_pack_tokens and _has_mask(inputs) else None
