@@ -7,7 +7,7 @@ logical batch of 64 sequences of 32 tokens in micro-batches of 16, SGD. The hand
 `set_requires_gradient_sync(False)` on every micro-batch but the last, whose backward pass reduce-scatters;
 FSDP2 all-gathers each block in every forward and backward pass. `toma.accumulate(model=..., initial_micro_batch=16)`
 unshards every block once per logical batch, runs the micro-batches without collectives, agrees with the other
-rank, then averages the gradients once (an all-reduce: gloo has no reduce-scatter of its own) and keeps its shard.
+rank, then reduce-scatters the gradients once per unit, each rank keeping its shard.
 `toma.accumulate(..., gradient_sync="micro_batch")` instead reduce-scatters after every micro-batch, after the
 ranks agreed that all finished it: less memory held (the unsharded gradients do not stay beside the next
 micro-batch's forward pass), more communication; its hand-written counterpart is FSDP2's default loop, which
