@@ -911,20 +911,29 @@ os._exit(0)
 """
 
 
-@pytest.mark.slow
-@pytest.mark.multiprocess
-def test_ddp_through_accelerate_ranks_agree_on_the_micro_batch_and_match_the_plain_trainer(tmp_path):
+def run_against_the_plain_trainer(
+    tmp_path, ranks: int, sharding: str, expect: str, fsdp2=False, sync="auto", gpu=False
+):
+    """DDP_RUN on `ranks` ranks: every rank at the same micro-batch (<= 3 rows), the ranks that did not run out of
+    memory retrying with rank 0, the plain Trainer's parameters and evaluation loss."""
     from helpers import run_ranks
 
-    outputs = run_ranks(f"import os; os.chdir({str(tmp_path)!r})\n" + DDP_RUN, 2, timeout=240)
+    script = DDP_RUN.replace('FSDP2, SYNC, GPU = False, "auto", False', f"FSDP2, SYNC, GPU = {fsdp2}, {sync!r}, {gpu}")
+    outputs = run_ranks(f"import os; os.chdir({str(tmp_path)!r})\n" + script, ranks, timeout=300)
     results = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
-    assert [r["ddp"] for r in results] == ["DistributedDataParallel"] * 2
-    assert [r["micro"] for r in results] == [results[0]["micro"]] * 2 and results[0]["micro"] <= 3, results
-    assert results[1]["retries"] >= 1, "rank 1 never ran out of memory, yet retried with rank 0"
+    assert [r["ddp"] for r in results] == [expect] * ranks, sharding
+    assert [r["micro"] for r in results] == [results[0]["micro"]] * ranks and results[0]["micro"] <= 3, results
+    assert results[-1]["retries"] >= 1, "the last rank never ran out of memory, yet retried with rank 0"
     assert all(r["close"] for r in results), results
     for r in results:
         plain_loss, toma_loss = r["eval_losses"]
         assert toma_loss == pytest.approx(plain_loss, rel=1e-5), r
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_ddp_through_accelerate_ranks_agree_on_the_micro_batch_and_match_the_plain_trainer(tmp_path):
+    run_against_the_plain_trainer(tmp_path, 2, "DDP", "DistributedDataParallel")
 
 
 @pytest.mark.slow
@@ -933,20 +942,7 @@ def test_ddp_through_accelerate_ranks_agree_on_the_micro_batch_and_match_the_pla
 def test_fsdp2_through_accelerate_ranks_agree_on_the_micro_batch_and_match_the_plain_trainer(tmp_path, gradient_sync):
     """The DDP run above with accelerate's FSDP2 plugin (`fsdp_config={"fsdp_version": 2}`): the plain Trainer's
     FSDP2 parameters and evaluation loss, with rank 0 refusing more than 3 rows."""
-    from helpers import run_ranks
-
-    script = DDP_RUN.replace(
-        'FSDP2, SYNC, GPU = False, "auto", False', f"FSDP2, SYNC, GPU = True, {gradient_sync!r}, False"
-    )
-    outputs = run_ranks(f"import os; os.chdir({str(tmp_path)!r})\n" + script, 2, timeout=240)
-    results = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
-    assert [r["ddp"] for r in results] == ["FSDP"] * 2
-    assert [r["micro"] for r in results] == [results[0]["micro"]] * 2 and results[0]["micro"] <= 3, results
-    assert results[1]["retries"] >= 1, "rank 1 never ran out of memory, yet retried with rank 0"
-    assert all(r["close"] for r in results), results
-    for r in results:
-        plain_loss, toma_loss = r["eval_losses"]
-        assert toma_loss == pytest.approx(plain_loss, rel=1e-5), r
+    run_against_the_plain_trainer(tmp_path, 2, "FSDP2", "FSDP", fsdp2=True, sync=gradient_sync)
 
 
 @pytest.mark.cuda
@@ -954,12 +950,4 @@ def test_fsdp2_through_accelerate_ranks_agree_on_the_micro_batch_and_match_the_p
 def test_on_a_gpu_fsdp2_through_accelerate_trains_the_plain_trainers_parameters(tmp_path):
     """The FSDP2 run above on one GPU, as accelerate runs it there (NCCL, no forcing): one rank refusing more
     than 3 rows."""
-    from helpers import run_ranks
-
-    script = DDP_RUN.replace('FSDP2, SYNC, GPU = False, "auto", False', 'FSDP2, SYNC, GPU = True, "auto", True')
-    (output,) = run_ranks(f"import os; os.chdir({str(tmp_path)!r})\n" + script, 1, timeout=300)
-    result = json.loads(output.strip().splitlines()[-1])
-    assert result["ddp"] == "FSDP" and result["micro"] <= 3 and result["retries"] >= 1, result
-    assert result["close"], result
-    plain_loss, toma_loss = result["eval_losses"]
-    assert toma_loss == pytest.approx(plain_loss, rel=1e-5), result
+    run_against_the_plain_trainer(tmp_path, 1, "FSDP2 on a GPU", "FSDP", fsdp2=True, gpu=True)
