@@ -144,6 +144,20 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def torchrun(*script: str, timeout: float = 300) -> str:
+    """The stdout of a script of this repository run by torchrun on 2 CPU ranks (fails the test if it fails)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *script],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1"),
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
 def run_ranks(code: str, world_size: int, timeout: float = 120, check: bool = True) -> list:
     """Run `code` as `world_size` processes of one torch.distributed job (env:// rendezvous on localhost,
     RANK and WORLD_SIZE set); returns their stdouts (with check=False: (returncode, stdout, stderr) per

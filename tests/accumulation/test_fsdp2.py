@@ -4,14 +4,11 @@ by all without a hang, another error stopping every rank."""
 
 import ast
 import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
-from helpers import REPO, requires_cuda, run_ranks
+from helpers import requires_cuda, run_ranks, torchrun
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -449,20 +446,6 @@ def test_the_fsdp2_root_is_the_model_or_its_one_outermost_sharded_module_holding
     assert found["plain"] is None and found["inner"] == "net" and found["itself"] == ""
     assert "outside the FSDP2 root 'net' (scale)" in found["extra"], found["extra"]
     assert "several FSDP2 roots (net, other)" in found["two"], found["two"]
-
-
-def torchrun(*script: str) -> str:
-    """The stdout of a script of this repository run by torchrun on 2 CPU ranks (fails the test if it fails)."""
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *script],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
-        env=dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1"),
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    return result.stdout
 
 
 def test_the_example_trains_under_a_real_cap_on_one_rank_as_the_unsplit_steps():

@@ -2,9 +2,6 @@
 and accumulated gradients equal the single-process full-batch reference."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -13,7 +10,7 @@ from torch import nn
 
 from toma.core import agreement as distributed
 
-from helpers import COLLECT_TOMA_LOG, REPO, run_ranks
+from helpers import COLLECT_TOMA_LOG, run_ranks, torchrun
 
 pytestmark = pytest.mark.multiprocess
 
@@ -264,23 +261,7 @@ def test_without_a_process_group_there_is_nothing_to_agree_on():
 
 @pytest.mark.slow
 def test_the_ddp_example_runs_under_torchrun():
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            "examples/ddp_accumulate.py",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=REPO,
-        env=dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1"),
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    out = result.stdout
+    out = torchrun("examples/ddp_accumulate.py", timeout=240)
     own = [line for line in out.splitlines() if line.startswith("[rank 0] ") and "ran out of memory" in line]
     assert own and "can't allocate memory" in own[0], "rank 0 must run out of memory for real"
     assert "another rank ran out of memory" in out, "rank 1 must follow rank 0"
