@@ -559,9 +559,15 @@ def test_backward_goes_through_the_accelerator_once_per_micro_batch(tmp_path, mo
     )
     calls = []
     backward = trainer.accelerator.backward
-    monkeypatch.setattr(trainer.accelerator, "backward", lambda loss, **kw: calls.append(1) or backward(loss, **kw))
+    monkeypatch.setattr(
+        trainer.accelerator,
+        "backward",
+        lambda loss, **kw: calls.append(loss.grad_fn is not None) or backward(loss, **kw),
+    )
     trainer.train()
-    assert len(calls) == 8, "8 rows in micro-batches of 2, two steps: the OOMed attempts never reach backward"
+    assert calls.count(True) == 8, "8 rows in micro-batches of 2, two steps: the OOMed attempts never reach backward"
+    # and once per step the Trainer's own backward of the batch's loss, detached: it reaches no parameter
+    assert calls.count(False) == 2
 
 
 # --- evaluation and prediction -------------------------------------------------------------------------
@@ -634,17 +640,41 @@ def test_the_mixin_must_come_before_the_trainer_and_be_on_one():
         Alone()
 
 
-def test_a_subclass_training_step_that_the_mixin_replaces_is_named_in_a_warning(caplog):
+def test_a_subclass_training_step_runs_around_the_micro_batches_once_per_step(tmp_path):
+    """A Trainer subclass's own training_step (TRL's wrap theirs: activation offloading, GRPO's step counter) runs
+    as in a plain run, once per step; inside it the Trainer's compute_loss call is what toma splits."""
+
     class Wrapping(Trainer):
         def training_step(self, *args, **kwargs):
+            self.wrapped = getattr(self, "wrapped", 0) + 1
             return super().training_step(*args, **kwargs)
 
+    class Mixed(TomaTrainerMixin, Wrapping):
+        pass
+
+    plain_model, model = gpt2(), gpt2()
+    plain = Wrapping(model=plain_model, args=arguments(tmp_path, max_steps=2), train_dataset=texts(), data_collator=pad)
+    plain.train()
+    oom_above(model, 3)
+    trainer = Mixed(model=model, args=arguments(tmp_path, max_steps=2), train_dataset=texts(), data_collator=pad)
+    trainer.train()
+    assert trainer.wrapped == plain.wrapped == 2
+    assert trainer.toma_stats.oom_retries >= 1
+    assert_same_parameters(model, plain_model)
+
+
+def test_a_training_step_that_never_reaches_compute_loss_is_named_in_a_warning(tmp_path, caplog):
+    class Own(Trainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            return torch.zeros(())
+
+    class Mixed(TomaTrainerMixin, Own):
+        pass
+
+    trainer = Mixed(model=gpt2(), args=arguments(tmp_path, max_steps=1), train_dataset=texts(), data_collator=pad)
     with caplog.at_level(logging.WARNING, logger="toma"):
-
-        class Mixed(TomaTrainerMixin, Wrapping):
-            pass
-
-    assert any("training_step of Wrapping is replaced" in record.getMessage() for record in caplog.records)
+        trainer.train()
+    assert any("did not reach the Trainer's call of compute_loss" in r.getMessage() for r in caplog.records)
 
 
 def test_setups_that_cannot_be_split_are_refused_naming_the_setting(tmp_path):

@@ -24,11 +24,13 @@ def test_num_items_are_the_trainers_times_the_share_counted_in_rows_or_items():
     whole = _batch(torch.tensor([[1, 2], [3, -100], [-100, -100], [4, 5]]))
     part = {key: value[:2] for key, value in whole.items()}
     by_rows = Shares(None, None, 4, 10, 1)
-    assert by_rows.num_items_for(whole) == 10 and by_rows.num_items_for(part) == 5
+    assert by_rows.num_items_for(whole, whole) == 10 and by_rows.num_items_for(part, whole) == 5
     count = LabelCount(shifted=False)
     by_items = Shares(count, count(whole), 4, 10, 1)
-    assert float(by_items.num_items_for(part)) == pytest.approx(10 * 3 / 5)
-    assert Shares(None, None, 4, None, 1).num_items_for(part) is None
+    assert float(by_items.num_items_for(part, whole)) == pytest.approx(10 * 3 / 5)
+    assert by_items.num_items_for(whole, whole) == 10, "the whole batch: the Trainer's own value, as it is"
+    assert Shares(None, None, 4, None, 1).num_items_for(part, whole) is None
+    assert by_rows.weight_of(part, whole) == 2 and int(by_items.weight_of(part, whole)) == 3
 
 
 def test_label_count_skips_ignored_labels_and_the_first_position_when_shifted():

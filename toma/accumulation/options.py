@@ -8,7 +8,10 @@ import torch
 
 from toma.accumulation.fsdp2 import is_fsdp2
 from toma.accumulation.plan import NothingCounted, nothing_counted
+from toma.accumulation.rollback import Rollback
 from toma.accumulation.sync import GRADIENT_SYNCS, GradientSync
+from toma.batching.groups import Groups, check_groups
+from toma.batching.logical import check_packing
 from toma.batching.tokens import Lengths, check_lengths
 from toma.core.arguments import check_size
 
@@ -94,8 +97,14 @@ class AccumulationOptions:
     accelerator's backward, which scales for mixed precision); `sync`, how the gradients meet other ranks' (None:
     the one `model` calls for, `toma.accumulation.sync.sync_for`); `name`, what log lines call the function.
     `lengths` (each row's length: a mask's name or a function) makes the size a token budget
-    (`toma.batching.tokens`), starting at `initial_tokens` where given. `gradient_sync`: when an FSDP2 model's
-    gradients are reduce-scattered ("auto", "logical_batch", "micro_batch": `toma.accumulation.sync`)."""
+    (`toma.batching.tokens`; a padding-free batch's `position_ids`, `cu_seq_lens_*` or `seq_idx`: cut between its
+    packed sequences, `toma.batching.packed`), starting at `initial_tokens` where given. `gradient_sync`: when an
+    FSDP2 model's gradients are reduce-scattered ("auto", "logical_batch", "micro_batch": `toma.accumulation.sync`).
+    `groups`: how rows belong together (`toma.batching.groups`; None: each on its own, checked once,
+    `toma.accumulation.coupling`); `check_split`: before the first split of a batch, its loss is checked to be
+    what its parts add up to (on unless `groups=` says how the rows belong together). `rollback`: a framework's own
+    state that the loss function changes per call (a trainer's counters and metric lists), put back with a failed
+    attempt."""
 
     model: torch.nn.Module
     reduction: str = "mean"
@@ -107,6 +116,9 @@ class AccumulationOptions:
     lengths: Optional[Lengths] = None
     initial_tokens: Optional[int] = None
     gradient_sync: str = "auto"
+    groups: Optional[Groups] = None
+    check_split: bool = True
+    rollback: Optional[Rollback] = None
 
     def as_kwargs(self) -> Dict[str, Any]:
         """The options as `toma.accumulate`'s keywords."""
@@ -115,6 +127,8 @@ class AccumulationOptions:
             kwargs.update(lengths=self.lengths, initial_tokens=self.initial_tokens)
         if self.gradient_sync != "auto":
             kwargs.update(gradient_sync=self.gradient_sync)
+        if self.groups is not None:
+            kwargs.update(groups=self.groups)
         return kwargs
 
     @classmethod
@@ -128,6 +142,7 @@ class AccumulationOptions:
         lengths: Any = None,
         initial_tokens: Any = None,
         gradient_sync: Any = "auto",
+        groups: Any = None,
     ) -> "AccumulationOptions":
         """The options, each checked with an error naming the argument (`prefix` + its name)."""
         checked_model = check_model(model, "model")
@@ -141,6 +156,8 @@ class AccumulationOptions:
             if checked_lengths is None:
                 raise ValueError(f"{prefix}initial_tokens is a token budget: it needs {prefix}lengths= as well")
         sync = check_gradient_sync(gradient_sync, f"{prefix}gradient_sync", checked_model)
+        checked_groups = check_groups(groups, f"{prefix}groups")
+        check_packing(checked_lengths, checked_groups, prefix)
         return cls(
             checked_model,
             reduction,
@@ -149,4 +166,6 @@ class AccumulationOptions:
             lengths=checked_lengths,
             initial_tokens=tokens,
             gradient_sync=sync,
+            groups=checked_groups,
+            check_split=checked_groups is None,
         )

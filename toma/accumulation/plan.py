@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 import torch
 
 from toma.batching.splitting import LogicalBatch, MicroBatch
-from toma.batching.tokens import TokenBatch
+from toma.batching.tokens import TokenPiece
 
 __all__ = ["MicroBatchPlan", "Weighting", "NothingCounted", "nothing_counted", "shares", "counts"]
 
@@ -77,7 +77,7 @@ class Weighting(NamedTuple):
             return [1.0] * len(micro_batches), float(rows)
         weight = self.weight
         if weight is None:
-            return [(stop - start) / rows for _, start, stop in micro_batches], float(rows)
+            return [piece.rows_between(start, stop) / rows for piece, start, stop in micro_batches], float(rows)
         values = [weight(*args, **kwargs) for args, kwargs in arguments]
         if self.total is None:
             found = counts(values, weight)
@@ -92,26 +92,29 @@ class Weighting(NamedTuple):
 
 
 class MicroBatchPlan:
-    """An attempt at `size`: its micro-batches `(piece, start, stop)`, their arguments, and `running`, the
-    `(index, factor)` of each micro-batch that runs (in order; its loss is multiplied by `factor`); `weight` is
-    what the logical batch's loss averages over. With `tokens` (the pieces sorted by row length), `size` is a
-    token budget and each micro-batch is trimmed to its `widths` entry."""
+    """An attempt at `size`: its micro-batches `(piece, start, stop)` (units: rows, groups or packed sequences),
+    their arguments, and `running`, the `(index, factor)` of each micro-batch that runs (in order; its loss is
+    multiplied by `factor`); `weight` is what the logical batch's loss averages over. With `tokens` (the pieces
+    sorted by length, or cut between packed sequences), `size` is a token budget, each micro-batch is trimmed to its
+    `widths` entry (None: not trimmed) and `areas` holds its padded tokens."""
 
-    __slots__ = ("micro_batches", "widths", "arguments", "running", "weight")
+    __slots__ = ("micro_batches", "widths", "areas", "arguments", "running", "weight")
 
     def __init__(
-        self, batch: LogicalBatch, size: int, weighting: Weighting, tokens: Optional[List[TokenBatch]] = None
+        self, batch: LogicalBatch, size: int, weighting: Weighting, tokens: Optional[List[TokenPiece]] = None
     ) -> None:
-        self.widths: Optional[List[int]] = None
+        self.widths: Optional[List[Optional[int]]] = None
+        self.areas: Optional[List[int]] = None
         if tokens is None:
             self.micro_batches: List[MicroBatch] = batch.micro_batches(size)
             self.arguments: List[Arguments] = [
                 piece.arguments(start, stop) for piece, start, stop in self.micro_batches
             ]
         else:
-            packed = [micro for sorted_piece in tokens for micro in sorted_piece.micro_batches(size)]
-            self.micro_batches = [(piece, start, stop) for piece, start, stop, _ in packed]
-            self.widths = [width for *_, width in packed]
-            self.arguments = [piece.arguments(start, stop, width=width) for piece, start, stop, width in packed]
+            packed = [(part, micro) for part in tokens for micro in part.micro_batches(size)]
+            self.micro_batches = [(piece, start, stop) for _, (piece, start, stop, _) in packed]
+            self.widths = [width for _, (*_, width) in packed]
+            self.areas = [part.area_between(start, stop) for part, (_, start, stop, _) in packed]
+            self.arguments = [piece.arguments(start, stop, width=width) for _, (piece, start, stop, width) in packed]
         factors, self.weight = weighting.factors(self.micro_batches, self.arguments, batch.size)
         self.running: List[Tuple[int, float]] = [(i, f) for i, f in enumerate(factors) if f is not None]

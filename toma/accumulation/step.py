@@ -30,9 +30,10 @@ from toma.accumulation.rollback import (
 )
 from toma.accumulation.sync import model_device, sync_for
 from toma.batching import transfer
+from toma.batching.groups import GroupedBatch
 from toma.batching.micro_batch_cost import MicroBatchCost
 from toma.batching.splitting import LogicalBatch, MicroBatch
-from toma.batching.tokens import TokenBatch, token_batches
+from toma.batching.tokens import TokenPiece, token_batches
 from toma.batching.transfer import MicroBatchTransfers, shared_transfers
 from toma.core.agreement import AgreedRetry
 from toma.core.oom import ControlException, should_reduce_batch_size
@@ -110,11 +111,13 @@ class AccumulateStep(Step):
         if slots:
             parts.append(BufferStash(slots=slots))
         parts.append(GradientStash(self.params, copy=sync.copy_grads))
+        if options.rollback is not None:
+            parts.append(options.rollback)
         self.rollbacks = Rollbacks(parts)
         self.watch = MisuseWatch(self.params, model, check_grads=sync.watch_grads)
         self.transfers = _pipeline_for(self.params, batch)
         # With `lengths=`: the pieces sorted by row length, and the size a token budget
-        self.tokens: Optional[List[TokenBatch]] = None
+        self.tokens: Optional[List[TokenPiece]] = None
         if options.lengths is not None:
             self.tokens = token_batches(batch.pieces, options.lengths, cost or MicroBatchCost())
             self.size_name = TOKEN_BUDGET
@@ -122,7 +125,8 @@ class AccumulateStep(Step):
         self.total_weight: Optional[float] = None
         self.attempts = 0
         self.size: Optional[int] = None
-        self.failing_rows: Optional[int] = None  # the rows of the micro-batch in flight when an attempt failed
+        self.failing_units: Optional[int] = None  # the units of the micro-batch in flight when an attempt failed
+        self.grouped = any(isinstance(piece, GroupedBatch) for piece in batch.pieces)
 
     @property
     def row_items(self) -> float:
@@ -139,12 +143,12 @@ class AccumulateStep(Step):
             return rows
         if rows == ROWS_FROM_TOKENS and tokens is not None:
             return tokens
-        return rows * max(s.widths[0] for s in self.tokens)
+        return rows * max(s.longest for s in self.tokens)
 
     def at_smallest(self, size: int) -> bool:
-        """With a token budget: the micro-batch that ran out of memory held one row, which no smaller budget
-        makes any smaller (it is trimmed to its own length already)."""
-        return self.tokens is not None and self.failing_rows == 1
+        """With a token budget or groups: the micro-batch that ran out of memory held one unit (a row trimmed to its
+        own length, a group, a packed sequence), which no smaller size makes any smaller."""
+        return (self.tokens is not None or self.grouped) and self.failing_units == 1
 
     @property
     def device(self) -> Optional[torch.device]:
@@ -209,10 +213,10 @@ class AccumulateStep(Step):
         with watch:
             for (index, factor), (args, kwargs) in zip(plan.running, self._arguments(plan)):
                 _, start, stop = plan.micro_batches[index]
-                self.failing_rows = stop - start
+                self.failing_units = stop - start
                 if timer is not None:
-                    assert plan.widths is not None
-                    timer.begin((stop - start) * plan.widths[index])
+                    assert plan.areas is not None
+                    timer.begin(plan.areas[index])
                 with sync.scope(index == last):
                     try:
                         loss = func(*args, **kwargs)
@@ -234,7 +238,7 @@ class AccumulateStep(Step):
                 loss = loss.detach()
                 total = loss if total is None else total + loss
         sync.finish()
-        self.failing_rows = None
+        self.failing_units = None
         if timer is not None:
             timer.end()
         if total is None:  # every micro-batch counted 0 items: nothing to learn from, no NaN

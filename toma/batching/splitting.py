@@ -16,9 +16,13 @@ cannot be joined (loader batches padded to different widths, `toma.batching.batc
 
 import copy
 from collections.abc import Mapping
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
+
+if TYPE_CHECKING:  # the other kinds of logical batch, built on this module
+    from toma.batching.groups import GroupedBatch
+    from toma.batching.packed import PackedBatch
 
 __all__ = [
     "whole",
@@ -29,6 +33,8 @@ __all__ = [
     "map_tensors",
     "leaves",
     "is_row_sequence_candidate",
+    "rebuild_mapping",
+    "rebuild_sequence",
 ]
 
 
@@ -105,7 +111,8 @@ class _Scan:
         return False
 
 
-def _rebuild_mapping(obj: Mapping, items: Dict[Any, Any]) -> Any:
+def rebuild_mapping(obj: Mapping, items: Dict[Any, Any]) -> Any:
+    """A mapping like `obj` (its type and extra state kept where it can be copied) holding `items`."""
     if type(obj) is dict:
         return items
     try:  # OrderedDict, defaultdict, a tokenizer's BatchEncoding: keep the type and its extra state
@@ -117,7 +124,8 @@ def _rebuild_mapping(obj: Mapping, items: Dict[Any, Any]) -> Any:
         return items
 
 
-def _rebuild_sequence(obj: Any, items: List[Any]) -> Any:
+def rebuild_sequence(obj: Any, items: List[Any]) -> Any:
+    """A list, tuple or namedtuple like `obj` holding `items`."""
     if isinstance(obj, list):
         return items
     return type(obj)(*items) if _is_record(obj) else tuple(items)
@@ -145,9 +153,9 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     if isinstance(obj, whole):
         return obj.value
     if isinstance(obj, (tuple, list)):
-        return _rebuild_sequence(obj, [map_tensors(item, fn) for item in obj])
+        return rebuild_sequence(obj, [map_tensors(item, fn) for item in obj])
     if isinstance(obj, Mapping):
-        return _rebuild_mapping(obj, {key: map_tensors(value, fn) for key, value in obj.items()})
+        return rebuild_mapping(obj, {key: map_tensors(value, fn) for key, value in obj.items()})
     return obj
 
 
@@ -161,10 +169,10 @@ def _place_whole(obj: Any, move: Callable[[torch.Tensor], torch.Tensor], inside:
         return obj if value is obj.value else whole(value)
     if isinstance(obj, (tuple, list)):
         items = [_place_whole(item, move, inside) for item in obj]
-        return obj if all(new is old for new, old in zip(items, obj)) else _rebuild_sequence(obj, items)
+        return obj if all(new is old for new, old in zip(items, obj)) else rebuild_sequence(obj, items)
     if isinstance(obj, Mapping):
         values = {key: _place_whole(value, move, inside) for key, value in obj.items()}
-        return obj if all(values[key] is value for key, value in obj.items()) else _rebuild_mapping(obj, values)
+        return obj if all(values[key] is value for key, value in obj.items()) else rebuild_mapping(obj, values)
     return obj
 
 
@@ -271,8 +279,8 @@ class ArgumentBatch:
         if id(obj) in self._per_row:
             return obj[start:stop]
         if isinstance(obj, (tuple, list)):
-            return _rebuild_sequence(obj, [self._cut(item, start, stop, rows, width) for item in obj])
-        return _rebuild_mapping(obj, {key: self._cut(value, start, stop, rows, width) for key, value in obj.items()})
+            return rebuild_sequence(obj, [self._cut(item, start, stop, rows, width) for item in obj])
+        return rebuild_mapping(obj, {key: self._cut(value, start, stop, rows, width) for key, value in obj.items()})
 
     def _take(self, obj: Any, order: List[int], index: Dict[torch.device, torch.Tensor]) -> Any:
         """`obj` with its rows in `order` (tensors gathered, per-row sequences reordered); the rest as it is."""
@@ -288,8 +296,8 @@ class ArgumentBatch:
         if id(obj) in self._per_row:
             return type(obj)(obj[i] for i in order) if isinstance(obj, tuple) else [obj[i] for i in order]
         if isinstance(obj, (tuple, list)):
-            return _rebuild_sequence(obj, [self._take(item, order, index) for item in obj])
-        return _rebuild_mapping(obj, {key: self._take(value, order, index) for key, value in obj.items()})
+            return rebuild_sequence(obj, [self._take(item, order, index) for item in obj])
+        return rebuild_mapping(obj, {key: self._take(value, order, index) for key, value in obj.items()})
 
     def take(self, order: Sequence[int]) -> "ArgumentBatch":
         """The same arguments with the rows in `order` (a permutation of the rows): a new batch of copies."""
@@ -358,6 +366,15 @@ class ArgumentBatch:
         placed.trimmed = self.trimmed  # the split tensors are the same: only `whole` values moved
         return placed
 
+    @property
+    def unit_count(self) -> int:
+        """What micro-batches are cut into: its rows."""
+        return int(self.size)
+
+    def rows_between(self, start: int, stop: int) -> int:
+        """The rows of micro-batch `[start, stop)` (its units are rows)."""
+        return stop - start
+
     def micro_batches(self, size: int) -> List["MicroBatch"]:
         """The micro-batches `(self, start, stop)` of at most `size` rows that cover the batch. No row is left alone
         where two micro-batches can share it (a one-row micro-batch is what BatchNorm cannot train on): a remainder
@@ -374,8 +391,9 @@ class ArgumentBatch:
         return shown + (", ..." if len(self.tensors) > limit else "")
 
 
-MicroBatch = Tuple[ArgumentBatch, int, int]
-"""One micro-batch: rows `[start, stop)` of an `ArgumentBatch` (the logical batch, or one of its pieces)."""
+MicroBatch = Tuple[Any, int, int]
+"""One micro-batch: units `[start, stop)` of a piece of the logical batch (an `ArgumentBatch`'s rows, a
+`toma.batching.groups.GroupedBatch`'s groups, a `toma.batching.packed.PackedBatch`'s sequences)."""
 
 
 class ArgumentPieces:
@@ -384,7 +402,7 @@ class ArgumentPieces:
 
     __slots__ = ("pieces", "size", "largest")
 
-    def __init__(self, pieces: Sequence[ArgumentBatch]) -> None:
+    def __init__(self, pieces: Sequence[Union[ArgumentBatch, "GroupedBatch", "PackedBatch"]]) -> None:
         if not pieces:
             raise ValueError("a logical batch needs at least one piece")
         self.pieces = list(pieces)
@@ -399,5 +417,6 @@ class ArgumentPieces:
         return self.pieces[0].describe(limit)
 
 
-LogicalBatch = Union[ArgumentBatch, ArgumentPieces]
-"""What `toma.accumulate` works through: a call's arguments, or several loader batches' in pieces."""
+LogicalBatch = Union[ArgumentBatch, ArgumentPieces, "GroupedBatch", "PackedBatch"]
+"""What `toma.accumulate` works through: a call's arguments (rows, groups of rows, packed sequences), or several
+loader batches' in pieces."""

@@ -20,16 +20,27 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Se
 
 import torch
 
+from toma.batching.groups import GroupedBatch
 from toma.batching.micro_batch_cost import MicroBatchCost
+from toma.batching.packed import PackedBatch, PackedTokens
 from toma.batching.splitting import ArgumentBatch
 
-__all__ = ["Lengths", "check_lengths", "TokenBatch", "TokenMicroBatch", "row_lengths", "token_batches", "restore_order"]
+__all__ = [
+    "Lengths",
+    "check_lengths",
+    "TokenBatch",
+    "TokenPiece",
+    "TokenMicroBatch",
+    "row_lengths",
+    "token_batches",
+    "restore_order",
+]
 
 log = logging.getLogger("toma")
 
 Lengths = Union[str, Callable[..., Any]]
-TokenMicroBatch = Tuple[ArgumentBatch, int, int, int]
-"""Rows `[start, stop)` of a sorted piece, trimmed to `width` positions."""
+TokenMicroBatch = Tuple[Any, int, int, Optional[int]]
+"""Units `[start, stop)` of a sorted piece (its `batch`), trimmed to `width` positions (None: not trimmed)."""
 
 _said: Set[str] = set()  # the INFO lines said once per process
 
@@ -111,7 +122,7 @@ def _padded_alike(tensor: torch.Tensor, lengths: torch.Tensor) -> bool:
     return values.shape[0] == 0 or bool((values == values[:1]).all())
 
 
-def _trimmable(batch: ArgumentBatch, layout: _Layout, sorted_lengths: List[int]) -> Set[int]:
+def _trimmable(batch: Union[ArgumentBatch, GroupedBatch], layout: _Layout, sorted_lengths: List[int]) -> Set[int]:
     """The ids of the sorted batch's tensors as wide as its rows, when every one of them is padded like the rows;
     none when one is not (trimming some and not others would misalign a micro-batch's tensors)."""
     if not layout.trims or not sorted_lengths:
@@ -137,48 +148,75 @@ def _trimmable(batch: ArgumentBatch, layout: _Layout, sorted_lengths: List[int])
 
 
 class TokenBatch:
-    """A piece of a logical batch with its rows sorted longest first (`batch`, a copy) and its padded tensors
-    marked for trimming; `widths` are the sorted rows' lengths as a micro-batch's width counts them."""
+    """A piece of a logical batch with its units (rows, or a `GroupedBatch`'s groups) sorted longest first
+    (`batch`: for rows a sorted copy, for groups the same rows in sorted groups) and its padded tensors marked for
+    trimming; `widths` are the sorted units' lengths as a micro-batch's width counts them (a group's: its longest
+    row's), `rows` the rows of each sorted unit."""
 
-    __slots__ = ("batch", "widths", "order", "width", "cost", "_widths")
+    __slots__ = ("batch", "widths", "order", "width", "cost", "rows", "_widths", "_before")
 
-    def __init__(self, piece: ArgumentBatch, lengths: Lengths, cost: Optional[MicroBatchCost] = None) -> None:
+    def __init__(
+        self, piece: Union[ArgumentBatch, GroupedBatch], lengths: Lengths, cost: Optional[MicroBatchCost] = None
+    ) -> None:
         self.cost = MicroBatchCost() if cost is None else cost
-        layout = row_lengths(lengths, piece.args, piece.kwargs, piece.size)
-        self.order: List[int] = sorted(range(piece.size), key=lambda row: -layout.lengths[row])
-        sorted_lengths = [layout.lengths[row] for row in self.order]
-        self.batch = piece.take(self.order)
-        self.batch.trimmed = _trimmable(self.batch, layout, sorted_lengths)
+        rows = piece.rows if isinstance(piece, GroupedBatch) else piece.size
+        layout = row_lengths(lengths, piece.args, piece.kwargs, rows)
+        if isinstance(piece, GroupedBatch):
+            unit_lengths = [max(layout.lengths[row] for row in unit) for unit in piece.units]
+            self.order: List[int] = sorted(range(len(unit_lengths)), key=lambda unit: -unit_lengths[unit])
+            sorted_lengths = [unit_lengths[unit] for unit in self.order]
+            self.rows = [len(piece.units[unit]) for unit in self.order]
+            trimmed = _trimmable(piece, layout, layout.lengths)
+            self.batch: Union[ArgumentBatch, GroupedBatch] = piece.reordered(self.order)
+        else:
+            self.order = sorted(range(rows), key=lambda row: -layout.lengths[row])
+            sorted_lengths = [layout.lengths[row] for row in self.order]
+            self.rows = [1] * rows
+            self.batch = piece.take(self.order)
+            trimmed = _trimmable(self.batch, layout, sorted_lengths)
+        self.batch.trimmed = trimmed
         # the rows' padded width: what a trimmed output is padded back to
         self.width = layout.width if layout.width is not None else max([1, *sorted_lengths])
-        if self.batch.trimmed:
+        if trimmed:
             self.widths = [max(1, length) for length in sorted_lengths]
         else:  # nothing narrows: every micro-batch is as wide as the batch
             full = layout.width if layout.width is not None else max(1, max(sorted_lengths))
-            self.widths = [full] * piece.size
+            self.widths = [full] * len(sorted_lengths)
         self._widths = torch.tensor(self.widths, dtype=torch.long)
+        self._before = torch.tensor([0, *self.rows], dtype=torch.long).cumsum(0)  # rows before each sorted unit
 
     @property
     def area(self) -> int:
         """The padded area of all its rows in one micro-batch."""
-        return len(self.widths) * self.widths[0]
+        return int(self._before[-1]) * self.widths[0]
+
+    @property
+    def longest(self) -> int:
+        """The longest row's length (as a micro-batch's width counts it)."""
+        return self.widths[0]
+
+    def area_between(self, start: int, stop: int) -> int:
+        """The padded area of sorted units `[start, stop)` in one micro-batch."""
+        return int(self._before[stop] - self._before[start]) * self.widths[start]
 
     def stop(self, start: int, budget: int) -> int:
-        """Where a micro-batch from sorted row `start` ends: as many rows as `budget` allows, unless splitting
+        """Where a micro-batch from sorted unit `start` ends: as many units as `budget` allows, unless splitting
         it saves more padding than one more micro-batch costs (then at the split that saves the most, and so on
-        within the part before it). Rows `j..end` padded to the longest row `L` instead of their own micro-batch's
-        `widths[j]` waste `(L - widths[j]) x (end - j)` positions. While the cost is being measured, micro-batches
-        from odd rows get a quarter of the budget (the line needs areas that differ)."""
-        widths = self.widths
+        within the part before it). Units `j..end` padded to the longest row `L` instead of their own micro-batch's
+        `widths[j]` waste `(L - widths[j]) x (their rows)` positions. While the cost is being measured,
+        micro-batches from odd units get a quarter of the budget (the line needs areas that differ)."""
+        widths, before = self.widths, self._before
         if self.cost.timing and start % 2:  # areas that differ, for the cost's line: a quarter budget
             budget = max(1, budget // 4)
-        end = min(len(widths), start + max(1, budget // widths[start]))
+        fits = int(before[start]) + max(1, budget // widths[start])  # the rows before the end, at most
+        end = max(start + 1, int(torch.searchsorted(before, fits, right=True)) - 1)
+        end = min(end, len(widths))
         if end <= start + 1 or widths[end - 1] == widths[start]:
             return end
         overhead = self.cost.overhead(budget)
         while end > start + 1:
-            after = torch.arange(start + 1, end)
-            saved = (widths[start] - self._widths[start + 1 : end]) * (end - after)
+            after = before[end] - before[start + 1 : end]  # the rows from each unit to the end
+            saved = (widths[start] - self._widths[start + 1 : end]) * after
             best = int(saved.argmax())
             if int(saved[best]) <= overhead:
                 break
@@ -186,19 +224,29 @@ class TokenBatch:
         return end
 
     def micro_batches(self, budget: int) -> List[TokenMicroBatch]:
-        """Micro-batches of consecutive sorted rows, each within `budget` (a row longer than it, alone)."""
+        """Micro-batches of consecutive sorted units, each within `budget` (a unit larger than it, alone)."""
         found: List[TokenMicroBatch] = []
-        start, rows = 0, len(self.widths)
-        while start < rows:
+        start, units = 0, len(self.widths)
+        while start < units:
             stop = self.stop(start, budget)
             found.append((self.batch, start, stop, self.widths[start]))
             start = stop
         return found
 
 
-def token_batches(pieces: Sequence[ArgumentBatch], lengths: Lengths, cost: MicroBatchCost) -> List[TokenBatch]:
-    """Each piece of a logical batch sorted and marked (a micro-batch never spans two pieces)."""
-    return [TokenBatch(piece, lengths, cost) for piece in pieces]
+TokenPiece = Union[TokenBatch, PackedTokens]
+"""A piece of a logical batch by tokens: `batch` (what gives a micro-batch's arguments), `area`, `longest`,
+`cost`, `area_between(start, stop)` and `micro_batches(budget)`."""
+
+
+def token_batches(
+    pieces: Sequence[Union[ArgumentBatch, GroupedBatch, PackedBatch]], lengths: Lengths, cost: MicroBatchCost
+) -> List[TokenPiece]:
+    """Each piece of a logical batch sorted and marked, or, padding-free, cut between its sequences (a micro-batch
+    never spans two pieces)."""
+    return [
+        PackedTokens(piece) if isinstance(piece, PackedBatch) else TokenBatch(piece, lengths, cost) for piece in pieces
+    ]
 
 
 def restore_order(order: Sequence[int]) -> List[int]:

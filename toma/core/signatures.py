@@ -102,6 +102,7 @@ class AccumulateOptions(_CachedOptions, total=False):
     lengths: Any
     initial_tokens: Optional[int]
     gradient_sync: str
+    groups: Any
 
 
 class _Wrapper(Protocol):

@@ -282,6 +282,7 @@ class toma(metaclass=SettingsNamespace):
         lengths: Any = None,
         initial_tokens: Optional[int] = None,
         gradient_sync: str = "auto",
+        groups: Any = None,
     ) -> Any:
         """`@toma.accumulate(model=model, initial_micro_batch=256)` on a function returning a micro-batch's
         loss: each call runs forward and backward over the logical batch in micro-batches that fit.
@@ -291,7 +292,11 @@ class toma(metaclass=SettingsNamespace):
         token budget, each micro-batch trimmed to its longest row; the budget starts at `initial_tokens`, or at
         `initial_micro_batch` rows of the batch's longest. `gradient_sync=` (FSDP2 models): "logical_batch" holds
         the unsharded gradients and reduce-scatters once per logical batch, "micro_batch" after every micro-batch
-        (less memory, more communication), "auto" the first until even one row does not fit beside them."""
+        (less memory, more communication), "auto" the first until even one row does not fit beside them.
+        `lengths="position_ids"` (or "cu_seq_lens_q", "seq_idx"): a padding-free batch, cut between its packed
+        sequences. `groups=`: rows that belong together ("pairs": row i with row i + n/2, as DPO's chosen and
+        rejected rows; "batch": never split; a function giving each row's group; "rows": each on its own); by
+        default each row is its own, which toma checks once, on the first batch it splits."""
         accumulation = AccumulationOptions.checked(
             model,
             reduction,
@@ -300,6 +305,7 @@ class toma(metaclass=SettingsNamespace):
             lengths=lengths,
             initial_tokens=initial_tokens,
             gradient_sync=gradient_sync,
+            groups=groups,
         )
         default = _ACCUMULATE.default(initial_micro_batch)
         if accumulation.initial_tokens is not None:

@@ -130,11 +130,13 @@ class explicit:
         toma_policy: Optional[SizePolicy] = None,
         toma_lengths: Any = None,
         toma_gradient_sync: str = "auto",
+        toma_groups: Any = None,
         **kwargs: Any,
     ) -> torch.Tensor:
         """Forward and backward `func(*args, **kwargs)` over the logical batch in micro-batches that fit,
         gradients as from one full-batch pass; returns the logical batch's loss, detached. `toma_lengths=`: as
-        `toma.accumulate`'s `lengths=`, starting from `initial_micro_batch` rows of the batch's longest."""
+        `toma.accumulate`'s `lengths=`, starting from `initial_micro_batch` rows of the batch's longest;
+        `toma_groups=`: as its `groups=`."""
         check_function(func, "explicit.accumulate")
         accumulation = AccumulationOptions.checked(
             model,
@@ -144,6 +146,7 @@ class explicit:
             prefix="toma_",
             lengths=toma_lengths,
             gradient_sync=toma_gradient_sync,
+            groups=toma_groups,
         )
         initial = check_size(initial_micro_batch, "initial_micro_batch")
         options = calls(toma_cache_type, toma_context, toma_policy, False, "toma_", ACCUMULATION)

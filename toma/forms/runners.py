@@ -9,6 +9,7 @@ import torch
 
 from toma.accumulation.accumulate import AccumulationStats, Sizing, accumulate
 from toma.accumulation.options import AccumulationOptions
+from toma.batching.logical import logical_batch_of
 from toma.batching.splitting import ArgumentBatch, leaves
 from toma.batching.tokens import Lengths, TokenBatch
 from toma.batching.transfer import Transfers
@@ -33,7 +34,8 @@ def run_accumulate(
 ) -> torch.Tensor:
     """Forward and backward over the logical batch of `args`/`kwargs` in micro-batches; its loss, detached."""
     sizing = Sizing(initial, options, context, stats)
-    return accumulate(func, ArgumentBatch(args, kwargs), accumulation, sizing)
+    batch = logical_batch_of(args, kwargs, accumulation.lengths, accumulation.groups)
+    return accumulate(func, batch, accumulation, sizing)
 
 
 def run_map(
@@ -57,6 +59,7 @@ def run_map(
     tokens = None
     if lengths is not None:
         tokens = TokenBatch(split, lengths)
+        assert isinstance(tokens.batch, ArgumentBatch)  # rows, not groups: a map's rows are on their own
         split, initial = tokens.batch, initial * tokens.widths[0]
     transfers = Transfers(device)
     split = split.placed(transfers.place)  # toma.whole values move once per call, not once per chunk

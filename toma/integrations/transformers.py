@@ -22,13 +22,13 @@ count. The division by the accumulation steps follows the Trainer's rule.
 
 import contextlib
 import copy
+import functools
 import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
 
 import torch
 import transformers
-from accelerate.utils.memory import clear_device_cache  # type: ignore[import-untyped]
 from transformers.trainer_pt_utils import nested_concat
 from transformers.trainer_utils import unwrap_peft_model
 from transformers.training_args import OptimizerNames
@@ -37,12 +37,17 @@ from toma.accumulation.accumulate import AccumulationStats, Sizing, accumulate
 from toma.accumulation.fsdp2 import held_unsharded, is_fsdp2
 from toma.accumulation.options import AccumulationOptions
 from toma.accumulation.sync import GRADIENT_SYNCS
+from toma.batching.groups import Groups, check_groups
+from toma.batching.logical import Piece, logical_batch_of
+from toma.batching.packed import is_packed
 from toma.batching.splitting import ArgumentBatch
 from toma.core.arguments import check_size
 from toma.core.caches import GlobalBatchsizeCache
 from toma.core.policy import SizePolicy, check_policy
 from toma.core.runner import Runner
 from toma.core.steps import RangeStep
+from toma.integrations.local_collectives import local_collectives
+from toma.integrations.trainer_records import TrainerRecords
 from toma.integrations.transformers_shares import (
     Count,
     LabelCount,
@@ -52,6 +57,7 @@ from toma.integrations.transformers_shares import (
     has_labels,
     is_causal_lm,
 )
+from toma.integrations.trl import known_groups, record_rules
 from toma.integrations.versions import require
 from toma.sizing.defaults import ACCUMULATION
 from toma.training.data import WHOLE_BATCHES
@@ -70,7 +76,18 @@ OPTIONS = (
     "toma_log_micro_batch",
     "toma_pack_tokens",
     "toma_gradient_sync",
+    "toma_groups",
 )
+
+_NOTHING = object()  # no instance attribute of that name
+_PACKED = "position_ids"  # what a padding-free batch's sequences are found by (or its cu_seq_lens, seq_idx)
+_said: set = set()
+
+
+def _say_once(text: str) -> None:
+    if text not in _said:
+        _said.add(text)
+        log.warning(text)
 
 
 # Type checkers see the mixin as the Trainer it is mixed into; at run time it is a plain class.
@@ -104,15 +121,6 @@ class TomaTrainerMixin(_Trainer):
                 f"{cls.__name__}: TomaTrainerMixin must come before transformers.Trainer among the bases, "
                 f"as in class {cls.__name__}(TomaTrainerMixin, {mro[1].__name__}), or its hooks are never called"
             )
-        after = mro[mro.index(TomaTrainerMixin) + 1 :]
-        replaced = [base.__name__ for base in after if base is not trainer and "training_step" in vars(base)]
-        if replaced:
-            log.warning(
-                "%s: the training_step of %s is replaced by TomaTrainerMixin's (which calls self.compute_loss per "
-                "micro-batch); what it adds around the step does not run",
-                cls.__name__,
-                ", ".join(replaced),
-            )
 
     def __init__(
         self,
@@ -123,6 +131,7 @@ class TomaTrainerMixin(_Trainer):
         toma_log_micro_batch: bool = False,
         toma_pack_tokens: bool = True,
         toma_gradient_sync: str = "auto",
+        toma_groups: Any = None,
         **kwargs: Any,
     ) -> None:
         unknown = sorted(name for name in kwargs if name.startswith("toma_"))
@@ -155,6 +164,7 @@ class TomaTrainerMixin(_Trainer):
                 f"toma_gradient_sync must be one of {', '.join(map(repr, GRADIENT_SYNCS))}, got {toma_gradient_sync!r}"
             )
         self.toma_gradient_sync = toma_gradient_sync
+        self.toma_groups = check_groups(toma_groups, "toma_groups")
         self.toma_stats = AccumulationStats()
         # One size per trainer, for training and for evaluation: set once found, whatever the batch's length.
         self._toma_training = Runner(ACCUMULATION, policy=given, cache=GlobalBatchsizeCache())
@@ -162,6 +172,8 @@ class TomaTrainerMixin(_Trainer):
         self._toma_evaluation = Runner(ACCUMULATION, policy=given, cache=GlobalBatchsizeCache(), distributed=True)
         super().__init__(*args, **kwargs)
         self._toma_check_setup()
+        self._toma_known_groups = known_groups(self)
+        self._toma_record_rules = record_rules(self)
         self._toma_trainer_count = LabelCount(self._loss_shifts_labels)
         model = unwrap_peft_model(self.model)
         self._toma_model_count = LabelCount(self._loss_shifts_labels or is_causal_lm(model))
@@ -240,7 +252,7 @@ class TomaTrainerMixin(_Trainer):
         items = self._get_num_items_in_batch([chunk], self.args.device)
         return self._toma_trainer_count(chunk) if items is None else items
 
-    def _toma_shares(self, inputs: Any, batch: ArgumentBatch, num_items_in_batch: Any) -> Shares:
+    def _toma_shares(self, inputs: Any, batch: Piece, num_items_in_batch: Any) -> Shares:
         declared = self.loss_is_scaled_for_ga
         if declared is not None:
             scaled = bool(declared)
@@ -280,51 +292,105 @@ class TomaTrainerMixin(_Trainer):
     def training_step(
         self, model: torch.nn.Module, inputs: Any, num_items_in_batch: Optional[Any] = None
     ) -> torch.Tensor:
-        """The loader batch as one logical batch, in micro-batches that fit: each through `self.compute_loss` and
-        `self.accelerator.backward`, the gradients reduced across DDP ranks once per batch. Returns the batch's
-        loss as the plain Trainer does (detached)."""
-        model.train()
-        optimizer: Any = self.optimizer
-        if hasattr(optimizer, "train") and callable(optimizer.train):  # schedule-free optimizers
-            optimizer.train()
-        inputs = self._prepare_inputs(inputs)
-        batch = ArgumentBatch((inputs,), {}, name="inputs")
-        shares = self._toma_shares(inputs, batch, num_items_in_batch)
+        """The training step of the class (TRL's, a subclass's) around the Trainer's, as in a plain run; inside
+        it, the Trainer's call of `compute_loss` on the batch trains it as one logical batch in micro-batches that
+        fit (`_toma_logical_batch`). Returns what the plain step returns."""
+        saved = self.__dict__.get("compute_loss", _NOTHING)
+        self.__dict__["compute_loss"] = functools.partial(self._toma_logical_batch, own=saved)
+        self._toma_reached = False
+        try:
+            loss = super().training_step(model, inputs, num_items_in_batch)
+        finally:
+            if saved is _NOTHING:
+                self.__dict__.pop("compute_loss", None)
+            else:
+                self.__dict__["compute_loss"] = saved
+        if not self._toma_reached:
+            _say_once(
+                f"{type(self).__name__}: its training_step did not reach the Trainer's call of compute_loss, so toma "
+                "did not split its batches into micro-batches"
+            )
+        return loss
 
-        def micro_loss(micro: Any) -> torch.Tensor:
-            items = shares.num_items_for(micro)
-            micro = copy.copy(micro)  # compute_loss may pop the labels; a retry needs them
-            with self.compute_loss_context_manager():
-                loss = self.compute_loss(model, micro, num_items_in_batch=items)
-            if not isinstance(loss, torch.Tensor):
-                raise TypeError(f"compute_loss must return the loss as a tensor, got {type(loss).__name__}")
-            return loss if shares.divisor == 1 else loss / shares.divisor
-
+    def _toma_logical_batch(
+        self,
+        model: torch.nn.Module,
+        inputs: Any,
+        return_outputs: bool = False,
+        num_items_in_batch: Optional[Any] = None,
+        *,
+        own: Any = None,
+    ) -> Any:
+        """`compute_loss` on the step's batch: the batch's forward and backward passes in micro-batches, each
+        through the class's `compute_loss` and `self.accelerator.backward`, gradients reduced across ranks once per
+        batch. Returns the batch's loss as the plain `compute_loss` does, detached from the graph, so that the
+        Trainer's own backward pass of it reaches no parameter (they hold the batch's gradients already)."""
+        compute = own if own is not _NOTHING and own is not None else type(self).compute_loss.__get__(self)
+        if return_outputs:  # the outputs of the whole batch: no micro-batches can give them
+            return compute(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
+        self._toma_reached = True
         if self._toma_fsdp2 and not is_fsdp2(model):
             raise ValueError(
                 f"{type(self).__name__}: accelerate shards with FSDP2 but the model the step gets is "
                 f"{type(model).__name__}, not the fully_shard root; toma holds and reduces the root's units"
             )
-        reduction = "sum" if shares.summed else "mean"
-        backward = self.accelerator.backward
-        lengths = "attention_mask" if self.toma_pack_tokens and _has_mask(inputs) else None
+        packed = is_packed(inputs)  # cut between its sequences, whatever toma_pack_tokens says: rows cannot cut it
+        groups, checked = self._toma_groups_for(packed)
+        lengths = _PACKED if packed else "attention_mask" if self.toma_pack_tokens and _has_mask(inputs) else None
+        batch = logical_batch_of((inputs,), {}, _PACKED if packed else None, groups, name="inputs")
+        shares = self._toma_shares(inputs, batch, num_items_in_batch)
+        ranks = self.accelerator.num_processes > 1
+        records = TrainerRecords(self, self._toma_record_rules, ranks=ranks)
+
+        def micro_loss(micro: Any) -> torch.Tensor:
+            items = shares.num_items_for(micro, inputs)
+            share = shares.weight_of(micro, inputs)
+            micro = copy.copy(micro)  # compute_loss may pop the labels; a retry needs them
+            records.before_call(micro, share)
+            loss = compute(model, micro, num_items_in_batch=items)
+            records.after_call()
+            if not isinstance(loss, torch.Tensor):
+                raise TypeError(f"compute_loss must return the loss as a tensor, got {type(loss).__name__}")
+            return loss
+
+        divisor = shares.divisor
+
+        def backward(loss: torch.Tensor) -> None:
+            self.accelerator.backward(loss if divisor == 1 else loss / divisor)
+
         options = AccumulationOptions(
             model,
-            reduction,
+            "sum" if shares.summed else "mean",
             shares.count,
             None,
             backward,
-            name="TomaTrainer.training_step",
+            name=f"{type(self).__name__}.training_step",
             lengths=lengths,
             gradient_sync=self.toma_gradient_sync,
+            groups=groups,
+            check_split=checked,
+            rollback=records,
         )
         sizing = Sizing(self.toma_initial_micro_batch, self._toma_training, stats=self.toma_stats)
-        loss = accumulate(micro_loss, batch, options, sizing, total=shares.total)
-        del inputs, batch
-        steps = self.args.torch_empty_cache_steps
-        if steps is not None and self.state.global_step % steps == 0:
-            clear_device_cache()
-        return loss
+        with local_collectives(self.accelerator) if ranks else contextlib.nullcontext():
+            loss = accumulate(micro_loss, batch, options, sizing, total=shares.total)
+        records.merge()
+        return loss.detach().requires_grad_()
+
+    def _toma_groups_for(self, packed: bool) -> Tuple[Optional[Groups], bool]:
+        """How the batch's rows belong together (`toma_groups=`, else what toma knows of the trainer), and whether
+        the loss is checked before a batch is split (when that is not known)."""
+        if packed:
+            if self.toma_groups not in (None, "rows"):
+                raise ValueError(
+                    f"toma_groups={self.toma_groups!r} groups rows of a padded batch, but this batch is padding-free "
+                    "(its sequences packed into one row): it is cut between its sequences"
+                )
+            return None, self._toma_known_groups[0] is None
+        if self.toma_groups is not None:
+            return self.toma_groups, False
+        groups, known = self._toma_known_groups
+        return groups, not known
 
     def log(self, logs: dict, *args: Any, **kwargs: Any) -> None:
         """The Trainer's log; with `toma_log_micro_batch`, the micro-batch size and the out-of-memory retries so far

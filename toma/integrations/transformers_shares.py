@@ -10,7 +10,7 @@ import torch
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from toma.batching.batches import rows
-from toma.batching.splitting import ArgumentBatch
+from toma.batching.packed import PACKED_KEYS, PackedBatch, is_packed
 
 IGNORE_INDEX = -100  # the Trainer's label for a position that is not a target
 
@@ -29,16 +29,31 @@ class Shares:
     divisor: int  # the plain Trainer's division by the gradient-accumulation steps (1: none)
     summed: bool = False  # normalised by compute_loss itself without num_items_in_batch: the micro-losses add up
 
-    def num_items_for(self, micro: Any) -> Any:
-        """The micro-batch's `num_items_in_batch`: the Trainer's, times its share (as given, for the whole batch)."""
+    def num_items_for(self, micro: Any, whole: Any) -> Any:
+        """The micro-batch's `num_items_in_batch`: the Trainer's, times its share (as given, for the whole batch
+        `whole`)."""
         if self.num_items is None:
             return None
-        micro_rows = rows(micro)
-        if micro_rows == self.rows:
+        if micro is whole:
             return self.num_items
         if self.count is None:
-            return self.num_items * micro_rows / self.rows
+            return self.num_items * units(micro) / self.rows
         return self.num_items * self.count(micro) / self.total
+
+    def weight_of(self, micro: Any, whole: Any) -> Any:
+        """What the micro-batch's share counts (its label items, or its units): the weight of a metric that
+        averages over what the loss does."""
+        if self.count is not None:
+            return self.count(micro)
+        return self.rows if micro is whole else units(micro)
+
+
+def units(batch: Any) -> int:
+    """A batch's units: its rows, or a padding-free batch's packed sequences."""
+    if is_packed(batch):
+        key = next(key for key in PACKED_KEYS if isinstance(batch.get(key), torch.Tensor))
+        return PackedBatch((batch,), {}, key).size
+    return rows(batch)
 
 
 class LabelCount:
@@ -83,14 +98,15 @@ def check_weight(weight: Any) -> Optional[Count]:
     return weight
 
 
-def check_additive(weight: Count, batch: ArgumentBatch, total: float) -> None:
+def check_additive(weight: Count, batch: Any, total: float) -> None:
     """`toma_weight` must count a batch's items row by row, or micro-batches' shares would not add up to 1 (a part
     of the batch dropped or counted twice): its two halves must count what the whole does. Checked once, on the
     first batch, before any forward pass."""
-    if batch.size < 2:
+    count = batch.unit_count
+    if count < 2:
         return
-    half = batch.size // 2
-    ((first,), _), ((second,), _) = batch.arguments(0, half), batch.arguments(half, batch.size)
+    half = count // 2
+    ((first,), _), ((second,), _) = batch.arguments(0, half), batch.arguments(half, count)
     counted = float(weight(first) + weight(second))
     if abs(counted - total) > 1e-6 * total:
         name = getattr(weight, "__qualname__", repr(weight))
