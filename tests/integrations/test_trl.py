@@ -1,0 +1,193 @@
+"""TRL's trainers with TomaTrainerMixin first among their bases, against the plain TRL trainers on the same data and
+seed: SFT (padded, completion-only, padding-free, packed), DPO, reward modelling and LoRA, with and without
+out-of-memory errors. Parameters within 1e-5 of their movement (fp32, SGD) and every value the trainers log
+(loss, grad_norm, num_tokens, entropy, token accuracy, rewards, ...) within 1e-4."""
+
+import copy
+import functools
+import gc
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", minversion="5.23")
+trl = pytest.importorskip("trl", minversion="1.16")
+
+from tiny_trl import (  # noqa: E402
+    assert_same_logs,
+    common_args,
+    llama,
+    logged,
+    preference_dataset,
+    prompt_completion_dataset,
+    refuse_more_than,
+    relative_distance,
+    text_dataset,
+    tokenizer,
+)
+from trl import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer  # noqa: E402
+
+from toma import Halving  # noqa: E402
+from toma.integrations.transformers import TomaTrainerMixin  # noqa: E402
+
+CLOSE = 1e-5  # of the parameters' movement
+
+
+class MicroSFT(TomaTrainerMixin, SFTTrainer):
+    pass
+
+
+class MicroDPO(TomaTrainerMixin, DPOTrainer):
+    pass
+
+
+class MicroReward(TomaTrainerMixin, RewardTrainer):
+    pass
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread_and_frozen_imports():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    gc.collect()
+    gc.freeze()  # after an OOM toma collects garbage: the frameworks' million objects are not garbage
+    yield
+    gc.unfreeze()
+    torch.set_num_threads(threads)
+
+
+SFT_CASES = {
+    "padded": (text_dataset, {}),
+    "completion_only": (prompt_completion_dataset, {}),
+    "padding_free": (text_dataset, {"padding_free": True, "max_length": None}),
+    "packing": (text_dataset, {"packing": True, "max_length": 64}),
+}
+
+
+def run(trainer_class, config_class, data, model, hook=None, **settings):
+    """Train; the trainer and its log."""
+    if hook is not None:
+        model.register_forward_pre_hook(hook, with_kwargs=True)
+    options = dict(toma_policy=Halving()) if issubclass(trainer_class, TomaTrainerMixin) else {}
+    extra = settings.pop("trainer", {})
+    trainer = trainer_class(
+        model=model,
+        args=config_class(**common_args(**settings)),
+        train_dataset=data,
+        processing_class=tokenizer(),
+        **extra,
+        **options,
+    )
+    trainer.train()
+    return trainer, logged(trainer)
+
+
+@functools.lru_cache(maxsize=None)
+def plain_sft(case):
+    data, settings = SFT_CASES[case]
+    model = llama()
+    trainer, log = run(SFTTrainer, SFTConfig, data(), model, **settings)
+    return model, log
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("oom", [False, True], ids=["fits", "out-of-memory"])
+@pytest.mark.parametrize("case", list(SFT_CASES))
+def test_sft_trains_and_logs_as_the_plain_sft_trainer(case, oom):
+    reference, expected = plain_sft(case)
+    data, settings = SFT_CASES[case]
+    model = llama()
+    hook = refuse_more_than(150, once_at=2) if oom else None
+    trainer, found = run(MicroSFT, SFTConfig, data(), model, hook=hook, **settings)
+    distance = relative_distance(model, reference, llama())
+    assert distance < CLOSE, distance
+    assert_same_logs(found, expected)
+    assert (trainer.toma_stats.oom_retries >= 2) == oom, trainer.toma_stats
+
+
+@pytest.mark.slow
+def test_a_batch_that_fits_runs_whole_through_the_sft_trainer():
+    """No out-of-memory error: one compute_loss call per step, the plain trainer's own (padding-free: no padding to
+    save, nothing split)."""
+    data, settings = SFT_CASES["padding_free"]
+    calls = []
+
+    class Counting(MicroSFT):
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            calls.append(inputs["input_ids"].shape)
+            return super().compute_loss(model, inputs, *args, **kwargs)
+
+    run(Counting, SFTConfig, data(), llama(), **settings)
+    assert len(calls) == 2 and all(shape[0] == 1 for shape in calls)
+
+
+@pytest.mark.slow
+def test_lora_under_sft_trains_the_plain_adapters():
+    peft = pytest.importorskip("peft")
+
+    def lora():
+        return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+
+    data, settings = SFT_CASES["padded"]
+    torch.manual_seed(1)
+    plain, expected = run(SFTTrainer, SFTConfig, data(), llama(), trainer=dict(peft_config=lora()))
+    torch.manual_seed(1)
+    mine, found = run(
+        MicroSFT, SFTConfig, data(), llama(), hook=refuse_more_than(150, once_at=2), trainer=dict(peft_config=lora())
+    )
+    trained = [(n, p) for n, p in plain.model.named_parameters() if p.requires_grad]
+    ours = dict(mine.model.named_parameters())
+    assert trained and all(torch.allclose(ours[n], p, rtol=1e-5, atol=1e-7) for n, p in trained)
+    assert_same_logs(found, expected)
+    assert mine.toma_stats.oom_retries >= 1
+
+
+def dpo_settings(loss_type="sigmoid"):
+    return dict(per_device_train_batch_size=8, loss_type=[loss_type])
+
+
+@functools.lru_cache(maxsize=None)
+def plain_dpo(loss_type="sigmoid"):
+    model = llama()
+    trainer, log = run(
+        DPOTrainer, DPOConfig, preference_dataset(), model, trainer=dict(ref_model=llama()), **dpo_settings(loss_type)
+    )
+    return model, log
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("oom", [False, True], ids=["fits", "out-of-memory"])
+def test_dpo_keeps_each_chosen_row_with_its_rejected_row_and_logs_as_the_plain_dpo_trainer(oom):
+    reference, expected = plain_dpo()
+    model = llama()
+    seen = []
+
+    def pairs(module, args, kwargs):
+        seen.append(kwargs["input_ids"].shape[0])
+
+    model.register_forward_pre_hook(pairs, with_kwargs=True)
+    hook = refuse_more_than(200, once_at=3) if oom else None
+    trainer, found = run(
+        MicroDPO, DPOConfig, preference_dataset(), model, hook=hook, trainer=dict(ref_model=llama()), **dpo_settings()
+    )
+    distance = relative_distance(model, reference, llama())
+    assert distance < CLOSE, distance
+    assert_same_logs(found, expected)
+    assert all(rows % 2 == 0 for rows in seen), "a chosen row never leaves its rejected row"
+    assert (trainer.toma_stats.oom_retries >= 1) == oom
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("oom", [False, True], ids=["fits", "out-of-memory"])
+def test_a_reward_model_trains_its_pairs_and_logs_as_the_plain_reward_trainer(oom):
+    data = preference_dataset()
+    reference = llama(labels=1)
+    start = copy.deepcopy(reference)
+    _, expected = run(RewardTrainer, RewardConfig, data, reference, per_device_train_batch_size=8)
+    model = llama(labels=1)
+    hook = refuse_more_than(200, once_at=3) if oom else None
+    trainer, found = run(MicroReward, RewardConfig, data, model, hook=hook, per_device_train_batch_size=8)
+    distance = relative_distance(model, reference, start)
+    assert distance < CLOSE, distance
+    assert_same_logs(found, expected)
+    assert (trainer.toma_stats.oom_retries >= 1) == oom
