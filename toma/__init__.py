@@ -7,6 +7,7 @@ remembers the size that worked. A drop-in successor of toma 1.1.0.
 import sys
 
 from toma import memory, old_paths, surface
+from toma.accumulation.coupling import CoupledRows
 from toma.accumulation.misuse import AccumulationMisuse
 from toma.batching.splitting import whole
 from toma.core import call_sites as tst
@@ -53,6 +54,7 @@ __all__ = [
     "HostedEmbedding",
     "whole",
     "AccumulationMisuse",
+    "CoupledRows",
     "Trainer",
     "Callback",
     "StopTraining",

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from toma import GlobalBatchsizeCache, NoBatchsizeCache, explicit, toma
+from toma import CoupledRows, GlobalBatchsizeCache, NoBatchsizeCache, explicit, toma
 from toma.batching.transfer import Transfers
 
 import fake_cuda
@@ -72,8 +72,9 @@ def recording_loss(model, sizes, reduction="mean", fail=no_failure):
     """A micro-batch loss that records each micro-batch's rows in `sizes`; `fail(sizes, rows)` may raise."""
 
     def compute_loss(inputs, targets):
-        sizes.append(len(targets))
-        fail(sizes, len(targets))
+        if torch.is_grad_enabled():  # not toma's one check, without gradients, that the loss adds up
+            sizes.append(len(targets))
+            fail(sizes, len(targets))
         return F.cross_entropy(model(inputs), targets, reduction=reduction)
 
     return compute_loss
@@ -133,7 +134,8 @@ def test_arguments_that_are_not_the_batch_reach_every_micro_batch_whole():
 
     @toma.accumulate(model=model, initial_micro_batch=16, reduction="sum")
     def compute_loss(inputs, targets, weights, label_smoothing=0.0):
-        seen.append((weights is class_weights, label_smoothing))
+        if torch.is_grad_enabled():  # not toma's one check, without gradients, that the loss adds up
+            seen.append((weights is class_weights, label_smoothing))
         return F.cross_entropy(model(inputs), targets, weight=weights, label_smoothing=label_smoothing, reduction="sum")
 
     compute_loss(inputs, targets, toma.whole(class_weights), label_smoothing=0.1)
@@ -209,11 +211,15 @@ def test_a_token_mean_loss_with_weight_equals_the_full_batch(micro, form):
     assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters())
 
 
-def test_rows_are_the_wrong_weight_for_a_token_mean_loss():
-    """What weight= fixes: weighting by rows is off by far more than rounding for a token mean."""
+def test_rows_are_the_wrong_weight_for_a_token_mean_loss_and_the_first_split_says_so():
+    """What weight= fixes: weighting by rows is off by far more than rounding for a token mean. Unless told the rows
+    are independent, toma finds it before the first split trains anything, and refuses."""
     expected, _ = causal_lm_reference()
     model, ids, labels = causal_lm_case()
-    toma.accumulate(model=model, initial_micro_batch=16)(causal_lm_loss(model))(ids, labels)
+    with pytest.raises(CoupledRows, match="weight= does not count"):
+        toma.accumulate(model=model, initial_micro_batch=16)(causal_lm_loss(model))(ids, labels)
+    assert all(p.grad is None for p in model.parameters()), "nothing trained"
+    toma.accumulate(model=model, initial_micro_batch=16, groups="rows")(causal_lm_loss(model))(ids, labels)
     error = max(float((p.grad - e).norm() / e.norm()) for p, e in zip(model.parameters(), expected, strict=True))
     assert error > 1e-3
 
@@ -227,7 +233,8 @@ def test_a_micro_batch_with_nothing_to_average_adds_nothing_and_no_nan():
     called = []
 
     def compute_loss(ids, labels):
-        called.append(len(ids))
+        if torch.is_grad_enabled():  # not toma's one check, without gradients, that the loss adds up
+            called.append(len(ids))
         return causal_lm_loss(model)(ids, labels)
 
     loss = toma.accumulate(model=model, initial_micro_batch=8, weight=label_tokens)(compute_loss)(ids, labels)
@@ -268,6 +275,8 @@ def test_an_oom_with_weight_redoes_the_batch_exactly():
 
     @toma.accumulate(model=model, initial_micro_batch=64, weight=label_tokens)
     def compute_loss(ids, labels):
+        if not torch.is_grad_enabled():  # toma's one check, without gradients, that the loss adds up
+            return causal_lm_loss(model)(ids, labels)
         sizes.append(len(ids))
         if len(ids) > 16:
             raise_fake_oom()
@@ -372,9 +381,11 @@ def test_an_oom_in_the_middle_of_backward_redoes_the_logical_batch_exactly(earli
 
     @toma.accumulate(model=model, initial_micro_batch=32)
     def compute_loss(inputs, targets):
+        hidden = model[:2](inputs)
+        if not torch.is_grad_enabled():  # toma's one check, without gradients, that the loss adds up
+            return F.cross_entropy(model[2:](hidden), targets)
         sizes.append(len(inputs))
         alive_at_start.append(sum(ref() is not None for ref in activations))
-        hidden = model[:2](inputs)
         activations.append(weakref.ref(hidden))
         return F.cross_entropy(model[2:](hidden), targets)
 
@@ -475,8 +486,10 @@ def test_no_graph_outlives_its_micro_batch():
 
     @toma.accumulate(model=model, initial_micro_batch=16)
     def compute_loss(inputs, targets):
-        alive_at_start.append(sum(ref() is not None for ref in activations))
         hidden = model[1](model[0](inputs))
+        if not torch.is_grad_enabled():  # toma's one check that the loss adds up: no graph at all
+            return F.cross_entropy(model[2:](hidden), targets)
+        alive_at_start.append(sum(ref() is not None for ref in activations))
         activations.append(weakref.ref(hidden))
         return F.cross_entropy(model[2:](hidden), targets)
 
@@ -514,7 +527,8 @@ def test_batchnorm_trains_a_batch_whose_size_leaves_one_row_over_without_a_one_r
     seen = []
 
     def loss_fn(x, y):
-        seen.append(x.shape[0])
+        if torch.is_grad_enabled():  # not toma's one check, without gradients, that the loss adds up
+            seen.append(x.shape[0])
         return F.cross_entropy(model(x), y)
 
     loss = explicit.accumulate(loss_fn, model, 16, inputs, targets, toma_cache_type=NoBatchsizeCache)
@@ -585,6 +599,8 @@ def test_inside_autocast_the_backward_runs_outside_it_and_gradients_match_the_au
 
     @toma.accumulate(model=model, initial_micro_batch=16)
     def compute_loss(inputs, targets):
+        if not torch.is_grad_enabled():  # toma's one check, without gradients, that the loss adds up
+            return F.cross_entropy(model(inputs), targets)
         return F.cross_entropy(AutocastProbe.apply(model(inputs)), targets)
 
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -1043,7 +1059,7 @@ def test_with_fake_cuda_the_pipeline_moves_rows_per_micro_batch_and_whole_values
     seen = []
 
     def compute_loss(x, y, weights, mix, temperature):
-        seen.append((x, y, weights, mix, temperature))
+        seen.append((x, y, weights, mix, temperature))  # toma's one check included: its rows are staged too
         if len(seen) == 1:
             raise_fake_oom()  # the first attempt fails before any backward pass
         return loss(x, y, weights, mix, temperature)

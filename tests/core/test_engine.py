@@ -190,8 +190,8 @@ def test_a_call_that_fits_does_no_gc_no_cache_emptying_no_stack_inspection(monke
     toma.execute.range(0, 8, 4)(lambda s, e: None)
     toma.execute.chunked(t, 4)(lambda c, s, e: None)
     model = torch.nn.Linear(2, 1)
-    toma.accumulate(model=model, initial_micro_batch=4)(lambda x: model(x).sum())(t)
-    explicit.accumulate(lambda x: model(x).sum(), model, 4, t)
+    toma.accumulate(model=model, initial_micro_batch=4, reduction="sum")(lambda x: model(x).sum())(t)
+    explicit.accumulate(lambda x: model(x).sum(), model, 4, t, toma_reduction="sum")
 
 
 def test_memory_is_released_after_each_oom(monkeypatch):

@@ -333,7 +333,8 @@ def test_lists_of_one_string_per_row_stay_with_their_rows_when_batches_are_recut
     def forward(batch):
         features, names = batch
         ids = features[:, -1].long().tolist()
-        seen.append((len(ids), [f"row {i}" for i in ids] == list(names)))
+        if torch.is_grad_enabled():  # not toma's one check, without gradients, that the loss adds up
+            seen.append((len(ids), [f"row {i}" for i in ids] == list(names)))
         return F.cross_entropy(model(features[:, :-1]), targets[ids])
 
     data = DataLoader(Tagged(), batch_size=4, shuffle=False)

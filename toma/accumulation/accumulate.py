@@ -10,6 +10,7 @@ from typing import Any, Callable, Hashable, NamedTuple, Optional
 
 import torch
 
+from toma.accumulation.coupling import CoupledRows, SplitCheck
 from toma.accumulation.misuse import AccumulationMisuse
 from toma.accumulation.options import (
     REDUCTIONS,
@@ -21,8 +22,8 @@ from toma.accumulation.options import (
     check_weight,
 )
 from toma.accumulation.step import AccumulateStep
+from toma.batching.logical import LogicalBatch
 from toma.batching.micro_batch_cost import MicroBatchCost
-from toma.batching.splitting import LogicalBatch
 from toma.core.caches import LearnedState
 from toma.core.runner import Runner
 from toma.sizing.defaults import ACCUMULATION
@@ -33,6 +34,7 @@ __all__ = [
     "Sizing",
     "AccumulationStats",
     "AccumulationMisuse",
+    "CoupledRows",
     "AccumulationOptions",
     "NothingCounted",
     "check_model",
@@ -57,6 +59,8 @@ class AccumulationStats:
     learned: Optional[LearnedState] = None  # what the policy learned at the call site's entry
     # with `lengths=`: what one more micro-batch costs in padded positions (measured on the first ones)
     packing: MicroBatchCost = field(default_factory=MicroBatchCost)
+    # whether the loss is what its parts add up to: checked once, on the first split (`toma.accumulation.coupling`)
+    split_check: SplitCheck = field(default_factory=SplitCheck)
 
     @property
     def model(self) -> Any:
@@ -90,10 +94,16 @@ def accumulate(
     loss is one (a gradient-accumulation window, every rank's batches), or the batch's own count where the
     framework's loss already accounts for the ranks (`TomaTrainer`)."""
     runner = sizing.runner
-    step = AccumulateStep(
-        func, batch, options, runner.resolved_policy(), total, None if sizing.stats is None else sizing.stats.packing
-    )
     stats = sizing.stats
+    step = AccumulateStep(
+        func,
+        batch,
+        options,
+        runner.resolved_policy(),
+        total,
+        None if stats is None else stats.packing,
+        SplitCheck() if stats is None else stats.split_check,
+    )
     state = None
     try:
         initial = step.initial_size(sizing.initial, options.initial_tokens)

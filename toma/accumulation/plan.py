@@ -10,7 +10,8 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 
 import torch
 
-from toma.batching.splitting import LogicalBatch, MicroBatch
+from toma.batching.logical import LogicalBatch
+from toma.batching.splitting import MicroBatch
 from toma.batching.tokens import TokenPiece
 
 __all__ = ["MicroBatchPlan", "Weighting", "NothingCounted", "nothing_counted", "shares", "counts"]

@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterator, List, Optional, Tuple
 import torch
 
 from toma.accumulation.backward import backward_pass
+from toma.accumulation.coupling import SplitCheck, check_split_once
 from toma.accumulation.diagnostics import hint_whole, loss_error, warn_once_about_batchnorm
 from toma.accumulation.gradients import GradientStash
 from toma.accumulation.misuse import AccumulationMisuse, MisuseWatch
@@ -31,8 +32,9 @@ from toma.accumulation.rollback import (
 from toma.accumulation.sync import model_device, sync_for
 from toma.batching import transfer
 from toma.batching.groups import GroupedBatch
+from toma.batching.logical import LogicalBatch
 from toma.batching.micro_batch_cost import MicroBatchCost
-from toma.batching.splitting import LogicalBatch, MicroBatch
+from toma.batching.splitting import MicroBatch
 from toma.batching.tokens import TokenPiece, token_batches
 from toma.batching.transfer import MicroBatchTransfers, shared_transfers
 from toma.core.agreement import AgreedRetry
@@ -96,6 +98,7 @@ class AccumulateStep(Step):
         policy: SizePolicy,
         total: Any = None,
         cost: Optional[MicroBatchCost] = None,
+        split_check: Optional[SplitCheck] = None,
     ) -> None:
         self.func, self.batch, self.options, self.policy, self.name = func, batch, options, policy, options.name
         self.model = model = options.model
@@ -121,6 +124,8 @@ class AccumulateStep(Step):
         if options.lengths is not None:
             self.tokens = token_batches(batch.pieces, options.lengths, cost or MicroBatchCost())
             self.size_name = TOKEN_BUDGET
+        # Whether the loss is what its parts add up to: checked once per call site, on its first split
+        self.split_check = split_check if options.check_split and split_check is not None else None
         self.result: Optional[torch.Tensor] = None
         self.total_weight: Optional[float] = None
         self.attempts = 0
@@ -206,6 +211,8 @@ class AccumulateStep(Step):
         backward = backward_pass(self.options.backward, self.options.scaler)
         func, sync, watch = self.func, self.sync, self.watch
         sync.begin(asked, len(plan.running), self.total_weight if self.rank_weighted else None)
+        if len(plan.running) > 1 and self.split_check is not None and not self.split_check.done:
+            self._check_split(plan)
         each = sync.each_micro_batch
         last = plan.running[-1][0] if plan.running else -1
         total: Optional[torch.Tensor] = None
@@ -244,6 +251,51 @@ class AccumulateStep(Step):
         if total is None:  # every micro-batch counted 0 items: nothing to learn from, no NaN
             return torch.zeros((), device=self.params[0].device if self.params else None)
         return total if total.dim() == 0 else total.reshape(())
+
+    def _check_split(self, plan: MicroBatchPlan) -> None:
+        """The first split of this call site: its first micro-batch's loss against its halves'
+        (`toma.accumulation.coupling`), then everything the check changed rolled back."""
+        assert self.split_check is not None  # every strategy's passes run no collective after begin()
+        index = plan.running[0][0]
+        piece, start, stop = plan.micro_batches[index]
+        width = None if plan.widths is None else plan.widths[index]
+        try:
+            check_split_once(
+                self.split_check,
+                self.func,
+                self.model,
+                piece,
+                start,
+                stop,
+                width,
+                self._part_arguments,
+                self._unit_weight,
+                not self.weighting.mean,
+                self.label(),
+            )
+        except Exception as error:  # the user's own error, met first here: with the training pass's hint
+            _hint(error, plan.micro_batches[index])
+            raise
+        finally:
+            self.rollbacks.undo()
+            self.rollbacks.begin()
+
+    def _part_arguments(self, piece: Any, start: int, stop: int, width: Optional[int]) -> Arguments:
+        """Units `[start, stop)` of `piece` as a micro-batch's arguments, where the micro-batches' are (moved to
+        the model's device when it has a pipeline)."""
+        if self.transfers is None:
+            return piece.arguments(start, stop, width=width)  # type: ignore[no-any-return]
+        return self.transfers.prefetch(piece, start, stop, width).take()  # type: ignore[no-any-return]
+
+    def _unit_weight(self, piece: Any, start: int, stop: int, arguments: Arguments) -> Optional[float]:
+        """What the loss of units `[start, stop)` averages over: `weight=`'s count, else its rows (None: 0)."""
+        weight = self.weighting.weight
+        if weight is None:
+            return float(piece.rows_between(start, stop))
+        args, kwargs = arguments
+        value = weight(*args, **kwargs)
+        counted = float(value.detach().reshape(()) if isinstance(value, torch.Tensor) else value)
+        return counted if counted > 0 else None
 
     def _arguments(self, plan: MicroBatchPlan) -> Iterator[Arguments]:
         """The running micro-batches' arguments; moved to the model's device ahead of use when it has a pipeline."""

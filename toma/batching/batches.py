@@ -11,6 +11,7 @@ from typing import Any, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
+from toma.batching.packed import PACKED_KEYS, PackedBatch, is_packed
 from toma.batching.splitting import ArgumentBatch, is_row_sequence_candidate, map_tensors
 
 __all__ = ["rows", "take", "concatenate", "to_device", "logical_batches", "Pieces"]
@@ -22,15 +23,37 @@ class Pieces(list[Any]):
     (`toma.batching.splitting.ArgumentPieces` is the same logical batch as a function's arguments)."""
 
 
+def _packed(batch: Any) -> Optional[PackedBatch]:
+    """A padding-free batch (`toma.batching.packed`) as its packed sequences; None for any other batch."""
+    if not is_packed(batch):
+        return None
+    key = next(key for key in PACKED_KEYS if isinstance(batch.get(key), torch.Tensor))
+    return PackedBatch((batch,), {}, key)
+
+
 def rows(batch: Any) -> int:
-    """The number of rows in `batch` (ValueError if its tensors disagree or it has none)."""
+    """The number of rows in `batch` (a padding-free batch's: its packed sequences; ValueError if its tensors
+    disagree or it has none)."""
     if isinstance(batch, Pieces):
         return sum(rows(piece) for piece in batch)
+    packed = _packed(batch)
+    if packed is not None:
+        return packed.size
     return ArgumentBatch((batch,), {}).size
 
 
 def take(batch: Any, start: int, stop: int) -> Any:
-    """Rows `[start, stop)` of `batch`, as views (lists of one item per row are sliced)."""
+    """Rows `[start, stop)` of `batch`, as views (lists of one item per row are sliced; a padding-free batch's
+    packed sequences, as a padding-free batch of their own)."""
+    packed = _packed(batch)
+    if packed is not None:
+        if packed.rows != 1:
+            raise ValueError(
+                f"cannot cut a padding-free batch of {packed.rows} packed rows into logical batches; give the loader "
+                "the logical batch size, or pack each batch into one row"
+            )
+        (part,), _ = packed.arguments(start, stop)
+        return part
     (part,), _ = ArgumentBatch((batch,), {}).arguments(start, stop)
     return part
 
@@ -142,7 +165,7 @@ def _logical(taken: List[Tuple[Any, int]]) -> Any:
     layout: Optional[Any] = None
     for loaded, _ in taken:
         current = _layout(loaded)
-        if runs and current == layout:
+        if runs and current == layout and not is_packed(loaded):  # packed rows are never stacked: pieces
             runs[-1].append(loaded)
         else:
             runs.append([loaded])

@@ -125,6 +125,8 @@ class GroupedBatch:
         """Its rows (what a share by rows is a share of; micro-batches are cut into `units`)."""
         return self.rows
 
+    unit_name = "groups"  # what its units are called in messages
+
     @property
     def unit_count(self) -> int:
         """What micro-batches are cut into: its groups."""

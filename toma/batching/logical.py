@@ -6,11 +6,15 @@ from typing import Any, Dict, Optional, Tuple, Union
 
 from toma.batching.groups import GroupedBatch, Groups, group_label, grouped_batch
 from toma.batching.packed import PACKED_KEYS, PackedBatch
-from toma.batching.splitting import ArgumentBatch
+from toma.batching.splitting import ArgumentBatch, ArgumentPieces
 
-__all__ = ["Piece", "logical_batch_of", "check_packing", "is_packed_lengths"]
+__all__ = ["Piece", "LogicalBatch", "logical_batch_of", "check_packing", "is_packed_lengths"]
 
 Piece = Union[ArgumentBatch, GroupedBatch, PackedBatch]
+"""One piece of a logical batch: rows on their own, rows in groups, or packed sequences."""
+
+LogicalBatch = Union[Piece, ArgumentPieces]
+"""What `toma.accumulate` works through: a call's arguments, or several loader batches' in pieces."""
 
 
 def is_packed_lengths(lengths: Any) -> bool:

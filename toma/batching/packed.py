@@ -204,6 +204,8 @@ class PackedBatch:
         """Its sequences: what micro-batches are cut into (and what a share by "rows" counts)."""
         return len(self.sequences)
 
+    unit_name = "packed sequences"  # what its units are called in messages
+
     @property
     def unit_count(self) -> int:
         """What micro-batches are cut into: its sequences."""

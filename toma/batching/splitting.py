@@ -16,20 +16,15 @@ cannot be joined (loader batches padded to different widths, `toma.batching.batc
 
 import copy
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
-
-if TYPE_CHECKING:  # the other kinds of logical batch, built on this module
-    from toma.batching.groups import GroupedBatch
-    from toma.batching.packed import PackedBatch
 
 __all__ = [
     "whole",
     "ArgumentBatch",
     "ArgumentPieces",
     "MicroBatch",
-    "LogicalBatch",
     "map_tensors",
     "leaves",
     "is_row_sequence_candidate",
@@ -366,6 +361,8 @@ class ArgumentBatch:
         placed.trimmed = self.trimmed  # the split tensors are the same: only `whole` values moved
         return placed
 
+    unit_name = "rows"  # what its units are called in messages
+
     @property
     def unit_count(self) -> int:
         """What micro-batches are cut into: its rows."""
@@ -402,7 +399,8 @@ class ArgumentPieces:
 
     __slots__ = ("pieces", "size", "largest")
 
-    def __init__(self, pieces: Sequence[Union[ArgumentBatch, "GroupedBatch", "PackedBatch"]]) -> None:
+    def __init__(self, pieces: Sequence[Any]) -> None:
+        """`pieces`: `ArgumentBatch`es, or the other kinds of logical batch (`toma.batching.logical.Piece`)."""
         if not pieces:
             raise ValueError("a logical batch needs at least one piece")
         self.pieces = list(pieces)
@@ -415,8 +413,3 @@ class ArgumentPieces:
 
     def describe(self, limit: int = 4) -> str:
         return self.pieces[0].describe(limit)
-
-
-LogicalBatch = Union[ArgumentBatch, ArgumentPieces, "GroupedBatch", "PackedBatch"]
-"""What `toma.accumulate` works through: a call's arguments (rows, groups of rows, packed sequences), or several
-loader batches' in pieces."""

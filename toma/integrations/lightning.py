@@ -34,7 +34,9 @@ from toma.accumulation.accumulate import AccumulationStats, Sizing, accumulate
 from toma.accumulation.fsdp2 import fsdp2_root
 from toma.accumulation.options import AccumulationOptions, NothingCounted, check_reduction, check_weight
 from toma.accumulation.sync import GRADIENT_SYNCS, AgreeingOnly, GradientSync, model_device, sync_for
-from toma.batching.splitting import ArgumentBatch
+from toma.batching.groups import check_groups
+from toma.batching.logical import logical_batch_of
+from toma.batching.packed import is_packed
 from toma.core.agreement import Agreement, is_distributed
 from toma.core.arguments import check_size
 from toma.core.caches import GlobalBatchsizeCache
@@ -46,6 +48,8 @@ from toma.sizing.defaults import ACCUMULATION
 __all__ = ["MicroBatching", "LogicalBatchLoss"]
 
 log = logging.getLogger("toma")
+
+_PACKED = "position_ids"  # what a padding-free batch's sequences are found by (or its cu_seq_lens, seq_idx)
 
 
 class _Gradients:
@@ -261,6 +265,12 @@ class MicroBatching(Callback):
         gradient_sync: under FSDP2 (`ModelParallelStrategy` with `fully_shard` in `configure_model`), when the
             sharded gradients are reduced: "auto" (default), "logical_batch" or "micro_batch", as
             `toma.accumulate`'s `gradient_sync=`.
+        groups: rows that belong together, as `toma.accumulate`'s `groups=` ("pairs", "batch", a function of a
+            batch giving each row's group, "rows"); None (default): rows on their own, which toma checks once,
+            on the first batch it splits (the step runs then a few more times without gradients, in eval mode).
+
+    A padding-free batch (a dict with `position_ids` or `cu_seq_lens_*` and no attention mask) is cut between its
+    packed sequences, each micro-batch a padding-free row of its own, as `toma.accumulate(lengths="position_ids")`.
 
     `stats` (a `toma.accumulation.accumulate.AccumulationStats`) holds the last size and the retries so far. A copy
     (pickle, `copy.deepcopy`, the processes of `strategy="ddp_spawn"`) keeps the options, `stats` and the size found
@@ -278,6 +288,7 @@ class MicroBatching(Callback):
         log_micro_batch: bool = False,
         pack_tokens: bool = True,
         gradient_sync: str = "auto",
+        groups: Any = None,
     ) -> None:
         self.initial_micro_batch = (
             None if initial_micro_batch is None else check_size(initial_micro_batch, "initial_micro_batch")
@@ -293,6 +304,7 @@ class MicroBatching(Callback):
                 f"gradient_sync must be one of {', '.join(map(repr, GRADIENT_SYNCS))}, got {gradient_sync!r}"
             )
         self.gradient_sync = gradient_sync
+        self.groups = check_groups(groups, "groups")
         self.stats = AccumulationStats()
         self.cache = GlobalBatchsizeCache()  # one size per callback, wherever the step runs from
         self._runner = Runner(ACCUMULATION, policy=policy, cache=self.cache)
@@ -375,9 +387,12 @@ class MicroBatching(Callback):
         Lightning zeroes next) for the backward pass Lightning runs on the returned loss. A batch with nothing
         to split, or in which `weight=` counts nothing, runs whole through the module's own step, as in a plain
         run."""
+        packed = is_packed(batch)
         try:
-            split = ArgumentBatch((batch,), {})
+            split = logical_batch_of((batch,), {}, _PACKED if packed else None, None if packed else self.groups)
         except ValueError as reason:
+            if packed or self.groups not in (None, "rows"):
+                raise  # a batch the grouping asked for does not have: an error, not a batch to run whole
             if not fit.told_whole:
                 fit.told_whole = True
                 log.info("MicroBatching runs batches it cannot split whole, as Lightning does (%s)", reason)
@@ -389,12 +404,13 @@ class MicroBatching(Callback):
         try:
             with _micro_batch_region(fit.module, params, model.logs):
                 mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
-                packed = self.pack_tokens and isinstance(mask, torch.Tensor) and mask.dim() == 2
+                by_mask = self.pack_tokens and isinstance(mask, torch.Tensor) and mask.dim() == 2
+                lengths = _PACKED if packed else "attention_mask" if by_mask else None
                 # FSDP2's strategy each batch: "auto" may have switched to reducing after every micro-batch
                 sync: Optional[GradientSync] = fit.sync if fit.root is None else sync_for(fit.root, self.gradient_sync)
                 options = AccumulationOptions(
                     model, self.reduction, self.weight, fit.scaler, _backward, sync, "MicroBatching",
-                    lengths="attention_mask" if packed else None,
+                    lengths=lengths, groups=self.groups, check_split=self.groups is None,
                 )  # fmt: skip
                 sizing = Sizing(self.initial_micro_batch or split.size, self._runner, stats=self.stats)
                 loss = accumulate(step.function(), split, options, sizing)

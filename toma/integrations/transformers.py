@@ -57,7 +57,7 @@ from toma.integrations.transformers_shares import (
     has_labels,
     is_causal_lm,
 )
-from toma.integrations.trl import known_groups, record_rules
+from toma.integrations.trl import known_groups, record_rules, trl_trainer
 from toma.integrations.versions import require
 from toma.sizing.defaults import ACCUMULATION
 from toma.training.data import WHOLE_BATCHES
@@ -172,7 +172,7 @@ class TomaTrainerMixin(_Trainer):
         self._toma_evaluation = Runner(ACCUMULATION, policy=given, cache=GlobalBatchsizeCache(), distributed=True)
         super().__init__(*args, **kwargs)
         self._toma_check_setup()
-        self._toma_known_groups = known_groups(self)
+        self._toma_known_groups = known_groups(self) if trl_trainer(self) else self._toma_trainer_groups()
         self._toma_record_rules = record_rules(self)
         self._toma_trainer_count = LabelCount(self._loss_shifts_labels)
         model = unwrap_peft_model(self.model)
@@ -376,6 +376,16 @@ class TomaTrainerMixin(_Trainer):
             loss = accumulate(micro_loss, batch, options, sizing, total=shares.total)
         records.merge()
         return loss.detach().requires_grad_()
+
+    def _toma_trainer_groups(self) -> Tuple[Optional[Groups], bool]:
+        """The plain Trainer's loss is the model's own (a mean or sum over label tokens or rows): rows on their own,
+        known. A `compute_loss` of a subclass or a `compute_loss_func` may relate them: checked."""
+        for cls in type(self).__mro__:
+            if cls is transformers.Trainer:
+                break
+            if "compute_loss" in vars(cls) and not cls.__module__.startswith("toma."):
+                return None, False
+        return ("rows", True) if self.compute_loss_func is None else (None, False)
 
     def _toma_groups_for(self, packed: bool) -> Tuple[Optional[Groups], bool]:
         """How the batch's rows belong together (`toma_groups=`, else what toma knows of the trainer), and whether

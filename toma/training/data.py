@@ -6,7 +6,9 @@ from typing import Any, Optional
 import torch
 
 from toma.batching.batches import Pieces, rows
-from toma.batching.splitting import ArgumentBatch, ArgumentPieces, LogicalBatch
+from toma.batching.groups import Groups
+from toma.batching.logical import LogicalBatch, logical_batch_of
+from toma.batching.splitting import ArgumentPieces
 from toma.core.steps import RangeStep
 
 
@@ -23,11 +25,14 @@ def call_arguments(batch: Any, forward: bool) -> tuple:
     return tuple(batch)
 
 
-def logical_batch(batch: Any, forward: bool) -> LogicalBatch:
-    """One logical batch of the loss's arguments (in pieces where the loader batches could not be joined)."""
+def logical_batch(batch: Any, forward: bool, lengths: Any = None, groups: Optional[Groups] = None) -> LogicalBatch:
+    """One logical batch of the loss's arguments (in pieces where the loader batches could not be joined), by
+    `lengths=` (packed sequences) and `groups=`."""
     if isinstance(batch, Pieces):
-        return ArgumentPieces([ArgumentBatch(call_arguments(piece, forward), {}) for piece in batch])
-    return ArgumentBatch(call_arguments(batch, forward), {})
+        return ArgumentPieces(
+            [logical_batch_of(call_arguments(piece, forward), {}, lengths, groups) for piece in batch]
+        )
+    return logical_batch_of(call_arguments(batch, forward), {}, lengths, groups)
 
 
 def known_length(data: Any) -> Optional[int]:

@@ -67,7 +67,10 @@ class Trainer:
     model output carrying `.loss`). `weight(inputs, targets)` (or `weight(batch)` with `forward=`) gives the
     number of items a batch's mean loss averages over when that is not its rows (label tokens, say).
     `lengths=` (a 0/1 mask's name in a dict batch, or a function of a batch giving each row's length) packs the
-    rows by tokens, as `toma.accumulate(lengths=)` does: the micro-batch size is then a token budget.
+    rows by tokens, as `toma.accumulate(lengths=)` does: the micro-batch size is then a token budget;
+    `lengths="position_ids"` takes padding-free batches, cut between their packed sequences (`batch_size` then
+    counts sequences). `groups=`: rows that belong together, as `toma.accumulate`'s (with `loss_fn` the rows are
+    the criterion's own; with `forward=` they are checked once, unless `groups=` says how they belong together).
     `gradient_sync=`: as `toma.accumulate`'s, for an FSDP2 model.
     """
 
@@ -92,15 +95,18 @@ class Trainer:
         policy: Optional[SizePolicy] = None,
         lengths: Any = None,
         gradient_sync: str = "auto",
+        groups: Any = None,
     ) -> None:
         self.accumulation = AccumulationOptions.checked(
-            model, reduction, weight, scaler, lengths=lengths, gradient_sync=gradient_sync
+            model, reduction, weight, scaler, lengths=lengths, gradient_sync=gradient_sync, groups=groups
         )
         self.model = self.accumulation.model
         given = check_policy(policy, "policy")
         check_functions(optimizer, loss_fn, forward, targets)
         if forward is None:
             check_criterion(loss_fn, self.accumulation.reduction)
+            # loss_fn(model(inputs), targets): a criterion's mean or sum over its rows, nothing to check
+            self.accumulation = dataclasses.replace(self.accumulation, check_split=False)
             if weight is None:  # what the criterion's mean divides by (its targets), not rows
                 counted = criterion_weight(loss_fn, self.accumulation.reduction)
                 self.accumulation = dataclasses.replace(self.accumulation, weight=counted)
@@ -167,13 +173,14 @@ class Trainer:
     def step(self, *batch: Any) -> torch.Tensor:
         """One logical batch: zero_grad, forward and backward in micro-batches, optimizer step. Returns the
         logical batch's loss (detached). `step(inputs, targets)`, or `step(batch)` with `forward=`."""
-        logical = logical_batch(batch[0] if len(batch) == 1 else batch, self.forward is not None)
+        options = self.accumulation
+        logical = logical_batch(
+            batch[0] if len(batch) == 1 else batch, self.forward is not None, options.lengths, options.groups
+        )
         # The size the cache keeps is the trainer's, not this batch's: a short batch never shrinks it.
         initial = self.initial_micro_batch or self.batch_size
         self.optimizer.zero_grad()
-        options = AccumulationOptions(
-            self.model, self.reduction, self.weight, self.scaler, name="Trainer.step", lengths=self.accumulation.lengths
-        )
+        options = dataclasses.replace(options, name="Trainer.step")
         sizing = Sizing(initial, self._training, stats=self.stats)
         loss = accumulate(self._micro_batch_loss, logical, options, sizing)
         # A batch that counted nothing is an error in toma.accumulate; a rank of several that counted nothing holds

@@ -1,0 +1,250 @@
+"""Losses that couple rows: refused before a split batch trains anything, unless `groups=` says how the rows belong
+together, and then trained exactly (pairs, groups); the one check and what it leaves behind."""
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from toma import CoupledRows, Halving, NoBatchsizeCache, toma
+
+from helpers import raise_fake_oom, run_python
+
+RTOL, ATOL = 1e-5, 1e-7
+
+
+def encoder():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 8))
+
+
+def info_nce(model, queries, documents):
+    """In-batch negatives: each query against every document of the batch."""
+    a, b = F.normalize(model(queries), dim=-1), F.normalize(model(documents), dim=-1)
+    return F.cross_entropy(a @ b.T / 0.05, torch.arange(len(queries)))
+
+
+def pairs_data(n=32):
+    torch.manual_seed(1)
+    return torch.randn(n, 16), torch.randn(n, 16)
+
+
+def test_in_batch_negatives_split_by_an_oom_are_refused_before_anything_trains():
+    model = encoder()
+    queries, documents = pairs_data()
+
+    @toma.accumulate(model=model, initial_micro_batch=32, policy=Halving())
+    def loss(queries, documents):
+        if len(queries) > 8:
+            raise_fake_oom()
+        return info_nce(model, queries, documents)
+
+    with pytest.raises(CoupledRows, match=r"8 rows together is .* relative difference .*groups=") as raised:
+        loss(queries, documents)
+    assert "in-batch negatives" in str(raised.value)
+    assert all(p.grad is None for p in model.parameters()), "nothing of the split batch trained"
+
+
+def test_how_far_a_split_trains_from_the_full_batch_when_told_the_rows_are_independent():
+    """What the refusal prevents: split into micro-batches of 8 rows, InfoNCE's gradients are far from the full
+    batch's (the issue measured 0.75 of their norm)."""
+    reference, model = encoder(), encoder()
+    queries, documents = pairs_data()
+    info_nce(reference, queries, documents).backward()
+    toma.accumulate(model=model, initial_micro_batch=8, groups="rows")(lambda q, d: info_nce(model, q, d))(
+        queries, documents
+    )
+    apart = sum(float((p.grad - r.grad).norm() ** 2) for p, r in zip(model.parameters(), reference.parameters()))
+    norm = sum(float(r.grad.norm() ** 2) for r in reference.parameters())
+    assert (apart / norm) ** 0.5 > 0.3
+
+
+def test_a_batch_that_must_stay_whole_runs_whole_and_is_never_split():
+    reference, model = encoder(), encoder()
+    queries, documents = pairs_data()
+    info_nce(reference, queries, documents).backward()
+    loss = toma.accumulate(model=model, initial_micro_batch=8, groups="batch")(lambda q, d: info_nce(model, q, d))
+    loss(queries, documents)
+    for p, r in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, r.grad, rtol=RTOL, atol=ATOL)
+
+    def too_big(q, d):
+        raise_fake_oom()
+
+    with pytest.raises(torch.OutOfMemoryError) as raised:
+        toma.accumulate(model=model, initial_micro_batch=32, groups="batch", cache_type=NoBatchsizeCache)(too_big)(
+            queries, documents
+        )
+    assert "smallest micro-batch" in "".join(raised.value.__notes__)
+
+
+def preference_loss(model, inputs):
+    """DPO's shape: chosen rows first, rejected second, paired by halving the batch; a mean over pairs."""
+    scores = model(inputs).sum(-1)
+    chosen, rejected = scores.chunk(2)
+    return -F.logsigmoid(chosen - rejected).mean()
+
+
+def test_pairs_train_the_full_batch_gradients_and_rows_alone_are_refused():
+    reference, model = encoder(), encoder()
+    torch.manual_seed(2)
+    inputs = torch.randn(32, 16)  # 16 chosen rows, then their 16 rejected rows
+    preference_loss(reference, inputs).backward()
+    seen = []
+
+    def loss(inputs):
+        if torch.is_grad_enabled():
+            seen.append(len(inputs))
+        return preference_loss(model, inputs)
+
+    with pytest.raises(CoupledRows):
+        toma.accumulate(model=model, initial_micro_batch=8)(loss)(inputs)
+    toma.accumulate(model=model, initial_micro_batch=8, groups="pairs")(loss)(inputs)
+    assert seen == [8, 8, 8, 8], "4 pairs per micro-batch"
+    for p, r in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, r.grad, rtol=RTOL, atol=ATOL)
+
+
+def test_groups_from_a_function_keep_each_query_with_its_documents():
+    """A listwise loss: each query's documents softmaxed against each other, rows grouped by query id."""
+    torch.manual_seed(3)
+    model = nn.Linear(6, 1)
+    reference = nn.Linear(6, 1)
+    reference.load_state_dict(model.state_dict())
+    features, query = torch.randn(30, 6), torch.arange(10).repeat_interleave(3)
+    relevant = torch.zeros(30)
+    relevant[::3] = 1
+
+    def listwise(net, features, query, relevant):
+        scores = net(features).squeeze(-1)
+        groups = query.unique()
+        losses = [-(F.log_softmax(scores[query == g], 0) * relevant[query == g]).sum() for g in groups]  # one per query
+        return torch.stack(losses).mean()
+
+    listwise(reference, features, query, relevant).backward()
+    by_query = lambda features, query, relevant: query  # noqa: E731
+    loss = toma.accumulate(model=model, initial_micro_batch=7, groups=by_query, policy=Halving())
+    loss(lambda f, q, r: listwise(model, f, q, r))(features, query, relevant)
+    for p, r in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, r.grad, rtol=RTOL, atol=ATOL)
+    with pytest.raises(CoupledRows):  # cut by rows, a query's documents would land in two micro-batches
+        toma.accumulate(model=model, initial_micro_batch=7, policy=Halving(), cache_type=NoBatchsizeCache)(
+            lambda f, q, r: listwise(model, f, q, r)
+        )(features, query, relevant)
+
+
+def test_the_check_runs_once_per_call_site_and_leaves_nothing_behind(caplog):
+    """Random state, BatchNorm statistics and gradients as if it never ran: the gradients equal a run told the rows
+    are independent (no check), bit for bit, dropout and all."""
+
+    def dropout_model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Dropout(0.3), nn.Linear(16, 4))
+
+    torch.manual_seed(4)
+    inputs, targets = torch.randn(32, 6), torch.randint(0, 4, (32,))
+    results = []
+    for groups in (None, "rows"):
+        model = dropout_model()
+        unchecked = []
+
+        def loss(inputs, targets):
+            if not torch.is_grad_enabled():
+                unchecked.append(len(inputs))
+            return F.cross_entropy(model(inputs), targets)
+
+        step = toma.accumulate(model=model, initial_micro_batch=8, groups=groups)(loss)
+        torch.manual_seed(5)
+        with caplog.at_level(logging.INFO, logger="toma"):
+            step(inputs, targets)
+            step(inputs, targets)
+        results.append((model, unchecked, step.stats.split_check))
+    (checked, calls, check), (plain, none, _) = results
+    assert calls == [8, 4, 4] and none == [], "once: the first micro-batch whole and in halves, no gradients"
+    assert check.done and check.difference is not None and check.difference < 1e-5
+    assert "its loss is what its parts add up to" in caplog.text
+    for p, q in zip(checked.parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    for a, b in zip(checked.buffers(), plain.buffers()):
+        assert torch.equal(a, b), "BatchNorm's statistics count the training passes only"
+
+
+def test_a_check_that_runs_out_of_memory_says_so_and_the_batch_trains(caplog):
+    model = encoder()
+    queries, documents = pairs_data()
+
+    def loss(q, d):
+        if not torch.is_grad_enabled():
+            raise_fake_oom()
+        return F.mse_loss(model(q), model(d))
+
+    with caplog.at_level(logging.WARNING, logger="toma"):
+        toma.accumulate(model=model, initial_micro_batch=8)(loss)(queries, documents)
+    assert "could not check that its loss is what its parts add up to" in caplog.text
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_an_error_of_the_users_own_in_the_check_passes_through_untouched():
+    model = encoder()
+    error = ValueError("not about memory")
+
+    def loss(q, d):
+        raise error
+
+    with pytest.raises(ValueError) as raised:
+        toma.accumulate(model=model, initial_micro_batch=8)(loss)(*pairs_data())
+    assert raised.value is error
+
+
+def test_under_autocast_rounding_is_not_taken_for_coupling():
+    model = encoder()
+    queries, documents = pairs_data()
+    step = toma.accumulate(model=model, initial_micro_batch=8)(lambda q, d: F.mse_loss(model(q), model(d)))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        step(queries, documents)
+    assert step.stats.split_check.done and step.stats.split_check.difference < 2e-2
+
+
+@pytest.mark.slow
+def test_under_a_real_cap_in_batch_negatives_are_refused_and_an_independent_loss_trains_the_reference():
+    """The whole batch does not fit under a real address-space cap: toma splits it, and the check refuses the
+    coupled loss (with nothing trained) and lets the independent one through to the full batch's gradients."""
+    run_python(
+        """
+        import torch, torch.nn as nn, torch.nn.functional as F
+        from toma import toma, CoupledRows
+        from toma.memory.cpu import predictable_heap, set_cpu_memory_headroom
+        torch.set_num_threads(1)
+        predictable_heap()
+        N, WIDTH = 2048, 8192
+        def model():
+            torch.manual_seed(0)
+            return nn.Sequential(nn.Linear(32, WIDTH), nn.ReLU(), nn.Linear(WIDTH, 16))
+        torch.manual_seed(1)
+        q, d = torch.randn(N, 32), torch.randn(N, 32)
+        reference = model()
+        F.mse_loss(reference(q), reference(d)).backward()  # uncapped: what the full batch gives
+        expected = [p.grad.clone() for p in reference.parameters()]
+        del reference
+        set_cpu_memory_headroom(0.2)  # 200 MiB: a full batch's activations (2 x 64 MiB each, and their grads) do not fit
+        net = model()
+        def info_nce(q, d):
+            a, b = F.normalize(net(q), dim=-1), F.normalize(net(d), dim=-1)
+            return F.cross_entropy(a @ b.T / 0.05, torch.arange(len(q)))
+        try:
+            toma.accumulate(model=net, initial_micro_batch=N)(info_nce)(q, d)
+            raise SystemExit("in-batch negatives trained split")
+        except CoupledRows as error:
+            assert "in-batch negatives" in str(error)
+        assert all(p.grad is None for p in net.parameters())
+        step = toma.accumulate(model=net, initial_micro_batch=N)(lambda q, d: F.mse_loss(net(q), net(d)))
+        step(q, d)
+        assert step.stats.oom_retries >= 1 and step.stats.split_check.done, step.stats
+        for p, e in zip(net.parameters(), expected):
+            torch.testing.assert_close(p.grad, e, rtol=1e-4, atol=1e-6)
+        print("ok", step.stats.micro_batch)
+        """,
+        timeout=240,
+    )

@@ -1,0 +1,177 @@
+"""Before a call site's first split of a logical batch trains anything: is the batch's loss what its parts add up to?
+
+toma's micro-batches give the full batch's gradients when the batch's loss is the weighted sum of its units'
+(rows', groups', packed sequences') losses, weighted as toma weights them. A loss that relates rows to each
+other (in-batch negatives, a contrastive or listwise loss, a statistic of the batch, a sort over it) is not, and
+neither is a mean over something other than what `weight=` counts: split, either trains something else without a
+word. So once per call site, at the start of the first attempt that splits a batch, toma runs the first
+micro-batch's units without gradients and with the model in eval mode (no dropout draws), once together and once
+as two halves, and compares the first loss with the halves' losses weighted as the micro-batches would be. A
+difference beyond rounding raises `CoupledRows`, which names the difference and the remedies; everything the
+check changed (random state, a trainer's metric lists, modules' pending state) is rolled back with it.
+
+It costs one extra forward pass over one micro-batch, without gradients, once per call site (see
+`benchmarks/split_check.py`). It is skipped where the rows' relation is declared (`groups=`). Where the micro-batch's
+units run out of memory even without gradients, the attempt fails as any other and the next, smaller one is
+checked; where micro-batches hold one unit and two do not fit, a warning says the loss was not checked. With
+several ranks each checks on its own: the passes of every gradient sync run no collective.
+"""
+
+import logging
+import math
+from typing import Any, Callable, List, Optional, Tuple
+
+import torch
+
+from toma.core.oom import should_reduce_batch_size
+
+__all__ = ["CoupledRows", "SplitCheck", "check_split_once", "tolerance"]
+
+log = logging.getLogger("toma")
+
+Arguments = Tuple[Tuple[Any, ...], dict]
+
+
+class CoupledRows(ValueError):
+    """A logical batch's loss is not the weighted sum of its parts' losses: split into micro-batches it would
+    train something else. Raised before anything of the split batch trains."""
+
+
+class SplitCheck:
+    """One call site's check: done once (its outcome kept for the stats: the relative difference found)."""
+
+    __slots__ = ("done", "difference")
+
+    def __init__(self) -> None:
+        self.done = False
+        self.difference: Optional[float] = None
+
+    def __repr__(self) -> str:
+        state = "not yet" if not self.done else "skipped" if self.difference is None else f"{self.difference:.2g}"
+        return f"SplitCheck({state})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, SplitCheck):
+            return NotImplemented
+        return (self.done, self.difference) == (other.done, other.difference)
+
+    __hash__ = None  # type: ignore[assignment]  # it changes once checked
+
+
+def tolerance(model: torch.nn.Module) -> float:
+    """The relative difference rounding may make between a batch's loss and its halves': fp32 sums in another
+    order (about 1e-6), bf16/fp16 compute (autocast or half parameters) far more."""
+    low = torch.is_autocast_enabled() or any(p.dtype in (torch.float16, torch.bfloat16) for p in model.parameters())
+    return 2e-2 if low else 1e-3
+
+
+class _NoLoss(Exception):
+    """The function returned no scalar loss: the training pass says so in its own words."""
+
+
+def _loss(func: Callable[..., Any], arguments: Arguments) -> float:
+    args, kwargs = arguments
+    value = func(*args, **kwargs)
+    # Without gradients nothing the model computes requires grad: a loss that does is a stand-in (a framework's
+    # zero for a step that returned no loss), not one to compare.
+    if not isinstance(value, torch.Tensor) or value.numel() != 1 or value.requires_grad:
+        raise _NoLoss
+    return float(value.detach().float().reshape(()))
+
+
+def _needs_gradients(error: BaseException) -> bool:
+    """The error of a function that runs a backward pass itself, which the check's no-gradient passes cannot."""
+    return isinstance(error, RuntimeError) and "does not require grad" in str(error)
+
+
+class _EvalMode:
+    """The model's modules in eval mode (no dropout draws), each put back as it was."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.modes: List[Tuple[torch.nn.Module, bool]] = []
+
+    def __enter__(self) -> None:
+        self.modes = [(module, module.training) for module in self.model.modules()]
+        self.model.eval()
+
+    def __exit__(self, *exc: Any) -> None:
+        for module, training in self.modes:
+            module.training = training
+
+
+def check_split_once(
+    check: SplitCheck,
+    func: Callable[..., Any],
+    model: torch.nn.Module,
+    piece: Any,
+    start: int,
+    stop: int,
+    width: Optional[int],
+    arguments_of: Callable[[Any, int, int, Optional[int]], Arguments],
+    unit_weight: Callable[[Any, int, int, Arguments], Optional[float]],
+    summed: bool,
+    name: str,
+) -> None:
+    """Compare the loss of units `[start, stop)` of `piece` with its two halves' (`arguments_of(piece, a, b,
+    width)`: a part's arguments where the micro-batches' are, on the model's device; `unit_weight(piece, a, b,
+    arguments)`: what a part's loss averages over, None where it counts nothing; `summed`: the losses add up as
+    they are). Raises `CoupledRows` where they differ; marks `check` done either way."""
+    extended = stop - start < 2  # micro-batches of one unit: the check takes two, which may not fit
+    if extended:
+        stop = min(piece.unit_count, start + 2)
+        if stop - start < 2:
+            return  # one unit in this piece: there is nothing to compare it with
+    middle = (start + stop) // 2
+    parts = [(start, stop), (start, middle), (middle, stop)]
+    try:
+        with torch.no_grad(), _EvalMode(model):
+            arguments = [arguments_of(piece, a, b, width) for a, b in parts]
+            losses = [_loss(func, args) for args in arguments]
+            weights = [unit_weight(piece, a, b, args) for (a, b), args in zip(parts[1:], arguments[1:])]
+    except _NoLoss:
+        return  # the training pass refuses it in its own words
+    except Exception as error:
+        out_of_memory = should_reduce_batch_size(error)
+        if out_of_memory and not extended:
+            raise  # the micro-batch's rows do not fit even without gradients: the attempt fails, smaller is checked
+        if not (out_of_memory or _needs_gradients(error)):
+            raise  # not of the check's making: the user's error, untouched
+        check.done = True
+        why = "ran out of memory" if should_reduce_batch_size(error) else "need gradients"
+        log.warning(
+            "toma: %s: could not check that its loss is what its parts add up to (%d %s %s without gradients, in "
+            "eval mode); it trains split as if they were independent. If they are, pass groups='rows' to say so",
+            name,
+            stop - start,
+            piece.unit_name,
+            why,
+        )
+        return
+    whole, first, second = losses
+    if summed:
+        parts_sum = first + second
+    else:
+        if any(w is None for w in weights) or sum(weights) <= 0:  # type: ignore[arg-type]
+            return  # a half counts nothing: the comparison says nothing; the next split is checked
+        total = float(sum(weights))  # type: ignore[arg-type]
+        parts_sum = (weights[0] * first + weights[1] * second) / total  # type: ignore[operator]
+    check.done = True
+    scale = abs(whole) + abs(parts_sum)
+    difference = abs(whole - parts_sum) / scale if scale > 0 else 0.0
+    check.difference = difference
+    if math.isnan(difference) or difference > tolerance(model):
+        raise CoupledRows(
+            f"{name}: the loss of {stop - start} {piece.unit_name} together is {whole:.6g}, but its two halves' losses "
+            f"{'added' if summed else 'weighted by what each averages over'} give {parts_sum:.6g} (a relative "
+            f"difference of {difference:.2g}): the loss is not what its parts add up to, so training it in "
+            "micro-batches would train something else. It relates rows to each other (in-batch negatives, a "
+            "contrastive or listwise loss, a batch statistic, a sort over the batch), or it averages over something "
+            "weight= does not count. Say how the rows belong together with groups= ('pairs' for DPO's chosen and "
+            "rejected rows, a function giving each row's group, 'batch' to never split a batch), give weight= what "
+            "the loss averages over, or, if the difference is acceptable (a per-micro-batch auxiliary loss), pass "
+            "groups='rows'. Checked once, before anything of a split batch trained"
+        )
+    log.info(
+        "toma: %s: its loss is what its parts add up to (checked once: relative difference %.2g)", name, difference
+    )
