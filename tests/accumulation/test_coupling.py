@@ -248,3 +248,25 @@ def test_under_a_real_cap_in_batch_negatives_are_refused_and_an_independent_loss
         """,
         timeout=240,
     )
+
+
+def test_a_check_whose_parts_all_give_the_same_loss_says_nothing_and_the_next_split_checks_again():
+    """A loss that is constant at the start (DPO's while the policy is its reference) gives the same value for the
+    whole and its halves whatever relates them; the next split checks again, and finds the coupling then."""
+    model = nn.Linear(4, 1)
+    nn.init.zeros_(model.weight)
+    nn.init.zeros_(model.bias)
+
+    def centred(x):  # a batch statistic: each row's output against the batch's mean
+        out = model(x).squeeze(-1)
+        return (out - out.mean()).pow(2).mean()
+
+    step = toma.accumulate(model=model, initial_micro_batch=8, policy=Halving(), cache_type=NoBatchsizeCache)(centred)
+    torch.manual_seed(6)
+    x = torch.randn(32, 4)
+    step(x)  # every output 0: every part's loss is 0
+    assert not step.stats.split_check.done and step.stats.split_check.inconclusive == 1
+    with torch.no_grad():
+        model.weight.normal_()
+    with pytest.raises(CoupledRows, match="batch statistic"):
+        step(x)

@@ -191,3 +191,32 @@ def test_a_reward_model_trains_its_pairs_and_logs_as_the_plain_reward_trainer(oo
     assert distance < CLOSE, distance
     assert_same_logs(found, expected)
     assert (trainer.toma_stats.oom_retries >= 1) == oom
+
+
+@pytest.mark.slow
+def test_dpo_losses_that_relate_the_pairs_of_a_batch_are_refused_when_split_and_plain_when_whole():
+    """`aot` sorts the batch's pairs against each other: split, it would train something else. It trains as the
+    plain trainer when the batch fits; when it does not, its out-of-memory error is raised, with a note saying
+    why, before anything of the batch trained."""
+
+    reference, expected = plain_dpo("aot")
+    model = llama()
+    _, found = run(
+        MicroDPO, DPOConfig, preference_dataset(), model, trainer=dict(ref_model=llama()), **dpo_settings("aot")
+    )
+    distance = relative_distance(model, reference, llama())
+    assert distance < CLOSE, distance
+    assert_same_logs(found, expected)
+    model = llama()
+    with pytest.raises(torch.OutOfMemoryError) as raised:
+        run(
+            MicroDPO,
+            DPOConfig,
+            preference_dataset(),
+            model,
+            hook=refuse_more_than(200),
+            trainer=dict(ref_model=llama()),
+            **dpo_settings("aot"),
+        )
+    assert "groups='batch': the batch is never split" in "".join(raised.value.__notes__)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), llama().parameters())), "nothing trained"

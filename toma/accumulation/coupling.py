@@ -37,14 +37,20 @@ class CoupledRows(ValueError):
     train something else. Raised before anything of the split batch trains."""
 
 
-class SplitCheck:
-    """One call site's check: done once (its outcome kept for the stats: the relative difference found)."""
+INCONCLUSIVE = 8  # checks whose parts all gave the same loss, after which the call site is taken as checked
 
-    __slots__ = ("done", "difference")
+
+class SplitCheck:
+    """One call site's check: done once it is conclusive (its outcome kept for the stats: the relative difference
+    found). A check whose parts all gave the same loss (a loss that is constant at the start, as DPO's while the
+    policy is its reference) says nothing, and the next split checks again, up to `INCONCLUSIVE` times."""
+
+    __slots__ = ("done", "difference", "inconclusive")
 
     def __init__(self) -> None:
         self.done = False
         self.difference: Optional[float] = None
+        self.inconclusive = 0
 
     def __repr__(self) -> str:
         state = "not yet" if not self.done else "skipped" if self.difference is None else f"{self.difference:.2g}"
@@ -53,7 +59,7 @@ class SplitCheck:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, SplitCheck):
             return NotImplemented
-        return (self.done, self.difference) == (other.done, other.difference)
+        return (self.done, self.difference, self.inconclusive) == (other.done, other.difference, other.inconclusive)
 
     __hash__ = None  # type: ignore[assignment]  # it changes once checked
 
@@ -156,11 +162,18 @@ def check_split_once(
             return  # a half counts nothing: the comparison says nothing; the next split is checked
         total = float(sum(weights))  # type: ignore[arg-type]
         parts_sum = (weights[0] * first + weights[1] * second) / total  # type: ignore[operator]
-    check.done = True
     scale = abs(whole) + abs(parts_sum)
     difference = abs(whole - parts_sum) / scale if scale > 0 else 0.0
+    allowed = tolerance(model)
+    spread = abs(first - second) / (abs(first) + abs(second)) if abs(first) + abs(second) > 0 else 0.0
     check.difference = difference
-    if math.isnan(difference) or difference > tolerance(model):
+    if not math.isnan(difference) and difference <= allowed and spread <= allowed:
+        check.inconclusive += 1  # the parts all gave the same loss: that says nothing about how they relate
+        check.done = check.inconclusive >= INCONCLUSIVE
+        log.debug("toma: %s: its parts gave the same loss; the next split checks again", name)
+        return
+    check.done = True
+    if math.isnan(difference) or difference > allowed:
         raise CoupledRows(
             f"{name}: the loss of {stop - start} {piece.unit_name} together is {whole:.6g}, but its two halves' losses "
             f"{'added' if summed else 'weighted by what each averages over'} give {parts_sum:.6g} (a relative "

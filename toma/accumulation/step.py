@@ -131,6 +131,7 @@ class AccumulateStep(Step):
         self.attempts = 0
         self.size: Optional[int] = None
         self.failing_units: Optional[int] = None  # the units of the micro-batch in flight when an attempt failed
+        self.failing_piece: Any = None
         self.grouped = any(isinstance(piece, GroupedBatch) for piece in batch.pieces)
 
     @property
@@ -154,6 +155,22 @@ class AccumulateStep(Step):
         """With a token budget or groups: the micro-batch that ran out of memory held one unit (a row trimmed to its
         own length, a group, a packed sequence), which no smaller size makes any smaller."""
         return (self.tokens is not None or self.grouped) and self.failing_units == 1
+
+    def smallest_reason(self) -> str:
+        """What the one unit that did not fit was (a row trimmed to its length, a group, a packed sequence)."""
+        if self.failing_units != 1 or not (self.tokens is not None or self.grouped):
+            return ""
+        if self.options.groups == "batch":
+            return "groups='batch': the batch is never split, its rows relate to each other"
+        piece = self.failing_piece
+        rows = piece.rows_between(0, 1) if isinstance(piece, GroupedBatch) else 1
+        if self.options.groups == "pairs":
+            return "the micro-batch held one pair of rows (groups='pairs'), which stay together"
+        if isinstance(piece, GroupedBatch):
+            return f"the micro-batch held one group ({rows} rows), which stays together"
+        if getattr(piece, "unit_name", "") == "packed sequences":
+            return "the micro-batch held one packed sequence"
+        return "the micro-batch held one row, trimmed to its own length"
 
     @property
     def device(self) -> Optional[torch.device]:
@@ -220,7 +237,7 @@ class AccumulateStep(Step):
         with watch:
             for (index, factor), (args, kwargs) in zip(plan.running, self._arguments(plan)):
                 _, start, stop = plan.micro_batches[index]
-                self.failing_units = stop - start
+                self.failing_units, self.failing_piece = stop - start, plan.micro_batches[index][0]
                 if timer is not None:
                     assert plan.areas is not None
                     timer.begin(plan.areas[index])

@@ -210,6 +210,9 @@ class AgreedStep(Step):
     def at_smallest(self, size: int) -> bool:
         return self.step.at_smallest(size)
 
+    def smallest_reason(self) -> str:
+        return self.step.smallest_reason()
+
     def __call__(self, size: int) -> bool:
         mark = self.step.mark()
         try:

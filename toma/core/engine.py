@@ -62,6 +62,10 @@ def _learned(state: CallState[S], learner: LearningPolicy, observers: Observers)
             changed(state, change)
 
 
+def _because(reason: str) -> str:
+    return f": {reason}" if reason else ""
+
+
 def _own_failure(state: CallState[S], exception: BaseException) -> bool:
     """This rank's attempt ran out of memory: False at the smallest size, else the retry's size is in `state`. A
     broken policy's ValueError propagates with the OOM as its context, not its cause: no outer layer takes it
@@ -72,7 +76,8 @@ def _own_failure(state: CallState[S], exception: BaseException) -> bool:
         add_note(
             exception,
             f"toma: {state.label()} ran out of memory at the smallest {state.step.size_name} ({failed}); "
-            f"there is nothing left to reduce. Called from {call_sites.describe_call_site()}.",
+            f"there is nothing left to reduce{_because(state.step.smallest_reason())}. Called from "
+            f"{call_sites.describe_call_site()}.",
         )
         return False
     state.size = state.failed = failed

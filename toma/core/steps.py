@@ -57,6 +57,11 @@ class Step:
         is final, whatever the policy could still propose)."""
         return False
 
+    def smallest_reason(self) -> str:
+        """Why the size at which the work failed cannot shrink, in a clause for the note an out-of-memory error
+        gets there ("" where the size says it all)."""
+        return ""
+
     def mark(self) -> Any:
         return None
 

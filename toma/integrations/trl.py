@@ -8,7 +8,8 @@ recognised by the TRL classes among its bases.
   `entropy` averages over completion tokens, `logits/chosen` and `mean_token_accuracy` over the chosen ones,
   `logits/rejected` over the rejected ones, the rewards and log-probabilities over pairs. Its `aot` and
   `aot_unpaired` losses sort the pairs of a batch against each other and its `sft` loss averages over the batch's
-  chosen tokens: those are checked before a batch is split (`toma.accumulation.coupling`), which refuses them.
+  chosen tokens (so that, beside a pairwise loss, no one share weights both): with those a batch is never split
+  (`groups="batch"`): it trains whole, or, when it does not fit, its out-of-memory error is raised with a note.
 - `RewardTrainer`: pairs as DPO's; `min_reward`/`max_reward` are a minimum and a maximum over rows.
 
 Any other key a trainer records is averaged over the micro-batches' shares of the batch (their label tokens, or
@@ -67,8 +68,8 @@ def _overrides_compute_loss(trainer: Any, known: str) -> bool:
 
 def known_groups(trainer: Any) -> Tuple[Optional[str], bool]:
     """How a known TRL trainer's rows belong together, and whether that is known to hold for its loss (else it is
-    checked before a batch is split): ("rows", True) for SFT, ("pairs", ...) for DPO and reward models; (None,
-    False) for any other trainer."""
+    checked before a batch is split): ("rows", True) for SFT, ("pairs", ...) for DPO and reward models ("batch"
+    for DPO's losses that relate a batch's pairs); (None, False) for any other trainer."""
     known = trl_trainer(trainer)
     if known is None:
         return None, False
@@ -77,7 +78,9 @@ def known_groups(trainer: Any) -> Tuple[Optional[str], bool]:
         return "rows", own
     if known == "DPOTrainer":
         losses = set(getattr(trainer, "loss_types", None) or [getattr(trainer, "loss_type", "sigmoid")])
-        return "pairs", own and losses <= DPO_PAIRWISE_LOSSES
+        if losses <= DPO_PAIRWISE_LOSSES:
+            return "pairs", own
+        return "batch", True  # the pairs of a batch relate to each other: never split (run whole, or refused)
     return "pairs", own
 
 
