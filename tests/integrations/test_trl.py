@@ -20,12 +20,23 @@ from tiny_trl import (  # noqa: E402
     logged,
     preference_dataset,
     prompt_completion_dataset,
+    prompt_dataset,
     refuse_more_than,
     relative_distance,
     text_dataset,
     tokenizer,
+    word_reward,
 )
-from trl import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer  # noqa: E402
+from trl import (  # noqa: E402
+    DPOConfig,
+    DPOTrainer,
+    GRPOConfig,
+    GRPOTrainer,
+    RewardConfig,
+    RewardTrainer,
+    SFTConfig,
+    SFTTrainer,
+)
 
 from toma import Halving  # noqa: E402
 from toma.integrations.transformers import TomaTrainerMixin  # noqa: E402
@@ -220,3 +231,64 @@ def test_dpo_losses_that_relate_the_pairs_of_a_batch_are_refused_when_split_and_
         )
     assert "groups='batch': the batch is never split" in "".join(raised.value.__notes__)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), llama().parameters())), "nothing trained"
+
+
+class MicroGRPO(TomaTrainerMixin, GRPOTrainer):
+    pass
+
+
+def grpo_settings(loss_type="grpo", **more):
+    return dict(per_device_train_batch_size=8, num_generations=4, max_completion_length=8, loss_type=loss_type, **more)
+
+
+def grpo_run(trainer_class, model, hook=None, **settings):
+    """Train with GRPO; the trainer, its log and how many times it generated."""
+    generated = []
+
+    class Counting(trainer_class):
+        def _generate_and_score_completions(self, *args, **kwargs):
+            generated.append(self.state.global_step)
+            return super()._generate_and_score_completions(*args, **kwargs)
+
+    if hook is not None:
+        model.register_forward_pre_hook(hook, with_kwargs=True)
+    options = dict(toma_policy=Halving()) if issubclass(trainer_class, TomaTrainerMixin) else {}
+    torch.manual_seed(0)
+    trainer = Counting(
+        model=model,
+        reward_funcs=word_reward,
+        args=GRPOConfig(**common_args(**settings)),
+        train_dataset=prompt_dataset(),
+        processing_class=tokenizer(),
+        **options,
+    )
+    trainer.train()
+    return trainer, logged(trainer), generated
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("oom", [False, True], ids=["fits", "out-of-memory"])
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo"])
+def test_grpo_generates_once_per_step_and_trains_and_logs_as_the_plain_grpo_trainer(loss_type, oom):
+    reference = llama()
+    plain, expected, plain_generated = grpo_run(GRPOTrainer, reference, **grpo_settings(loss_type))
+    model = llama()
+    hook = refuse_more_than(40, once_at=2) if oom else None
+    trainer, found, generated = grpo_run(MicroGRPO, model, hook=hook, **grpo_settings(loss_type))
+    distance = relative_distance(model, reference, llama())
+    assert distance < CLOSE, distance
+    assert_same_logs(found, expected)
+    assert generated == plain_generated == [0, 1], "generation runs once per step, never again on a retry"
+    assert trainer._step == plain._step == 2, "GRPO's own step counter"
+    assert (trainer.toma_stats.oom_retries >= 1) == oom
+
+
+def test_grpo_settings_whose_loss_cannot_be_split_are_refused_by_name():
+    with pytest.raises(ValueError, match="top_entropy_quantile=0.5"):
+        MicroGRPO(
+            model=llama(),
+            reward_funcs=word_reward,
+            args=GRPOConfig(**common_args(**grpo_settings(top_entropy_quantile=0.5))),
+            train_dataset=prompt_dataset(),
+            processing_class=tokenizer(),
+        )

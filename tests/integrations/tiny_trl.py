@@ -38,6 +38,15 @@ LOGGED = (
     "max_reward",
     "accuracy",
     "margin",
+    "kl",
+    "reward",
+    "reward_std",
+    "completions/mean_length",
+    "clip_ratio/low_mean",
+    "clip_ratio/high_mean",
+    "clip_ratio/region_mean",
+    "clip_ratio/low_min",
+    "clip_ratio/high_max",
 )
 
 
@@ -97,6 +106,15 @@ def preference_dataset(count: int = 16) -> Dataset:
     return Dataset.from_dict({"prompt": prompts, "chosen": found[count : 2 * count], "rejected": found[2 * count :]})
 
 
+def prompt_dataset(count: int = 16) -> Dataset:
+    return Dataset.from_dict({"prompt": texts(count, seed=3, longest=8)})
+
+
+def word_reward(completions: List[str], **kwargs: Any) -> List[float]:
+    """A reward function for GRPO: how often a completion says "w1"."""
+    return [float(completion.count("w1")) for completion in completions]
+
+
 def output_dir() -> str:
     return tempfile.mkdtemp(prefix="toma-trl-")
 
@@ -122,14 +140,15 @@ def common_args(**overrides: Any) -> Dict[str, Any]:
 
 
 def refuse_more_than(tokens: int, once_at: Optional[int] = None):
-    """A forward pre-hook standing in for the GPU's out-of-memory error: a forward pass over more than `tokens`
-    positions (rows x width) runs out of memory, and so does the `once_at`-th pass that fits (once), so that an
-    attempt fails after some micro-batches already ran."""
+    """A forward pre-hook standing in for the GPU's out-of-memory error: a training forward pass over more than
+    `tokens` positions (rows x width) runs out of memory, and so does the `once_at`-th pass that fits (once), so
+    that an attempt fails after some micro-batches already ran. Passes without gradients (generation, reference
+    log-probabilities) are left alone."""
     seen = {"fitting": 0}
 
     def hook(module: Any, args: Any, kwargs: Dict[str, Any]) -> None:
         ids = kwargs.get("input_ids")
-        if ids is None:
+        if ids is None or not torch.is_grad_enabled():
             return
         if ids.numel() > tokens:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")

@@ -46,6 +46,7 @@ from toma.core.caches import GlobalBatchsizeCache
 from toma.core.policy import SizePolicy, check_policy
 from toma.core.runner import Runner
 from toma.core.steps import RangeStep
+from toma.integrations import grpo
 from toma.integrations.local_collectives import local_collectives
 from toma.integrations.trainer_records import TrainerRecords
 from toma.integrations.transformers_shares import (
@@ -171,8 +172,11 @@ class TomaTrainerMixin(_Trainer):
         # distributed: per-chunk collectives (the Trainer's token count) need the ranks to chunk alike
         self._toma_evaluation = Runner(ACCUMULATION, policy=given, cache=GlobalBatchsizeCache(), distributed=True)
         super().__init__(*args, **kwargs)
+        self._toma_trl = trl_trainer(self)
         self._toma_check_setup()
-        self._toma_known_groups = known_groups(self) if trl_trainer(self) else self._toma_trainer_groups()
+        if self._toma_trl == "GRPOTrainer":
+            grpo.check_grpo(self)
+        self._toma_known_groups = known_groups(self) if self._toma_trl else self._toma_trainer_groups()
         self._toma_record_rules = record_rules(self)
         self._toma_trainer_count = LabelCount(self._loss_shifts_labels)
         model = unwrap_peft_model(self.model)
@@ -253,6 +257,11 @@ class TomaTrainerMixin(_Trainer):
         return self._toma_trainer_count(chunk) if items is None else items
 
     def _toma_shares(self, inputs: Any, batch: Piece, num_items_in_batch: Any) -> Shares:
+        if self._toma_trl == "GRPOTrainer":  # scaled for accumulation by itself; what it averages over, by loss type
+            if grpo.summed(self):
+                return Shares(None, None, batch.size, None, 1, summed=True)
+            count = self.toma_weight if self.toma_weight is not None else grpo.grpo_shares(self)
+            return Shares(count, None if count is None else count(inputs), batch.size, None, 1)
         declared = self.loss_is_scaled_for_ga
         if declared is not None:
             scaled = bool(declared)

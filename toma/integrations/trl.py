@@ -11,6 +11,8 @@ recognised by the TRL classes among its bases.
   chosen tokens (so that, beside a pairwise loss, no one share weights both): with those a batch is never split
   (`groups="batch"`): it trains whole, or, when it does not fit, its out-of-memory error is raised with a note.
 - `RewardTrainer`: pairs as DPO's; `min_reward`/`max_reward` are a minimum and a maximum over rows.
+- `GRPOTrainer`: completions on their own (their advantages computed at generation, before the split); its loss
+  types' shares and metrics in `toma.integrations.grpo`.
 
 Any other key a trainer records is averaged over the micro-batches' shares of the batch (their label tokens, or
 rows), which is the batch's value where the metric averages over what the loss does.
@@ -20,11 +22,12 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
+from toma.integrations.grpo import grpo_rules
 from toma.integrations.trainer_records import MetricRule, RecordRules
 
 __all__ = ["trl_trainer", "record_rules", "known_groups", "KNOWN_TRAINERS"]
 
-KNOWN_TRAINERS = ("SFTTrainer", "DPOTrainer", "RewardTrainer")
+KNOWN_TRAINERS = ("SFTTrainer", "DPOTrainer", "RewardTrainer", "GRPOTrainer")
 
 # DPO's losses that score each pair on its own; the others relate a batch's pairs (aot) or its tokens (sft).
 DPO_PAIRWISE_LOSSES = frozenset(
@@ -74,7 +77,7 @@ def known_groups(trainer: Any) -> Tuple[Optional[str], bool]:
     if known is None:
         return None, False
     own = not _overrides_compute_loss(trainer, known)
-    if known == "SFTTrainer":
+    if known in ("SFTTrainer", "GRPOTrainer"):
         return "rows", own
     if known == "DPOTrainer":
         losses = set(getattr(trainer, "loss_types", None) or [getattr(trainer, "loss_type", "sigmoid")])
@@ -127,6 +130,8 @@ def record_rules(trainer: Any) -> RecordRules:
         }
     elif known == "RewardTrainer":
         rules = {"min_reward": MetricRule("min"), "max_reward": MetricRule("max"), "num_tokens": counter}
+    elif known == "GRPOTrainer":
+        rules = grpo_rules(trainer)
     if known is None:
         return RecordRules()
     return RecordRules(rules=rules, counters=(_COUNTER,))
