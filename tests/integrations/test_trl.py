@@ -292,3 +292,79 @@ def test_grpo_settings_whose_loss_cannot_be_split_are_refused_by_name():
             train_dataset=prompt_dataset(),
             processing_class=tokenizer(),
         )
+
+
+# --- two ranks (gloo): TRL's gathers inside compute_loss, micro-batches that differ per rank -------------------
+
+RANKS_RUN = """
+import json, os, sys
+sys.path.insert(0, {helpers!r})
+import torch
+torch.set_num_threads(1)
+from tiny_trl import *
+from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
+from toma import Halving
+from toma.integrations.transformers import TomaTrainerMixin
+
+rank = int(os.environ["RANK"])
+
+class MicroSFT(TomaTrainerMixin, SFTTrainer):
+    pass
+
+class MicroDPO(TomaTrainerMixin, DPOTrainer):
+    pass
+
+def run(cls, config, data, oom, **settings):
+    model = llama()
+    if oom:  # rank 0 only: the other rank's micro-batches are its own
+        model.register_forward_pre_hook(refuse_more_than(150, once_at=2), with_kwargs=True)
+    extra = settings.pop("trainer", {{}})
+    options = dict(toma_policy=Halving()) if issubclass(cls, TomaTrainerMixin) else {{}}
+    trainer = cls(model=model, args=config(**common_args(**settings)), train_dataset=data, processing_class=tokenizer(),
+                  **extra, **options)
+    trainer.train()
+    return trainer, model
+
+results = {{}}
+cases = {{
+    "sft padded": (SFTTrainer, MicroSFT, SFTConfig, text_dataset(64), {{}}),
+    "sft padding-free": (SFTTrainer, MicroSFT, SFTConfig, text_dataset(64), dict(padding_free=True, max_length=None)),
+    "dpo": (DPOTrainer, MicroDPO, DPOConfig, preference_dataset(32), dict(per_device_train_batch_size=8, trainer=dict(ref_model=llama()))),
+}}
+for name, (plain_class, toma_class, config, data, settings) in cases.items():
+    plain, reference = run(plain_class, config, data, False, **dict(settings, trainer=dict(settings.get("trainer", {{}}))))
+    if "trainer" in settings:
+        settings["trainer"] = dict(ref_model=llama())
+    mine, model = run(toma_class, config, data, rank == 0, **settings)
+    try:
+        assert_same_logs(logged(mine), logged(plain))
+        logs = "same"
+    except AssertionError as error:
+        logs = str(error)[:300]
+    results[name] = dict(distance=relative_distance(model, reference, llama()), logs=logs,
+                         retries=mine.toma_stats.oom_retries)
+print(json.dumps(dict(rank=rank, results=results)), flush=True)
+os._exit(0)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_on_two_ranks_trls_gathers_inside_compute_loss_do_not_hang_and_the_runs_equal_the_plain_ddp_runs():
+    """Rank 0 alone runs out of memory, and the ranks' rows pack into different micro-batches: TRL's gathers in
+    compute_loss, made local while the micro-batches run, cannot be left unmatched; the metrics are combined over
+    the ranks once per batch, as the plain trainer's gathers combine them."""
+    import json
+    import os
+
+    from helpers import run_ranks
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    outputs = run_ranks(RANKS_RUN.format(helpers=here), 2, timeout=400)
+    reports = [json.loads(line) for out in outputs for line in out.splitlines() if line.startswith('{"rank"')]
+    assert sorted(report["rank"] for report in reports) == [0, 1]
+    for report in reports:
+        for name, result in report["results"].items():
+            assert result["distance"] < CLOSE, (report["rank"], name, result)
+            assert result["logs"] == "same", (report["rank"], name, result)
+            assert result["retries"] >= 1, (report["rank"], name, "every rank retries with rank 0")
