@@ -368,3 +368,41 @@ def test_on_two_ranks_trls_gathers_inside_compute_loss_do_not_hang_and_the_runs_
             assert result["distance"] < CLOSE, (report["rank"], name, result)
             assert result["logs"] == "same", (report["rank"], name, result)
             assert result["retries"] >= 1, (report["rank"], name, "every rank retries with rank 0")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["padded", "padding_free"])
+def test_sft_evaluation_in_chunks_reports_what_the_plain_evaluation_reports(case):
+    """Evaluation batches that do not fit run in chunks (a padding-free batch's in chunks of its sequences); the
+    loss and TRL's metrics come out as the plain evaluation's, one value per batch."""
+    data, settings = SFT_CASES[case]
+
+    passes = []
+
+    def evaluate(trainer_class, refuse):
+        model = llama()
+        if refuse:
+
+            def too_big(module, args, kwargs):
+                if kwargs["input_ids"].numel() > 150:
+                    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+                passes.append(kwargs["input_ids"].numel())
+
+            model.register_forward_pre_hook(too_big, with_kwargs=True)
+        options = dict(toma_policy=Halving()) if refuse else {}
+        trainer = trainer_class(
+            model=model,
+            args=SFTConfig(**common_args(per_device_eval_batch_size=16, **settings)),
+            train_dataset=data(),
+            eval_dataset=data(48),
+            processing_class=tokenizer(),
+            **options,
+        )
+        return trainer, trainer.evaluate()
+
+    _, expected = evaluate(SFTTrainer, False)
+    trainer, found = evaluate(MicroSFT, True)
+    keys = ["eval_loss", "eval_entropy", "eval_mean_token_accuracy", "eval_num_tokens"]
+    assert all(key in expected for key in keys), expected
+    assert_same_logs([{k: found[k] for k in keys}], [{k: expected[k] for k in keys}])
+    assert len(passes) > 3, "three batches of 16 rows, each in chunks"

@@ -151,8 +151,25 @@ class TrainerRecords(Rollback):
     # --- the calls ---------------------------------------------------------------------------------
 
     def before_call(self, inputs: Any, share: Any) -> None:
-        """A micro-batch's `compute_loss` call starts (`share`: its share weight, for the default rule)."""
+        """A micro-batch's `compute_loss` call starts (`share`: its share weight, for the default rule). What a call
+        that failed half-way appended is dropped first."""
+        if self._open is not None:
+            self._truncate(self._open.before)
         self._open = _Call(self._list_marks(), inputs, share)
+
+    def _truncate(self, marks: Dict[Tuple[str, str], Tuple[int, int]]) -> None:
+        """Each list back to the length it had at `marks` (lists made since are emptied)."""
+        for mode, keyed in self._live().items():
+            if not isinstance(keyed, dict):
+                continue
+            for key, values in keyed.items():
+                if not isinstance(values, list):
+                    continue
+                mark = marks.get((mode, key))
+                if mark is None:
+                    del values[:]
+                elif mark[0] == id(values):
+                    del values[mark[1] :]
 
     def after_call(self) -> None:
         """The call finished: what it appended to each list is noted (a list it replaced is left as it wrote it)."""
@@ -172,6 +189,19 @@ class TrainerRecords(Rollback):
                 elif mark[0] == id(values) and len(values) > mark[1]:
                     added[(mode, key)] = values[mark[1] :]
         self._calls.append((call, added))
+
+    @property
+    def calls(self) -> int:
+        """The calls noted so far in this attempt."""
+        return len(self._calls)
+
+    def rewind(self, calls: int) -> None:
+        """Forget the calls after the first `calls` of this attempt and what they appended (an evaluation chunk
+        the ranks agreed to redo)."""
+        if calls >= len(self._calls):
+            return
+        self._truncate(self._calls[calls][0].before)
+        del self._calls[calls:]
 
     # --- after the batch -----------------------------------------------------------------------------
 

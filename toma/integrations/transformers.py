@@ -37,9 +37,9 @@ from toma.accumulation.accumulate import AccumulationStats, Sizing, accumulate
 from toma.accumulation.fsdp2 import held_unsharded, is_fsdp2
 from toma.accumulation.options import AccumulationOptions
 from toma.accumulation.sync import GRADIENT_SYNCS
-from toma.batching.groups import Groups, check_groups
+from toma.batching.groups import GroupedBatch, Groups, check_groups
 from toma.batching.logical import Piece, logical_batch_of
-from toma.batching.packed import is_packed
+from toma.batching.packed import PackedBatch, is_packed
 from toma.batching.splitting import ArgumentBatch
 from toma.core.arguments import check_size
 from toma.core.caches import GlobalBatchsizeCache
@@ -424,23 +424,39 @@ class TomaTrainerMixin(_Trainer):
     def prediction_step(
         self, model: torch.nn.Module, inputs: Any, prediction_loss_only: bool, ignore_keys: Optional[List[str]] = None
     ) -> Tuple[Optional[torch.Tensor], Any, Any]:
-        """The Trainer's prediction step (a subclass's included) over chunks of the batch's rows that fit; the
-        chunks' losses averaged over their items (or rows), their logits and labels joined."""
+        """The Trainer's prediction step (a subclass's included) over chunks of the batch's rows (a padding-free
+        batch's packed sequences) that fit; the chunks' losses averaged over their items (or rows), their logits
+        and labels joined; what the steps record per call (TRL's metrics) made one value per batch."""
         predict = super().prediction_step
+        packed = is_packed(inputs)
         try:
-            split = ArgumentBatch((inputs,), {}, name="inputs")
+            split = logical_batch_of((inputs,), {}, _PACKED if packed else None, name="inputs")
         except ValueError:  # no rows to cut
+            return predict(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        if isinstance(split, GroupedBatch) or (isinstance(split, PackedBatch) and split.rows != 1):
             return predict(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         # Each chunk's loss is the Trainer's, normalised by the Trainer's count when it passes one; a loss declared
         # normalised by compute_loss itself adds up.
         passes_count = self.model_accepts_loss_kwargs or self.compute_loss_func is not None
         count = self._toma_count_for(inputs, as_the_trainer_counts=passes_count)
         summed = self.loss_is_scaled_for_ga is True and not passes_count
-        chunks = _PredictionChunks(predict, split, model, prediction_loss_only, ignore_keys, count, summed)
+        # TRL's compute_loss gathers its metrics on every call: local while the chunks run, as in training. The plain
+        # Trainer's gathers (its token count across devices) stay: every rank runs them at each chunk's start.
+        ranks = self.accelerator.num_processes > 1 and self._toma_trl is not None
+        records = TrainerRecords(self, self._toma_record_rules, ranks=ranks)
+        chunks = _PredictionChunks(predict, split, model, prediction_loss_only, ignore_keys, count, summed, records)
         # FSDP2's forward passes all-gather: held unsharded, a chunk one rank redoes leaves no other waiting
         held = held_unsharded(model) if self._toma_fsdp2 and is_fsdp2(model) else contextlib.nullcontext()
-        with held:
-            return self._toma_evaluation.perform(chunks, WHOLE_BATCHES).joined()
+        local = local_collectives(self.accelerator) if ranks else contextlib.nullcontext()
+        records.begin()
+        try:
+            with held, local:
+                found = self._toma_evaluation.perform(chunks, WHOLE_BATCHES).joined()
+        except BaseException:
+            records.undo()
+            raise
+        records.merge()
+        return found
 
 
 def _has_mask(inputs: Any) -> bool:
@@ -463,11 +479,14 @@ class _PredictionChunks(RangeStep):
         ignore_keys: Optional[List[str]],
         count: Optional[Count],
         summed: bool,
+        records: TrainerRecords,
     ) -> None:
         super().__init__(self._chunk, 0, split.size, (), {}, name="TomaTrainer.prediction_step")
         self.predict, self.split, self.model, self.count, self.summed = predict, split, model, count, summed
-        self.loss_only, self.ignore_keys = prediction_loss_only, ignore_keys
-        self.chunks: List[Tuple[int, Any, Any, Any, Any]] = []  # (start, loss, logits, labels, weight) per chunk
+        self.loss_only, self.ignore_keys, self.records = prediction_loss_only, ignore_keys, records
+        self.packed = isinstance(split, PackedBatch)  # its chunks' logits and labels join along the row
+        # (start, loss, logits, labels, weight, the records' calls before it) per chunk
+        self.chunks: List[Tuple[int, Any, Any, Any, Any, int]] = []
 
     @property
     def device(self) -> Optional[torch.device]:
@@ -475,15 +494,18 @@ class _PredictionChunks(RangeStep):
 
     def _chunk(self, start: int, stop: int) -> None:
         while self.chunks and self.chunks[-1][0] >= start:  # chunks of an attempt the ranks agreed to redo
-            self.chunks.pop()
+            self.records.rewind(self.chunks.pop()[5])
         ((part,), _) = self.split.arguments(start, stop)
         weight = self.count(part) if self.count is not None else stop - start
+        calls = self.records.calls
+        self.records.before_call(part, weight)
         loss, logits, labels = self.predict(self.model, part, self.loss_only, ignore_keys=self.ignore_keys)
-        self.chunks.append((start, loss, logits, labels, weight))
+        self.records.after_call()
+        self.chunks.append((start, loss, logits, labels, weight, calls))
 
     def joined(self) -> Tuple[Optional[torch.Tensor], Any, Any]:
         if len(self.chunks) == 1:
-            _, loss, logits, labels, _ = self.chunks[0]
+            _, loss, logits, labels, _, _ = self.chunks[0]
             return loss, logits, labels
         return self._loss(), self._concatenated(2), self._concatenated(3)
 
@@ -500,11 +522,25 @@ class _PredictionChunks(RangeStep):
         return torch.stack(kept).sum().to(losses[0][0].dtype)
 
     def _concatenated(self, index: int) -> Any:
-        joined = None
-        for chunk in self.chunks:
-            if chunk[index] is not None:
-                joined = chunk[index] if joined is None else nested_concat(joined, chunk[index], padding_index=-100)
+        parts = [chunk[index] for chunk in self.chunks if chunk[index] is not None]
+        if not parts:
+            return None
+        if self.packed:  # one row of packed sequences: its chunks' outputs side by side along the row
+            return nested_along_row(parts)
+        joined = parts[0]
+        for part in parts[1:]:
+            joined = nested_concat(joined, part, padding_index=-100)
         return joined
+
+
+def nested_along_row(parts: List[Any]) -> Any:
+    """Outputs of a packed row's chunks joined along dim 1 (tensors, also inside tuples and lists)."""
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(parts, dim=1) if first.dim() >= 2 else torch.cat(parts)
+    if isinstance(first, (list, tuple)):
+        return type(first)(nested_along_row([part[i] for part in parts]) for i in range(len(first)))
+    return first
 
 
 class TomaTrainer(TomaTrainerMixin, transformers.Trainer):
