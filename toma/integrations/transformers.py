@@ -25,7 +25,7 @@ import copy
 import functools
 import logging
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple, Union
 
 import torch
 import transformers
@@ -473,7 +473,7 @@ class _PredictionChunks(RangeStep):
     def __init__(
         self,
         predict: Callable[..., Tuple[Any, Any, Any]],
-        split: ArgumentBatch,
+        split: Union[ArgumentBatch, PackedBatch],
         model: torch.nn.Module,
         prediction_loss_only: bool,
         ignore_keys: Optional[List[str]],
