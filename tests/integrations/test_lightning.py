@@ -4,6 +4,7 @@ parameters those of a plain Lightning run on the same batches (rtol 1e-5)."""
 import csv
 import functools
 import json
+import logging
 import re
 
 import pytest
@@ -344,6 +345,28 @@ def test_a_batch_whose_weight_counts_nothing_runs_whole_and_its_none_skips_it_as
     assert_same_parameters(trainer.lightning_module, plain.lightning_module)
     assert_same_metrics(trainer, plain)
     assert trainer.callback_metrics["skipped"] == 1.0
+
+
+def test_a_batch_with_nothing_to_learn_from_whose_step_returns_a_nan_loss_is_skipped_changing_nothing(caplog):
+    """TokenMean's loss is a mean over its label tokens: over none, NaN, which a plain run would train into every
+    parameter. MicroBatching runs the module's own step on the batch (what it logs reaches Lightning as in a plain
+    run), but skips the batch rather than train on its mean over nothing, and says so."""
+    dataset = Padded()
+    dataset.labels[16:32] = -100  # the second batch has nothing to learn from
+    seen = []
+
+    class Watched(TokenMean):
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            seen.append([p.detach().clone() for p in self.parameters()])
+
+    module = Watched(oom_above=4)
+    trainer = quiet_trainer(3, [MicroBatching(weight=label_tokens, policy=Halving())])
+    with caplog.at_level(logging.WARNING, logger="toma"):
+        trainer.fit(module, torch.utils.data.DataLoader(dataset, batch_size=16))
+    assert "has nothing to learn from" in caplog.text
+    assert all(torch.equal(p, q) for p, q in zip(seen[0], seen[1])), "the second batch changed nothing"
+    assert not all(torch.equal(p, q) for p, q in zip(seen[1], seen[2])), "the third trained"
+    assert all(torch.isfinite(p).all() for p in module.parameters())
 
 
 # --- the training step's contract ---------------------------------------------------------------------------

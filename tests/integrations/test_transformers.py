@@ -10,6 +10,7 @@ import functools
 import gc
 import json
 import logging
+import math
 import re
 import tempfile
 
@@ -981,3 +982,52 @@ def test_on_a_gpu_fsdp2_through_accelerate_trains_the_plain_trainers_parameters(
     """The FSDP2 run above on one GPU, as accelerate runs it there (NCCL, no forcing): one rank refusing more
     than 3 rows."""
     run_against_the_plain_trainer(tmp_path, 1, "FSDP2 on a GPU", "FSDP", fsdp2=True, gpu=True)
+
+
+def test_a_batch_whose_every_label_is_padding_changes_nothing_and_logs_no_nan(tmp_path, caplog):
+    """A loss over no label token is a mean over nothing. TomaTrainer skips such a batch (no forward or backward
+    pass, no gradient: an optimizer with momentum or weight decay does not move the weights either), logs its loss
+    as 0 and says so; with SGD its parameters end where the plain Trainer's do."""
+
+    def no_labels_in_the_second_batch():
+        calls = []
+
+        def collate(rows):
+            batch = pad(rows)
+            calls.append(1)
+            if len(calls) == 2:
+                batch["labels"].fill_(-100)
+            return batch
+
+        return collate
+
+    seen = []
+
+    class Snapshots(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            seen.append([p.detach().clone() for p in model.parameters()])
+
+    plain_model, model = gpt2(), gpt2()
+    plain = Trainer(
+        model=plain_model,
+        args=arguments(tmp_path, max_steps=3),
+        train_dataset=texts(),
+        data_collator=no_labels_in_the_second_batch(),
+    )
+    plain.train()
+    oom_above(model, 3)
+    trainer = TomaTrainer(
+        model=model,
+        args=arguments(tmp_path, max_steps=3),
+        train_dataset=texts(),
+        data_collator=no_labels_in_the_second_batch(),
+        callbacks=[Snapshots()],
+    )
+    with caplog.at_level(logging.WARNING, logger="toma"):
+        trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert losses[1] == 0.0 and all(math.isfinite(loss) for loss in losses)
+    assert "has nothing to learn from" in caplog.text
+    assert all(torch.equal(p, q) for p, q in zip(seen[0], seen[1])), "the second batch changed nothing"
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert_same_parameters(model, plain_model)

@@ -218,9 +218,9 @@ def test_with_reduction_sum_a_per_batch_term_is_added_per_micro_batch_unless_sca
 
 
 @pytest.mark.parametrize("case", ["every target ignored", "a weight that counts the wrong thing"])
-def test_a_batch_that_counts_nothing_is_an_error_before_any_step(case):
-    """In one full-batch pass the mean over nothing is NaN; a quiet step without gradients (loss 0.0) would also
-    hide a weight= that counts nothing where the loss has items, and the model would never train."""
+def test_an_epoch_whose_batches_count_nothing_is_an_error_and_nothing_steps(case):
+    """In one full-batch pass the mean over nothing is NaN; each such batch is a step that changes nothing, and an
+    epoch of nothing else is an error: a weight= that counts nothing where the loss has items would never train."""
     inputs, targets = data(ignored=range(ROWS) if case == "every target ignored" else ())
     options = {} if case == "every target ignored" else {"weight": lambda inputs, targets: (targets == -100).sum()}
     model = make_model()
@@ -230,8 +230,8 @@ def test_a_batch_that_counts_nothing_is_an_error_before_any_step(case):
         model, optimizer, nn.CrossEntropyLoss(), [(inputs, targets)], batch_size=ROWS, verbose=0, **options
     )
     with pytest.raises(ValueError, match="counted 0 items in the logical batch of 12 rows"):
-        trainer.fit(1)
-    assert trainer.global_step == 0 and not optimizer.state
+        trainer.fit(1)  # the epoch's one batch had nothing to learn from: an error at its end
+    assert not optimizer.state
     for p, q in zip(model.parameters(), before, strict=True):
         assert torch.equal(p, q)
 

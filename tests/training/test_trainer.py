@@ -2,6 +2,8 @@
 
 import io
 import json
+import logging
+import math
 
 import pytest
 import torch
@@ -613,31 +615,59 @@ def test_an_evaluation_chunk_that_runs_out_of_memory_in_a_metric_is_counted_once
 
 
 @pytest.mark.parametrize("with_scaler", [False, True], ids=["optimizer", "GradScaler"])
-def test_a_logical_batch_with_nothing_to_learn_from_is_an_error_and_takes_no_optimizer_step(with_scaler):
-    """A logical batch whose labels are all padding counts 0 tokens: its mean loss is a mean over nothing, an
-    error before any backward pass, so neither the optimizer (Adam would still move the weights by its
-    momentum) nor the GradScaler (which asserts that it saw gradients) steps."""
+def test_a_logical_batch_with_nothing_to_learn_from_changes_nothing_and_logs_no_nan(with_scaler, caplog):
+    """A logical batch whose labels are all padding counts 0 tokens: its mean loss is a mean over nothing (NaN in
+    a full-batch pass). The step changes nothing (neither the optimizer, whose momentum would move the weights,
+    nor the GradScaler, which asserts that it saw gradients, steps), its loss is 0 and counts for nothing in the
+    epoch's loss, and a warning says so; the other batches train as they would without it."""
+    batches = padded_batches(count=3)
+    batches[1]["labels"].fill_(PAD)
+
+    def train(data):
+        model = TinyLM()
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu") if with_scaler else None
+        trainer = Trainer(
+            model,
+            optimizer,
+            None,
+            data,
+            batch_size=4,
+            forward=lambda b: model(**b),
+            weight=label_tokens,
+            scaler=scaler,
+            verbose=0,
+        )
+        with caplog.at_level(logging.WARNING, logger="toma"):
+            history = trainer.fit(1)
+        return model, optimizer, trainer, history
+
+    model, optimizer, trainer, history = train(batches)
+    reference, reference_optimizer, _, reference_history = train([batches[0], batches[2]])
+    assert "nothing to learn from" in caplog.text and "the optimizer does not step" in caplog.text
+    assert trainer.global_step == 3 and [s["loss"] for s in history.steps][1] == 0.0
+    assert all(math.isfinite(s["loss"]) for s in history.steps) and math.isfinite(history.epochs[-1]["loss"])
+    assert history.epochs[-1]["loss"] == pytest.approx(reference_history.epochs[-1]["loss"], rel=1e-6)
+    assert all(state["step"] == 2 for state in optimizer.state.values()), "Adam stepped for the two others only"
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_an_epoch_in_which_no_batch_had_anything_to_learn_from_is_an_error():
+    """A weight= that counts the wrong thing would skip every batch and never train: an epoch of nothing but such
+    batches is an error, and nothing stepped."""
     model = TinyLM()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
     batches = padded_batches(count=2)
     for b in batches:
         b["labels"].fill_(PAD)
-    scaler = torch.amp.GradScaler("cpu") if with_scaler else None
     trainer = Trainer(
-        model,
-        optimizer,
-        None,
-        batches,
-        batch_size=4,
-        forward=lambda b: model(**b),
-        weight=label_tokens,
-        scaler=scaler,
-        verbose=0,
+        model, optimizer, None, batches, batch_size=4, forward=lambda b: model(**b), weight=label_tokens, verbose=0
     )
     before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(ValueError, match=r"weight \(label_tokens\) counted 0 items in the logical batch of 4 rows"):
+    with pytest.raises(ValueError, match=r"not one of the epoch's 2 logical batches had anything to learn from"):
         trainer.fit(1)
-    assert trainer.global_step == 0 and not optimizer.state, "Adam never stepped"
+    assert not optimizer.state, "Adam never stepped"
     for p, q in zip(model.parameters(), before, strict=True):
         assert torch.equal(p, q)
 

@@ -40,6 +40,7 @@ from toma.batching.packed import is_packed
 from toma.core.agreement import Agreement, is_distributed
 from toma.core.arguments import check_size
 from toma.core.caches import GlobalBatchsizeCache
+from toma.core.oom import should_reduce_batch_size
 from toma.core.policy import SizePolicy
 from toma.core.runner import Runner
 from toma.integrations.lightning_logs import StepLogs
@@ -191,7 +192,7 @@ def _check_strategy(strategy: Strategy) -> None:
 class _Fit:
     """What one fit's wrapped training step works with: the module, its own step, the scaler, the ranks' sync."""
 
-    __slots__ = ("module", "original", "model", "scaler", "sync", "root", "told_whole")
+    __slots__ = ("module", "original", "model", "scaler", "sync", "root", "told_whole", "told_nothing")
 
     def __init__(
         self,
@@ -204,6 +205,7 @@ class _Fit:
         self.module, self.original, self.scaler, self.sync, self.root = module, original, scaler, sync, root
         self.model: _Accumulated
         self.told_whole = False
+        self.told_nothing = False  # whether a batch with nothing to learn from was named in a warning
 
 
 def _stand_in_for(wrapper: Callable[..., Any], original: Callable[..., Any]) -> None:
@@ -418,10 +420,29 @@ class MicroBatching(Callback):
         except _AsReturned as returned:
             model.logs.clear()
             return returned.output
-        except NothingCounted:  # before any forward pass (after them under FSDP2): the module's own step runs
+        except NothingCounted:  # before any forward pass (after them under FSDP2)
             model.logs.clear()
-            return fit.original(batch, *args, **kwargs)
+            return self._nothing_to_learn(fit, batch, args, kwargs)
         return self._output(fit, step, loss, grads, params)
+
+    def _nothing_to_learn(self, fit: _Fit, batch: Any, args: tuple, kwargs: Dict[str, Any]) -> Any:
+        """A batch whose weight counts nothing (every label padding): the module's own step runs it whole, as in a
+        plain run (its `None`, what it logs), but a loss it returns, a mean over nothing, is not trained on: the
+        batch is skipped (None), changing nothing, and a warning says so once. Should it not fit whole, it is
+        skipped all the same."""
+        try:
+            if fit.original(batch, *args, **kwargs) is None:
+                return None
+        except Exception as error:
+            if not should_reduce_batch_size(error):
+                raise
+        if not fit.told_nothing:
+            fit.told_nothing = True
+            log.warning(
+                "MicroBatching: a batch whose weight counts nothing (every label padding) has nothing to learn from: "
+                "it is skipped (as Lightning skips a batch whose training_step returns None), changing nothing"
+            )
+        return None
 
     def _output(
         self,

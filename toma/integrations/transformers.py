@@ -343,6 +343,12 @@ class TomaTrainerMixin(_Trainer):
                 f"{type(self).__name__}: accelerate shards with FSDP2 but the model the step gets is "
                 f"{type(model).__name__}, not the fully_shard root; toma holds and reduces the root's units"
             )
+        if self._toma_nothing_to_learn(inputs, num_items_in_batch):
+            _say_once(
+                f"{type(self).__name__}: a batch whose every label is -100 has nothing to learn from: toma skips it "
+                "(no forward or backward pass: it changes nothing, and its loss is logged as 0, not NaN)"
+            )
+            return torch.zeros((), device=self.args.device).requires_grad_()
         packed = is_packed(inputs)  # cut between its sequences, whatever toma_pack_tokens says: rows cannot cut it
         groups, checked = self._toma_groups_for(packed)
         lengths = _PACKED if packed else "attention_mask" if self.toma_pack_tokens and _has_mask(inputs) else None
@@ -385,6 +391,18 @@ class TomaTrainerMixin(_Trainer):
             loss = accumulate(micro_loss, batch, options, sizing, total=shares.total)
         records.merge()
         return loss.detach().requires_grad_()
+
+    def _toma_nothing_to_learn(self, inputs: Any, num_items_in_batch: Any) -> bool:
+        """Whether a batch's labels count nothing, on every rank where there are several (the Trainer's
+        `num_items_in_batch` counts them all): its loss would be a mean over nothing."""
+        if self._toma_trl == "GRPOTrainer" or not has_labels(inputs):
+            return False
+        if num_items_in_batch is not None:
+            return float(num_items_in_batch) == 0
+        if self.accelerator.num_processes > 1:
+            return False  # the other ranks' items are unknown here: this rank takes part with a loss of 0
+        count = self._toma_count_for(inputs)
+        return count is not None and float(count(inputs)) == 0
 
     def _toma_trainer_groups(self) -> Tuple[Optional[Groups], bool]:
         """The plain Trainer's loss is the model's own (a mean or sum over label tokens or rows): rows on their own,

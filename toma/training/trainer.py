@@ -8,6 +8,7 @@ logical batch larger than GPU memory trains too.
 """
 
 import dataclasses
+import logging
 import math
 import time
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, TextIO, Tuple, Union
@@ -15,7 +16,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optio
 import torch
 
 from toma.accumulation.accumulate import AccumulationStats, Sizing, accumulate
-from toma.accumulation.options import AccumulationOptions
+from toma.accumulation.options import AccumulationOptions, NothingCounted
 from toma.batching.batches import logical_batches, rows, take, to_device
 from toma.core.arguments import check_size
 from toma.core.caches import GlobalBatchsizeCache
@@ -41,6 +42,8 @@ from toma.training.outputs import (
 from toma.training.progress import Progress
 
 __all__ = ["Trainer", "Callback", "StopTraining", "accuracy", "METRICS"]
+
+log = logging.getLogger("toma")
 
 
 class StopTraining(Exception):
@@ -133,6 +136,7 @@ class Trainer:
         self.global_step = 0
         self.last_loss: Optional[torch.Tensor] = None
         self.stats = AccumulationStats()
+        self._nothing_learned, self._nothing_reason = 0, ""  # steps with nothing to learn from, and why the last
         # One cached size per trainer, wherever and at whatever free memory a step runs: once the search
         # has settled, every later step starts at the size that worked.
         self._training = Runner(ACCUMULATION, policy=policy, cache=GlobalBatchsizeCache())
@@ -182,14 +186,35 @@ class Trainer:
         self.optimizer.zero_grad()
         options = dataclasses.replace(options, name="Trainer.step")
         sizing = Sizing(initial, self._training, stats=self.stats)
-        loss = accumulate(self._micro_batch_loss, logical, options, sizing)
-        # A batch that counted nothing is an error in toma.accumulate; a rank of several that counted nothing holds
-        # the other ranks' gradients, so it steps as they do.
+        try:
+            loss = accumulate(self._micro_batch_loss, logical, options, sizing)
+        except NothingCounted as nothing:
+            # Nothing to learn from (every label padding), on every rank: an error in toma.accumulate; a step that
+            # changes nothing here, as the batch asks, with no NaN in the history. A rank of several that counted
+            # nothing holds the other ranks' gradients, so it steps as they do (no error there).
+            return self._nothing_to_learn(nothing)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
         else:
             self.optimizer.step()
+        self.global_step += 1
+        self.last_loss = loss
+        return loss
+
+    def _nothing_to_learn(self, nothing: NothingCounted) -> torch.Tensor:
+        """A logical batch whose weight counts nothing: no gradient, no optimizer step, a loss of 0 that counts
+        for nothing in the epoch's mean; a warning says so (an epoch of nothing else is an error: a weight= that
+        counts the wrong thing would never train)."""
+        self._nothing_reason = str(nothing).split(": its mean loss", 1)[0]
+        self._nothing_learned += 1
+        log.warning(
+            "toma: Trainer.step: %s: nothing to learn from (every label padding?); the step changes nothing and the "
+            "optimizer does not step",
+            self._nothing_reason,
+        )
+        loss = torch.zeros((), device=self.device)
+        self.stats.weight = 0.0
         self.global_step += 1
         self.last_loss = loss
         return loss
@@ -230,6 +255,7 @@ class Trainer:
         self._reset_cuda_peak()
         progress.start_epoch(shown, epochs, self._total_steps())
         tally = EpochTally(mean=self.reduction == "mean")
+        self._nothing_learned = 0  # the epoch's steps whose logical batch had nothing to learn from
         retries_before, first_step = self.oom_retries, len(self.history.steps)
         stopped = False
         try:
@@ -251,6 +277,12 @@ class Trainer:
             if stopped:
                 return {}, True
             raise ValueError("train_data yielded no batches: there is nothing to train on")
+        if self._nothing_learned == len(tally.sizes):
+            progress.close()
+            raise ValueError(
+                f"not one of the epoch's {len(tally.sizes)} logical batches had anything to learn from: "
+                f"{self._nothing_reason}. If the loss does average over something, weight= must count it"
+            )
         seconds = time.perf_counter() - tally.started
         record = dict(
             epoch=self.current_epoch + 1,
