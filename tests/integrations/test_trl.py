@@ -406,3 +406,37 @@ def test_sft_evaluation_in_chunks_reports_what_the_plain_evaluation_reports(case
     assert all(key in expected for key in keys), expected
     assert_same_logs([{k: found[k] for k in keys}], [{k: expected[k] for k in keys}])
     assert len(passes) > 3, "three batches of 16 rows, each in chunks"
+
+
+@pytest.mark.slow
+def test_a_batch_that_fits_is_split_to_save_padding_unless_told_to_keep_it_whole():
+    """Packing by tokens may split a padded batch that fits where the padding saved pays for another micro-batch;
+    `toma_split_for_padding=False` keeps it whole: one compute_loss call per step, the plain trainer's loss and
+    metrics bit for bit."""
+    from toma.batching.micro_batch_cost import MicroBatchCost
+
+    data, settings = SFT_CASES["padded"]
+    _, expected = plain_sft("padded")
+    calls = {}
+
+    for whole in (False, True):
+
+        class Counting(MicroSFT):
+            def compute_loss(self, model, inputs, *args, **kwargs):
+                calls.setdefault(whole, []).append(tuple(inputs["input_ids"].shape))
+                return super().compute_loss(model, inputs, *args, **kwargs)
+
+        model = llama()
+        trainer = Counting(
+            model=model,
+            args=SFTConfig(**common_args(**settings)),
+            train_dataset=data(),
+            processing_class=tokenizer(),
+            toma_split_for_padding=not whole,
+        )
+        trainer.toma_stats.packing = MicroBatchCost(0)  # every position of padding saved pays for a split
+        trainer.train()
+        if whole:
+            assert logged(trainer) == expected, "bit for bit"
+    assert len(calls[False]) > 2, "split to save padding"
+    assert len(calls[True]) == 2 and all(rows == 16 for rows, _ in calls[True])

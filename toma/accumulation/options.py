@@ -19,6 +19,7 @@ __all__ = [
     "AccumulationOptions",
     "NothingCounted",
     "REDUCTIONS",
+    "check_flag",
     "check_gradient_sync",
     "check_model",
     "check_reduction",
@@ -57,6 +58,13 @@ def check_gradient_sync(gradient_sync: Any, name: str, model: torch.nn.Module) -
             "is not an FSDP2 module (fully_shard): leave it out"
         )
     return str(gradient_sync)
+
+
+def check_flag(value: Any, name: str) -> bool:
+    """An option that is True or False (not a truthy stand-in)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
 
 
 def check_reduction(reduction: Any, name: str) -> str:
@@ -104,7 +112,8 @@ class AccumulationOptions:
     `toma.accumulation.coupling`); `check_split`: before the first split of a batch, its loss is checked to be
     what its parts add up to (on unless `groups=` says how the rows belong together). `rollback`: a framework's own
     state that the loss function changes per call (a trainer's counters and metric lists), put back with a failed
-    attempt."""
+    attempt. `split_for_padding`: with `lengths=`, a micro-batch that fits may be split where the padding saved is
+    worth more than one more micro-batch costs (measured); False keeps it whole (a batch that fits runs whole)."""
 
     model: torch.nn.Module
     reduction: str = "mean"
@@ -119,6 +128,7 @@ class AccumulationOptions:
     groups: Optional[Groups] = None
     check_split: bool = True
     rollback: Optional[Rollback] = None
+    split_for_padding: bool = True
 
     def as_kwargs(self) -> Dict[str, Any]:
         """The options as `toma.accumulate`'s keywords."""
@@ -129,6 +139,8 @@ class AccumulationOptions:
             kwargs.update(gradient_sync=self.gradient_sync)
         if self.groups is not None:
             kwargs.update(groups=self.groups)
+        if not self.split_for_padding:
+            kwargs.update(split_for_padding=False)
         return kwargs
 
     @classmethod
@@ -143,6 +155,7 @@ class AccumulationOptions:
         initial_tokens: Any = None,
         gradient_sync: Any = "auto",
         groups: Any = None,
+        split_for_padding: Any = True,
     ) -> "AccumulationOptions":
         """The options, each checked with an error naming the argument (`prefix` + its name)."""
         checked_model = check_model(model, "model")
@@ -158,6 +171,7 @@ class AccumulationOptions:
         sync = check_gradient_sync(gradient_sync, f"{prefix}gradient_sync", checked_model)
         checked_groups = check_groups(groups, f"{prefix}groups")
         check_packing(checked_lengths, checked_groups, prefix)
+        splits = check_flag(split_for_padding, f"{prefix}split_for_padding")
         return cls(
             checked_model,
             reduction,
@@ -168,4 +182,5 @@ class AccumulationOptions:
             gradient_sync=sync,
             groups=checked_groups,
             check_split=checked_groups is None,
+            split_for_padding=splits,
         )

@@ -33,7 +33,7 @@ from toma.accumulation.sync import model_device, sync_for
 from toma.batching import transfer
 from toma.batching.groups import GroupedBatch
 from toma.batching.logical import LogicalBatch
-from toma.batching.micro_batch_cost import MicroBatchCost
+from toma.batching.micro_batch_cost import NEVER, MicroBatchCost
 from toma.batching.splitting import MicroBatch
 from toma.batching.tokens import TokenPiece, token_batches
 from toma.batching.transfer import MicroBatchTransfers, shared_transfers
@@ -122,7 +122,9 @@ class AccumulateStep(Step):
         # With `lengths=`: the pieces sorted by row length, and the size a token budget
         self.tokens: Optional[List[TokenPiece]] = None
         if options.lengths is not None:
-            self.tokens = token_batches(batch.pieces, options.lengths, cost or MicroBatchCost())
+            # never split to save padding: a micro-batch so costly that no padding saved pays for one more
+            whole = MicroBatchCost(NEVER) if not options.split_for_padding else None
+            self.tokens = token_batches(batch.pieces, options.lengths, whole or cost or MicroBatchCost())
             self.size_name = TOKEN_BUDGET
         # Whether the loss is what its parts add up to: checked once per call site, on its first split
         self.split_check = split_check if options.check_split and split_check is not None else None

@@ -153,12 +153,13 @@ class TokenBatch:
     trimming; `widths` are the sorted units' lengths as a micro-batch's width counts them (a group's: its longest
     row's), `rows` the rows of each sorted unit."""
 
-    __slots__ = ("batch", "widths", "order", "width", "cost", "rows", "_widths", "_before")
+    __slots__ = ("batch", "source", "widths", "order", "width", "cost", "rows", "_widths", "_before")
 
     def __init__(
         self, piece: Union[ArgumentBatch, GroupedBatch], lengths: Lengths, cost: Optional[MicroBatchCost] = None
     ) -> None:
         self.cost = MicroBatchCost() if cost is None else cost
+        self.source = piece  # as the call gave it: a micro-batch of all of it is the call's own arguments
         rows = piece.rows if isinstance(piece, GroupedBatch) else piece.size
         layout = row_lengths(lengths, piece.args, piece.kwargs, rows)
         if isinstance(piece, GroupedBatch):
@@ -224,13 +225,16 @@ class TokenBatch:
         return end
 
     def micro_batches(self, budget: int) -> List[TokenMicroBatch]:
-        """Micro-batches of consecutive sorted units, each within `budget` (a unit larger than it, alone)."""
+        """Micro-batches of consecutive sorted units, each within `budget` (a unit larger than it, alone). One that
+        holds every unit is the piece as the call gave it, unsorted and untrimmed: what a plain call computes."""
         found: List[TokenMicroBatch] = []
         start, units = 0, len(self.widths)
         while start < units:
             stop = self.stop(start, budget)
             found.append((self.batch, start, stop, self.widths[start]))
             start = stop
+        if len(found) == 1:
+            return [(self.source, 0, self.source.unit_count, None)]
         return found
 
 

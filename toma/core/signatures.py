@@ -103,6 +103,7 @@ class AccumulateOptions(_CachedOptions, total=False):
     initial_tokens: Optional[int]
     gradient_sync: str
     groups: Any
+    split_for_padding: bool
 
 
 class _Wrapper(Protocol):

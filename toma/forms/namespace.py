@@ -283,6 +283,7 @@ class toma(metaclass=SettingsNamespace):
         initial_tokens: Optional[int] = None,
         gradient_sync: str = "auto",
         groups: Any = None,
+        split_for_padding: bool = True,
     ) -> Any:
         """`@toma.accumulate(model=model, initial_micro_batch=256)` on a function returning a micro-batch's
         loss: each call runs forward and backward over the logical batch in micro-batches that fit.
@@ -296,7 +297,9 @@ class toma(metaclass=SettingsNamespace):
         `lengths="position_ids"` (or "cu_seq_lens_q", "seq_idx"): a padding-free batch, cut between its packed
         sequences. `groups=`: rows that belong together ("pairs": row i with row i + n/2, as DPO's chosen and
         rejected rows; "batch": never split; a function giving each row's group; "rows": each on its own); by
-        default each row is its own, which toma checks once, on the first batch it splits."""
+        default each row is its own, which toma checks once, on the first batch it splits. With `lengths=`, a batch
+        that fits may still run as several micro-batches where the padding that saves is worth more than a
+        micro-batch costs (measured); `split_for_padding=False` runs a batch that fits whole."""
         accumulation = AccumulationOptions.checked(
             model,
             reduction,
@@ -306,6 +309,7 @@ class toma(metaclass=SettingsNamespace):
             initial_tokens=initial_tokens,
             gradient_sync=gradient_sync,
             groups=groups,
+            split_for_padding=split_for_padding,
         )
         default = _ACCUMULATE.default(initial_micro_batch)
         if accumulation.initial_tokens is not None:

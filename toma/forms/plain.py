@@ -131,12 +131,13 @@ class explicit:
         toma_lengths: Any = None,
         toma_gradient_sync: str = "auto",
         toma_groups: Any = None,
+        toma_split_for_padding: bool = True,
         **kwargs: Any,
     ) -> torch.Tensor:
         """Forward and backward `func(*args, **kwargs)` over the logical batch in micro-batches that fit,
         gradients as from one full-batch pass; returns the logical batch's loss, detached. `toma_lengths=`: as
         `toma.accumulate`'s `lengths=`, starting from `initial_micro_batch` rows of the batch's longest;
-        `toma_groups=`: as its `groups=`."""
+        `toma_groups=`, `toma_split_for_padding=`: as its `groups=`, `split_for_padding=`."""
         check_function(func, "explicit.accumulate")
         accumulation = AccumulationOptions.checked(
             model,
@@ -147,6 +148,7 @@ class explicit:
             lengths=toma_lengths,
             gradient_sync=toma_gradient_sync,
             groups=toma_groups,
+            split_for_padding=toma_split_for_padding,
         )
         initial = check_size(initial_micro_batch, "initial_micro_batch")
         options = calls(toma_cache_type, toma_context, toma_policy, False, "toma_", ACCUMULATION)

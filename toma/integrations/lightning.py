@@ -32,7 +32,13 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Sin
 
 from toma.accumulation.accumulate import AccumulationStats, Sizing, accumulate
 from toma.accumulation.fsdp2 import fsdp2_root
-from toma.accumulation.options import AccumulationOptions, NothingCounted, check_reduction, check_weight
+from toma.accumulation.options import (
+    AccumulationOptions,
+    NothingCounted,
+    check_flag,
+    check_reduction,
+    check_weight,
+)
 from toma.accumulation.sync import GRADIENT_SYNCS, AgreeingOnly, GradientSync, model_device, sync_for
 from toma.batching.groups import check_groups
 from toma.batching.logical import logical_batch_of
@@ -270,6 +276,8 @@ class MicroBatching(Callback):
         groups: rows that belong together, as `toma.accumulate`'s `groups=` ("pairs", "batch", a function of a
             batch giving each row's group, "rows"); None (default): rows on their own, which toma checks once,
             on the first batch it splits (the step runs then a few more times without gradients, in eval mode).
+        split_for_padding: with `pack_tokens`, a batch that fits may still run as several micro-batches where the
+            padding saved is worth more than a micro-batch costs (measured); False runs a batch that fits whole.
 
     A padding-free batch (a dict with `position_ids` or `cu_seq_lens_*` and no attention mask) is cut between its
     packed sequences, each micro-batch a padding-free row of its own, as `toma.accumulate(lengths="position_ids")`.
@@ -291,6 +299,7 @@ class MicroBatching(Callback):
         pack_tokens: bool = True,
         gradient_sync: str = "auto",
         groups: Any = None,
+        split_for_padding: bool = True,
     ) -> None:
         self.initial_micro_batch = (
             None if initial_micro_batch is None else check_size(initial_micro_batch, "initial_micro_batch")
@@ -307,6 +316,7 @@ class MicroBatching(Callback):
             )
         self.gradient_sync = gradient_sync
         self.groups = check_groups(groups, "groups")
+        self.split_for_padding = check_flag(split_for_padding, "split_for_padding")
         self.stats = AccumulationStats()
         self.cache = GlobalBatchsizeCache()  # one size per callback, wherever the step runs from
         self._runner = Runner(ACCUMULATION, policy=policy, cache=self.cache)
@@ -413,6 +423,7 @@ class MicroBatching(Callback):
                 options = AccumulationOptions(
                     model, self.reduction, self.weight, fit.scaler, _backward, sync, "MicroBatching",
                     lengths=lengths, groups=self.groups, check_split=self.groups is None,
+                    split_for_padding=self.split_for_padding,
                 )  # fmt: skip
                 sizing = Sizing(self.initial_micro_batch or split.size, self._runner, stats=self.stats)
                 loss = accumulate(step.function(), split, options, sizing)

@@ -35,7 +35,7 @@ from transformers.training_args import OptimizerNames
 
 from toma.accumulation.accumulate import AccumulationStats, Sizing, accumulate
 from toma.accumulation.fsdp2 import held_unsharded, is_fsdp2
-from toma.accumulation.options import AccumulationOptions
+from toma.accumulation.options import AccumulationOptions, check_flag
 from toma.accumulation.sync import GRADIENT_SYNCS
 from toma.batching.groups import GroupedBatch, Groups, check_groups
 from toma.batching.logical import Piece, logical_batch_of
@@ -78,6 +78,7 @@ OPTIONS = (
     "toma_pack_tokens",
     "toma_gradient_sync",
     "toma_groups",
+    "toma_split_for_padding",
 )
 
 _NOTHING = object()  # no instance attribute of that name
@@ -133,6 +134,7 @@ class TomaTrainerMixin(_Trainer):
         toma_pack_tokens: bool = True,
         toma_gradient_sync: str = "auto",
         toma_groups: Any = None,
+        toma_split_for_padding: bool = True,
         **kwargs: Any,
     ) -> None:
         unknown = sorted(name for name in kwargs if name.startswith("toma_"))
@@ -166,6 +168,7 @@ class TomaTrainerMixin(_Trainer):
             )
         self.toma_gradient_sync = toma_gradient_sync
         self.toma_groups = check_groups(toma_groups, "toma_groups")
+        self.toma_split_for_padding = check_flag(toma_split_for_padding, "toma_split_for_padding")
         self.toma_stats = AccumulationStats()
         # One size per trainer, for training and for evaluation: set once found, whatever the batch's length.
         self._toma_training = Runner(ACCUMULATION, policy=given, cache=GlobalBatchsizeCache())
@@ -385,6 +388,7 @@ class TomaTrainerMixin(_Trainer):
             groups=groups,
             check_split=checked,
             rollback=records,
+            split_for_padding=self.toma_split_for_padding,
         )
         sizing = Sizing(self.toma_initial_micro_batch, self._toma_training, stats=self.toma_stats)
         with local_collectives(self.accelerator) if ranks else contextlib.nullcontext():

@@ -74,7 +74,8 @@ class Trainer:
     `lengths="position_ids"` takes padding-free batches, cut between their packed sequences (`batch_size` then
     counts sequences). `groups=`: rows that belong together, as `toma.accumulate`'s (with `loss_fn` the rows are
     the criterion's own; with `forward=` they are checked once, unless `groups=` says how they belong together).
-    `gradient_sync=`: as `toma.accumulate`'s, for an FSDP2 model.
+    `gradient_sync=`: as `toma.accumulate`'s, for an FSDP2 model. `split_for_padding=False`: with `lengths=`, a
+    batch that fits runs whole (else it may be split where that saves padding, as `toma.accumulate`'s).
     """
 
     def __init__(
@@ -99,9 +100,17 @@ class Trainer:
         lengths: Any = None,
         gradient_sync: str = "auto",
         groups: Any = None,
+        split_for_padding: bool = True,
     ) -> None:
         self.accumulation = AccumulationOptions.checked(
-            model, reduction, weight, scaler, lengths=lengths, gradient_sync=gradient_sync, groups=groups
+            model,
+            reduction,
+            weight,
+            scaler,
+            lengths=lengths,
+            gradient_sync=gradient_sync,
+            groups=groups,
+            split_for_padding=split_for_padding,
         )
         self.model = self.accumulation.model
         given = check_policy(policy, "policy")
