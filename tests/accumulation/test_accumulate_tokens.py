@@ -9,7 +9,7 @@ import torch
 
 from toma import FitToMemory, Halving, NoBatchsizeCache, explicit, toma
 
-from helpers import COLLECT_TOMA_LOG, raise_fake_oom, run_pythons, run_ranks
+from helpers import COLLECT_TOMA_LOG, raise_fake_oom, run_python, run_pythons, run_ranks
 
 transformers = pytest.importorskip("transformers")
 
@@ -331,3 +331,56 @@ def test_ranks_agree_on_the_token_budget_and_train_the_token_mean_of_every_rank(
     for result in results:
         for got, expected in zip(result["grads"], (p.grad for p in reference.parameters())):
             torch.testing.assert_close(torch.tensor(got), expected, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_under_a_real_cap_a_padding_free_row_trains_in_chunks_of_its_sequences_to_the_reference():
+    """One packed row of 12 sequences (2,490 tokens, a vocabulary of 4,096) does not fit under the cap; no split by
+    rows can cut it. Cut between its sequences, it trains the whole row's gradients."""
+    run_python(
+        """
+        import torch
+        torch.set_num_threads(1)
+        from transformers import LlamaConfig, LlamaForCausalLM
+        from toma import toma
+        from toma.memory.cpu import predictable_heap, set_cpu_memory_headroom
+        predictable_heap()
+        def model():
+            torch.manual_seed(0)
+            config = LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512,
+                                 attn_implementation="eager")
+            return LlamaForCausalLM(config)
+        lengths = [300, 120, 250, 200, 180, 260, 90, 310, 150, 220, 170, 240]
+        ids = torch.randint(1, 4096, (1, sum(lengths)), generator=torch.Generator().manual_seed(1))
+        positions = torch.cat([torch.arange(n) for n in lengths])[None]
+        labels = ids.masked_fill(positions == 0, -100)
+        batch = {"input_ids": ids, "position_ids": positions, "labels": labels, "use_cache": False}
+        reference = model()
+        reference(**batch).loss.backward()
+        expected = [p.grad.clone() for p in reference.parameters()]
+        del reference
+        set_cpu_memory_headroom(0.1)
+        net = model()
+        try:
+            net(**batch).loss.backward()
+            raise SystemExit("the whole row fit under the cap")
+        except RuntimeError as error:
+            assert "can't allocate memory" in str(error), error
+        for p in net.parameters():
+            p.grad = None
+        label_tokens = lambda b: (b["labels"][:, 1:] != -100).sum()
+        seen = []
+        def loss(b):
+            seen.append(b["input_ids"].shape[1])
+            assert b["position_ids"][0, 0] == 0, "a micro-batch starts at a sequence's start"
+            return net(**b).loss
+        step = toma.accumulate(model=net, lengths="position_ids", weight=label_tokens, initial_tokens=sum(lengths))(loss)
+        step(batch)
+        assert step.stats.oom_retries >= 1 and step.stats.micro_batch < sum(lengths), step.stats
+        for p, e in zip(net.parameters(), expected):
+            torch.testing.assert_close(p.grad, e, rtol=1e-4, atol=1e-6)
+        print("ok", step.stats.micro_batch, seen)
+        """,
+        timeout=240,
+    )

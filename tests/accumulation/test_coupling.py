@@ -270,3 +270,40 @@ def test_a_check_whose_parts_all_give_the_same_loss_says_nothing_and_the_next_sp
         model.weight.normal_()
     with pytest.raises(CoupledRows, match="batch statistic"):
         step(x)
+
+
+@pytest.mark.slow
+def test_under_a_real_cap_pairs_train_the_full_batch_gradients_each_chosen_row_with_its_rejected_row():
+    """A preference loss over 2,048 pairs whose activations do not fit under the cap: cut by pairs, each micro-batch
+    its chosen rows then their rejected rows, it trains the full batch's gradients."""
+    run_python(
+        """
+        import torch, torch.nn as nn, torch.nn.functional as F
+        from toma import toma
+        from toma.memory.cpu import predictable_heap, set_cpu_memory_headroom
+        torch.set_num_threads(1)
+        predictable_heap()
+        N, WIDTH = 4096, 8192  # an activation of all rows: 128 MiB
+        def model():
+            torch.manual_seed(0)
+            return nn.Sequential(nn.Linear(32, WIDTH), nn.ReLU(), nn.Linear(WIDTH, 1))
+        inputs = torch.randn(N, 32, generator=torch.Generator().manual_seed(1))  # N/2 chosen rows, then N/2 rejected
+        reference_rows = torch.randn(N // 2, generator=torch.Generator().manual_seed(2))  # one per pair
+        def preference(net, x, margin):
+            chosen, rejected = net(x).squeeze(-1).chunk(2)
+            return -F.logsigmoid(chosen - rejected - margin).mean()
+        reference = model()
+        preference(reference, inputs, reference_rows).backward()
+        expected = [p.grad.clone() for p in reference.parameters()]
+        del reference
+        set_cpu_memory_headroom(0.2)
+        net = model()
+        step = toma.accumulate(model=net, initial_micro_batch=N, groups="pairs")(lambda x, m: preference(net, x, m))
+        step(inputs, reference_rows)
+        assert step.stats.oom_retries >= 1 and step.stats.micro_batch < N, step.stats
+        for p, e in zip(net.parameters(), expected):
+            torch.testing.assert_close(p.grad, e, rtol=1e-4, atol=1e-6)
+        print("ok", step.stats.micro_batch)
+        """,
+        timeout=240,
+    )

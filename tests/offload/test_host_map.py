@@ -375,3 +375,54 @@ def test_the_embedding_example_agrees_with_fixed_batches():
     assert result.returncode == 0, result.stdout + result.stderr
     difference = float(re.search(r"largest difference between the embeddings: (\S+)", result.stdout).group(1))
     assert difference < 1e-4 and "speed-up:" in result.stdout
+
+
+# --- padding-free inputs: chunks of packed sequences ------------------------------------------------------------
+
+
+def packed_inputs(lengths=(5, 9, 3, 12, 7, 4), seed=0):
+    """A padding-free batch as Hugging Face's and TRL's collators make it: one row, positions restarting at 0."""
+    generator = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    ids = torch.randint(1, 50, (1, total), generator=generator)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    edges = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return {"input_ids": ids, "position_ids": positions, "cu_seq_lens_q": edges, "max_length_q": max(lengths)}
+
+
+def test_a_padding_free_batch_maps_in_chunks_of_its_sequences_outputs_back_in_place():
+    """Per-token outputs come back as one packed row, per-sequence outputs one row per sequence; a chunk that runs
+    out of memory is redone with fewer sequences, never a part of one."""
+    torch.manual_seed(0)
+    embed = torch.nn.Embedding(50, 8)
+    batch = packed_inputs()
+    lengths = [5, 9, 3, 12, 7, 4]
+    seen, capped = [], [False]
+
+    def per_token_and_sequence(b):
+        seen.append(b["input_ids"].shape[1])
+        if capped[0] and b["input_ids"].shape[1] > 16:
+            raise_fake_oom()
+        assert b["cu_seq_lens_q"][-1] == b["input_ids"].shape[1] and b["max_length_q"] == max(
+            b["cu_seq_lens_q"].diff().tolist()
+        )
+        hidden = embed(b["input_ids"]) * (b["position_ids"][..., None] + 1)  # each token's own position
+        starts = b["cu_seq_lens_q"][:-1].long()
+        return hidden, hidden[0, starts]  # (1, tokens, 8) and (sequences, 8)
+
+    with torch.no_grad():
+        expected_tokens, expected_firsts = per_token_and_sequence(batch)
+        seen.clear()
+        capped[0] = True
+        tokens, firsts = tm.map(per_token_and_sequence, batch, lengths="position_ids", cache_type=NoBatchsizeCache)
+    assert tokens.shape == (1, 40, 8) and firsts.shape == (6, 8)
+    assert torch.equal(tokens, expected_tokens) and torch.equal(firsts, expected_firsts)
+    fitting = [n for n in seen if n <= 16]
+    assert sum(fitting) == sum(lengths) and seen[0] == 40, "every token mapped once, after the whole row failed"
+    assert set(fitting) <= {5, 9, 3, 12, 7, 4, 14, 15, 11, 16, 8, 10, 12}
+
+
+def test_a_padding_free_output_of_another_shape_is_a_clear_error():
+    batch = packed_inputs()
+    with pytest.raises(TypeError, match=r"one row per sequence or of shape \(1, tokens, ...\)"):
+        tm.map(lambda b: torch.zeros(3), batch, lengths="position_ids", initial_step=1)

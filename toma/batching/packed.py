@@ -285,18 +285,24 @@ class PackedTokens:
     def area_between(self, start: int, stop: int) -> int:
         return self.batch.area_between(start, stop)
 
+    def stop(self, start: int, budget: int) -> int:
+        """Where a micro-batch from sequence `start` ends: as many sequences of its row as `budget` tokens hold (at
+        least one)."""
+        batch, lengths = self.batch, self.batch.lengths
+        row, tokens, stop = batch.sequences[start].row, lengths[start], start + 1
+        while stop < len(lengths) and batch.sequences[stop].row == row and tokens + lengths[stop] <= budget:
+            tokens += lengths[stop]
+            stop += 1
+        return stop
+
     def micro_batches(self, budget: int) -> List[TokenMicroBatch]:
         """Consecutive sequences of one row within `budget` tokens (a longer sequence alone): `(batch, start, stop,
         None)`."""
-        batch, lengths = self.batch, self.batch.lengths
         found: List[TokenMicroBatch] = []
-        start, count = 0, len(lengths)
-        while start < count:
-            row, tokens, stop = batch.sequences[start].row, lengths[start], start + 1
-            while stop < count and batch.sequences[stop].row == row and tokens + lengths[stop] <= budget:
-                tokens += lengths[stop]
-                stop += 1
-            found.append((batch, start, stop, None))
+        start = 0
+        while start < len(self.batch.lengths):
+            stop = self.stop(start, budget)
+            found.append((self.batch, start, stop, None))
             start = stop
         return found
 

@@ -3,13 +3,14 @@
 options, `options.perform(step, initial, context)`, the same in `toma.X`, `explicit.X`, `simple.X` and
 `toma.execute.X`."""
 
-from typing import Any, Callable, Dict, Hashable, Optional, Tuple
+from typing import Any, Callable, Dict, Hashable, Optional, Tuple, Union
 
 import torch
 
 from toma.accumulation.accumulate import AccumulationStats, Sizing, accumulate
 from toma.accumulation.options import AccumulationOptions
-from toma.batching.logical import logical_batch_of
+from toma.batching.logical import is_packed_lengths, logical_batch_of
+from toma.batching.packed import PackedBatch, PackedTokens
 from toma.batching.splitting import ArgumentBatch, leaves
 from toma.batching.tokens import Lengths, TokenBatch
 from toma.batching.transfer import Transfers
@@ -54,13 +55,19 @@ def run_map(
             "toma.map needs inputs: tensors (also inside tuples, lists or dicts) whose dim 0 holds the rows "
             f"to map over; got {len(inputs)} input(s) with none"
         )
-    split = ArgumentBatch(inputs, {}, name="inputs")
-    initial = split.size if initial_step is None else initial_step
-    tokens = None
-    if lengths is not None:
-        tokens = TokenBatch(split, lengths)
-        assert isinstance(tokens.batch, ArgumentBatch)  # rows, not groups: a map's rows are on their own
-        split, initial = tokens.batch, initial * tokens.widths[0]
+    tokens: Optional[Union[TokenBatch, PackedTokens]] = None
+    split: Union[ArgumentBatch, PackedBatch]
+    if isinstance(lengths, str) and is_packed_lengths(lengths):  # a padding-free batch: its packed sequences
+        split = PackedBatch(inputs, {}, lengths, name="inputs")
+        tokens = PackedTokens(split)
+        initial = tokens.area if initial_step is None else initial_step * tokens.longest
+    else:
+        split = ArgumentBatch(inputs, {}, name="inputs")
+        initial = split.size if initial_step is None else initial_step
+        if lengths is not None:
+            tokens = TokenBatch(split, lengths)
+            assert isinstance(tokens.batch, ArgumentBatch)  # rows, not groups: a map's rows are on their own
+            split, initial = tokens.batch, initial * tokens.widths[0]
     transfers = Transfers(device)
     split = split.placed(transfers.place)  # toma.whole values move once per call, not once per chunk
     return options.perform(MapStep(func, split, transfers, output, tokens=tokens), initial).result()

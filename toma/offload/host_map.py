@@ -6,11 +6,12 @@ out-of-memory error drops the chunk under way (and the next one already copied),
 and the same rows are tried again in a smaller chunk.
 """
 
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 
+from toma.batching.packed import PackedBatch, PackedTokens
 from toma.batching.splitting import ArgumentBatch, map_tensors
 from toma.batching.splitting import leaves as leaf_values
 from toma.batching.tokens import TokenBatch, restore_order
@@ -73,32 +74,85 @@ class _Joined:
         return map_tensors(self.template, lambda tensor: next(remaining))
 
 
+class _PackedJoined(_Joined):
+    """The outputs of a padding-free batch's chunks of packed sequences: an output per token (`(1, tokens, ...)`)
+    goes back into its place in the packed row (`(rows, width, ...)`), one per sequence (`(sequences, ...)`) into
+    the sequences' rows."""
+
+    def __init__(self, batch: PackedBatch, device: torch.device, name: str) -> None:
+        super().__init__(batch.size, device, name)
+        self.batch = batch
+        self.kinds: Optional[List[bool]] = None  # per output: per token (True) or per sequence
+
+    def _per_token(self, leaf: torch.Tensor, start: int, stop: int) -> bool:
+        tokens = self.batch.area_between(start, stop)
+        if leaf.dim() >= 2 and leaf.shape[0] == 1 and leaf.shape[1] == tokens:
+            return True
+        if leaf.dim() >= 1 and leaf.shape[0] == stop - start:
+            return False
+        raise TypeError(
+            f"{self.name} must return, for a chunk of packed sequences, tensors with one row per sequence or of shape "
+            f"(1, tokens, ...): for a chunk of {stop - start} sequences and {tokens} tokens it returned one of "
+            f"shape {tuple(leaf.shape)}"
+        )
+
+    def check(self, out: Any, rows: int) -> List[torch.Tensor]:
+        return [leaf for leaf in leaf_values(out) if isinstance(leaf, torch.Tensor)]
+
+    def write(self, out: Any, start: int, stop: int) -> None:
+        leaves = leaf_values(out)
+        if start == 0 and stop == self.rows and self.batch.rows == 1:
+            self.whole = map_tensors(out, lambda tensor: tensor.detach().to(self.device))
+            return
+        kinds = [self._per_token(leaf, start, stop) for leaf in leaves]
+        if self.tensors is None:
+            self.template, self.kinds = out, kinds
+            rows, width = self.batch.rows, self.batch.width
+            self.tensors = [
+                torch.zeros((rows, width, *leaf.shape[2:]) if kind else (self.rows, *leaf.shape[1:]), dtype=leaf.dtype,
+                            device=self.device)
+                for leaf, kind in zip(leaves, kinds)
+            ]  # fmt: skip
+        first, last = self.batch.sequences[start], self.batch.sequences[stop - 1]
+        for target, leaf, kind in zip(self.tensors, leaves, kinds):
+            if kind:
+                target[first.row, first.begin : last.end].copy_(leaf.detach()[0])
+            else:
+                target[start:stop].copy_(leaf.detach())
+
+
 class MapStep(RangeStep):
     """`func(*chunk_inputs)` for consecutive row chunks of `split`, inputs moved to the transfers' device. With
     `tokens` (`split` sorted by row length, `toma.map(lengths=)`), the size is a token budget, each chunk is
     trimmed to its longest row, outputs as wide as a chunk are padded back with zeros to the rows' width, and the
-    result comes back in the call's row order."""
+    result comes back in the call's row order. A padding-free `split` (`PackedBatch`, with its `PackedTokens`) is
+    chunked by packed sequences within the budget, and its outputs go back in place (`_PackedJoined`)."""
 
     __slots__ = (
         "split", "transfers", "joined", "ahead", "back", "to_host", "returns_none", "tokens", "budget", "size_name",
-        "timer",
+        "timer", "packed",
     )  # fmt: skip
 
     def __init__(
         self,
         func: Callable[..., Any],
-        split: ArgumentBatch,
+        split: Union[ArgumentBatch, PackedBatch],
         transfers: Transfers,
         output_device: torch.device,
         name: Optional[str] = None,
-        tokens: Optional[TokenBatch] = None,
+        tokens: Optional[Union[TokenBatch, PackedTokens]] = None,
     ) -> None:
         super().__init__(func, 0, split.size, (), {}, name, device=transfers.device)
         self.split, self.transfers, self.tokens, self.budget = split, transfers, tokens, 0
         self.size_name = "step" if tokens is None else TOKEN_BUDGET
         self.timer = None if tokens is None else tokens.cost.timer(transfers.device)
         label = str(name or getattr(func, "__qualname__", repr(func)))
-        self.joined = _Joined(split.size, output_device, label)
+        self.packed = isinstance(split, PackedBatch)
+        self.joined = (
+            _PackedJoined(split, output_device, label)
+            if isinstance(split, PackedBatch)
+            else _Joined(split.size, output_device, label)
+        )
         # Outputs go back through pinned staging when they are on CUDA and asked for on the host.
         self.to_host = transfers.cuda and output_device.type == "cpu"
         self.ahead: Optional[Tuple[int, int, Pending]] = None  # the next chunk's inputs, on their way
@@ -108,7 +162,7 @@ class MapStep(RangeStep):
     def _send(self, start: int, stop: int) -> Pending:
         """Start moving the chunk's split tensors; `toma.whole` values were moved once (`ArgumentBatch.placed`)."""
         rows: List[torch.Tensor] = []
-        width = None if self.tokens is None else self.tokens.widths[start]
+        width = self.tokens.widths[start] if isinstance(self.tokens, TokenBatch) else None
         args, _ = self.split.arguments(start, stop, rows, width)
         return self.transfers.prefetch(args, stage=rows)
 
@@ -121,10 +175,11 @@ class MapStep(RangeStep):
         if self.tokens is None:
             return super().effective(size)
         start = self.current
-        return (self._stop(start, size) - start) * self.tokens.widths[start]
+        return self.tokens.area_between(start, self._stop(start, size))
 
     def at_smallest(self, size: int) -> bool:
-        """With a token budget: the chunk holds one row already, trimmed to its own length."""
+        """With a token budget: the chunk holds one row already, trimmed to its own length (or one packed
+        sequence)."""
         return self.tokens is not None and self._stop(self.current, size) - self.current == 1
 
     def __call__(self, size: int) -> bool:
@@ -140,12 +195,12 @@ class MapStep(RangeStep):
         if not self.timer.cost.timing:
             self.timer = None
             return
-        self.timer.begin((stop - start) * self.tokens.widths[start])
+        self.timer.begin(self.tokens.area_between(start, stop))
 
     def _padded_back(self, out: Any, start: int) -> Any:
         """A trimmed chunk's outputs as wide as the chunk, padded with zeros to the rows' width."""
         tokens = self.tokens
-        if tokens is None or tokens.widths[start] >= tokens.width:
+        if not isinstance(tokens, TokenBatch) or tokens.widths[start] >= tokens.width:
             return out
         width, full = tokens.widths[start], tokens.width
 
@@ -211,7 +266,7 @@ class MapStep(RangeStep):
         if self.returns_none:
             return None
         joined = self.joined.result()
-        if self.tokens is None:
+        if not isinstance(self.tokens, TokenBatch):
             return joined
         back = torch.tensor(restore_order(self.tokens.order), dtype=torch.long)
         return map_tensors(joined, lambda tensor: tensor.index_select(0, back.to(tensor.device)))
