@@ -20,8 +20,9 @@ A training step is zero_grad, the method's forward and backward over the logical
 one epoch in which every logical batch is stepped by every method in turn, the order rotating from batch to batch;
 a method's time per epoch is the median of the rounds' sums, its ratio to (1) the median of the rounds' ratios.
 Tokens are the real ones, the same for every method. Peak memory is the process's resident size at its highest
-during a step above where it was when the step began (`VmHWM`, reset before each step), the largest over the
-epoch's steps. Gradients after one logical batch (the widest) are compared with one pass over the whole padded
+during a step above where it was when the step began (`VmHWM`, reset before each step; glibc told to return freed
+tensors of 1 MiB and more at once, so that one method's freed memory does not hide the next one's), the largest
+over the epoch's steps. Gradients after one logical batch (the widest) are compared with one pass over the whole padded
 batch: the largest, over the parameters, of max|g - g_full| / max|g_full|.
 """
 
@@ -41,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from varlen import MICRO_ROWS, ROWS, Batch, label_tokens, long_tailed  # noqa: E402
 
 from toma import toma  # noqa: E402
+from toma.memory.cpu import predictable_heap  # noqa: E402
 from toma.memory.meters import CpuMeter  # noqa: E402
 
 MODEL = dict(vocab_size=2048, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4)
@@ -283,6 +285,7 @@ def main() -> None:
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="cpu", help="the process's CPU time, or wall time")
     parser.add_argument("--quick", action="store_true", help="a tiny model and two logical batches: seconds")
     args = parser.parse_args()
+    predictable_heap()  # freed tensors leave the resident size at once: a step's peak above its start is its own
     torch.set_num_threads(args.threads)
     hf_logging.set_verbosity_error()
     shape = QUICK_MODEL if args.quick else MODEL

@@ -369,6 +369,47 @@ def test_a_batch_with_nothing_to_learn_from_whose_step_returns_a_nan_loss_is_ski
     assert all(torch.isfinite(p).all() for p in module.parameters())
 
 
+def flatten(rows):
+    """The collate function of a padding-free loader: the rows' real tokens packed into one row, `position_ids`
+    restarting at 0, each sequence's first label -100."""
+    ids = [
+        row["input_ids"][row["labels"] != -100] if (row["labels"] != -100).any() else row["input_ids"][:1]
+        for row in rows
+    ]
+    positions = torch.cat([torch.arange(len(seq)) for seq in ids])[None]
+    packed = torch.cat(ids)[None]
+    return {"input_ids": packed, "position_ids": positions, "labels": packed.masked_fill(positions == 0, -100)}
+
+
+class PaddingFree(TokenMean):
+    """TokenMean on padding-free batches (its tokens are on their own: nothing attends across sequences)."""
+
+    def training_step(self, batch, batch_idx):
+        if self.oom_above is not None and torch.is_grad_enabled() and batch["input_ids"].shape[1] > self.oom_above:
+            raise_fake_oom()
+        logits = self.head(self.embed(batch["input_ids"]))
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=-100)
+        self.log("train_loss", loss)
+        return loss
+
+
+def test_padding_free_batches_are_cut_between_their_sequences_and_train_as_a_plain_run():
+    def run(module, callbacks):
+        trainer = quiet_trainer(3, callbacks, log_every_n_steps=1)
+        loader = torch.utils.data.DataLoader(Padded(), batch_size=16, collate_fn=flatten)
+        trainer.fit(module, loader)
+        return trainer
+
+    def shifted_labels(batch):
+        return (batch["labels"][:, 1:] != -100).sum()
+
+    plain = run(PaddingFree(), [])
+    callback = MicroBatching(weight=shifted_labels, policy=Halving())
+    trainer = run(PaddingFree(oom_above=40), [callback])
+    assert callback.stats.oom_retries >= 1 and callback.stats.micro_batch <= 40
+    assert_same_parameters(trainer.lightning_module, plain.lightning_module)
+
+
 # --- the training step's contract ---------------------------------------------------------------------------
 
 

@@ -754,3 +754,61 @@ def test_evaluation_chunks_are_measured_on_the_trainers_device():
     trainer, _ = make_trainer(policy=Recording())
     trainer.evaluate(loader(40, shuffle=False))
     assert seen and all(device == torch.device("cpu") for device in seen)
+
+
+def flattened(batch):
+    """A padded batch as a padding-free collator flattens it: its rows' real tokens in one row, `position_ids`
+    restarting at 0, each sequence's first label -100 (TinyLM attends nowhere: its tokens are on their own)."""
+    keep = batch["labels"] != PAD
+    keep[:, 0] = True  # every row has at least its first token
+    lengths = keep.sum(1)
+    ids = batch["input_ids"][keep][None]
+    positions = torch.cat([torch.arange(int(n)) for n in lengths])[None]
+    labels = batch["labels"][keep][None].masked_fill(positions == 0, PAD)
+    return {"input_ids": ids, "labels": labels, "position_ids": positions}
+
+
+def test_padding_free_loader_batches_train_in_chunks_of_their_sequences_as_the_full_batches_do():
+    """Loader batches of 4 packed sequences each, logical batches of 8 sequences (two loader batches: pieces, never
+    stacked), every forward pass over more than 12 tokens out of memory: the parameters of full-batch steps."""
+    batches = [flattened(b) for b in padded_batches()]
+
+    def forward(model, b):
+        return model(input_ids=b["input_ids"], labels=b["labels"])  # TinyLM ignores positions: on their own
+
+    model = TinyLM()
+    seen = []
+
+    def refusing(b):
+        if torch.is_grad_enabled():
+            seen.append(b["input_ids"].shape[1])
+            if b["input_ids"].shape[1] > 12:
+                raise_fake_oom()
+        return forward(model, b)
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    trainer = Trainer(
+        model,
+        optimizer,
+        None,
+        batches,
+        batch_size=8,
+        forward=refusing,
+        weight=label_tokens,
+        lengths="position_ids",
+        groups="rows",
+        verbose=0,
+    )
+    trainer.fit(1)
+    assert [s["rows"] for s in trainer.history.steps] == [8, 8, 8], "rows count sequences"
+    assert trainer.oom_retries >= 1 and max(n for n in seen) > 12 and trainer.micro_batch <= 12
+
+    reference = TinyLM()
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for logical in (batches[0:2], batches[2:4], batches[4:6]):
+        reference_optimizer.zero_grad()
+        tokens = sum(int(label_tokens(b)) for b in logical)
+        (sum(forward(reference, b)["loss"] * int(label_tokens(b)) for b in logical) / tokens).backward()
+        reference_optimizer.step()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
