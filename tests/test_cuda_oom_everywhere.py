@@ -307,6 +307,107 @@ def test_accumulate_by_tokens_under_a_real_cuda_oom_trains_the_full_batchs_token
     assert all(result["close"]), "the gradients differ from the full batch's token mean"
 
 
+# --- padding-free rows and pairs (issue 40) ----------------------------------------------------------------------
+
+# One padding-free row of 24 packed sequences (256 to 1,024 tokens each) through a Llama from a config with a
+# vocabulary of 32,768: the row's logits alone are 1.5 to 3 GiB (fp32), and with their softmax and gradients the
+# row needs about four times that; the cap leaves a third of the logits, about two sequences. Cut between its
+# sequences, it trains the whole row's gradients (the reference: each sequence on its own, weighted by its tokens).
+PADDING_FREE = """
+SEQUENCES, LENGTH, VOCAB = 24, 1024, 32768
+from transformers import LlamaConfig, LlamaForCausalLM
+freeze()
+def make_model():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=LENGTH)
+    config._attn_implementation = "sdpa"
+    return LlamaForCausalLM(config).to(DEVICE)
+torch.manual_seed(1)
+lengths = torch.randint(LENGTH // 4, LENGTH + 1, (SEQUENCES,)).tolist()
+ids = torch.randint(1, VOCAB, (1, sum(lengths)), device=DEVICE)
+positions = torch.cat([torch.arange(n) for n in lengths])[None].to(DEVICE)
+labels = ids.masked_fill(positions == 0, -100)
+batch = {"input_ids": ids, "position_ids": positions, "labels": labels, "use_cache": False}
+tokens = int((labels[:, 1:] != -100).sum())
+reference = make_model()
+start = 0
+for n in lengths:  # each sequence alone, weighted by its label tokens: the row's token mean
+    part = {"input_ids": ids[:, start:start + n], "labels": labels[:, start:start + n], "use_cache": False}
+    (reference(**part).loss * (n - 1) / tokens).backward()
+    start += n
+expected = [p.grad.detach().clone() for p in reference.parameters()]
+del reference
+model = make_model()
+label_tokens = lambda b: (b["labels"][:, 1:] != -100).sum()
+widths = []
+@toma.accumulate(model=model, lengths="position_ids", initial_tokens=sum(lengths), weight=label_tokens)
+def compute_loss(b):
+    widths.append(b["input_ids"].shape[1])
+    return model(**b).loss
+cap(VOCAB * 4 * sum(lengths) // 3)
+compute_loss(batch)
+uncap()
+close = [bool(torch.allclose(p.grad, e, rtol=1e-4, atol=1e-6)) for p, e in zip(model.parameters(), expected)]
+print(json.dumps(dict(close=close, ooms=cuda_ooms(messages), budget=compute_loss.stats.micro_batch,
+                      tokens=sum(lengths), longest=max(widths))))
+"""
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_a_padding_free_row_under_a_real_cuda_oom_trains_in_chunks_of_its_sequences():
+    result = run(PADDING_FREE, timeout=300)
+    assert_cuda_ooms(result["ooms"])
+    assert 0 < result["budget"] < result["tokens"] and result["longest"] < result["tokens"]
+    assert all(result["close"]), "the gradients differ from the whole row's"
+
+
+# A preference loss over N pairs (chosen rows first, rejected second): N x WIDTH activations of 2 x 2 GiB do not
+# fit; cut by pairs it trains the full batch's gradients, and cut by rows it is refused before anything trains.
+PAIRS = """
+N, WIDTH = 65536, 8192
+from toma import CoupledRows
+def make_model():
+    torch.manual_seed(1)
+    return torch.nn.Sequential(torch.nn.Linear(32, WIDTH), torch.nn.ReLU(), torch.nn.Linear(WIDTH, 1)).to(DEVICE)
+torch.manual_seed(0)
+inputs = torch.randn(N, 32, device=DEVICE)
+def preference(net, x):
+    chosen, rejected = net(x).squeeze(-1).chunk(2)
+    return -F.logsigmoid(chosen - rejected).mean()
+reference = make_model()
+half = N // 2
+for s in range(0, half, 4096):  # the reference in pieces of pairs known to fit
+    rows = torch.cat([inputs[s:s + 4096], inputs[half + s:half + s + 4096]])
+    (preference(reference, rows) * min(4096, half - s) / half).backward()
+expected = [p.grad.detach().clone() for p in reference.parameters()]
+del reference
+model = make_model()
+cap(2**30)
+refused = False
+try:  # cut by rows: refused before anything trains
+    toma.accumulate(model=model, initial_micro_batch=N, cache_type=NoBatchsizeCache)(lambda x: preference(model, x))(inputs)
+except CoupledRows:
+    refused = all(p.grad is None for p in model.parameters())
+model.zero_grad(set_to_none=True)
+step = toma.accumulate(model=model, initial_micro_batch=N, groups="pairs")(lambda x: preference(model, x))
+step(inputs)
+uncap()
+close = [bool(torch.allclose(p.grad, e, rtol=1e-4, atol=1e-6)) for p, e in zip(model.parameters(), expected)]
+print(json.dumps(dict(close=close, refused=refused, ooms=cuda_ooms(messages), micro_batch=step.stats.micro_batch, N=N)))
+"""
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_pairs_under_a_real_cuda_oom_train_the_full_batch_and_rows_alone_are_refused():
+    result = run(PAIRS, timeout=300)
+    assert_cuda_ooms(result["ooms"])
+    assert result["refused"], "cut by rows, the pairs' loss must be refused before anything trains"
+    assert 0 < result["micro_batch"] < result["N"] and all(result["close"])
+
+
 # --- toma.Trainer ----------------------------------------------------------------------------------------------
 
 # The same MLP, trained for 4 steps of N rows from a loader on the host; the reference takes the same steps with
