@@ -4,10 +4,11 @@
 Every loader batch of `per_device_train_batch_size` rows is one logical batch, trained with `toma.accumulate`'s
 machinery in micro-batches that fit (shrinking on out-of-memory errors, `FitToMemory` by default, the size kept
 per trainer), with the gradients the plain Trainer gets for that batch. Two hooks change: `training_step` (the
-logical batch in micro-batches, each through `self.compute_loss` and `self.accelerator.backward`) and
-`prediction_step` (an evaluation batch in chunks that fit, results joined); `log` adds the micro-batch size.
-Everything else (the loop, schedulers, clipping, callbacks, checkpoints, accelerate's DDP and mixed precision)
-is the Trainer's own.
+class's own runs, and inside it the Trainer's `compute_loss` call on the batch becomes the logical batch in
+micro-batches, each through the class's `compute_loss` and `self.accelerator.backward`; what `compute_loss`
+counts and logs per call counted once, `toma.integrations.trainer_records`) and `prediction_step` (an evaluation
+batch in chunks that fit, results joined); `log` adds the micro-batch size. Everything else (the loop,
+schedulers, clipping, callbacks, checkpoints, accelerate's DDP and mixed precision) is the Trainer's own.
 
 How the micro-losses add up to the plain Trainer's loss for the batch, `compute_loss(batch, num_items_in_batch)`:
 each micro-batch holds a share of the batch (its label items over the batch's, counted as the Trainer counts them,
@@ -110,7 +111,11 @@ class TomaTrainerMixin(_Trainer):
     by default, so the logs are the plain Trainer's), `toma_pack_tokens=` (True by default: a batch that carries an
     `attention_mask` is packed by tokens: rows sorted by length, micro-batches within a token budget, each trimmed
     to its longest row, as `toma.accumulate(lengths="attention_mask")`; the size is then that budget; False keeps
-    micro-batches of rows in the loader's order, at the batch's padded width).
+    micro-batches of rows in the loader's order, at the batch's padded width), `toma_split_for_padding=` (True by
+    default: packing may split a batch that fits where the padding saved pays for another micro-batch; False keeps
+    it whole, bit for bit), `toma_groups=` (how rows belong together: "pairs", "batch", a function of a batch,
+    "rows"; by default what toma knows of TRL's trainers, `toma.integrations.trl`), `toma_gradient_sync=` (FSDP2).
+    A padding-free batch (TRL's `padding_free`, its packing) is cut between its packed sequences.
     `trainer.toma_stats` holds the micro-batch size (or token budget) and the out-of-memory retries.
     """
 
