@@ -740,6 +740,8 @@ if IN_BACKWARD:
 
 @toma.accumulate(model=ddp, initial_micro_batch=16)
 def compute_loss(x, y):
+    if not torch.is_grad_enabled():  # toma's one check, without gradients, that the loss adds up
+        return F.cross_entropy(ddp(x), y)
     sizes.append(len(x))
     if not IN_BACKWARD and len(sizes) == 2 and len(x) == 16:
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")

@@ -44,6 +44,8 @@ def run_once(sabotage):
     calls = []
     @toma.accumulate(model=ddp, initial_micro_batch=8)
     def compute_loss(xb, yb):
+        if not torch.is_grad_enabled():  # toma's one check, without gradients, that the loss adds up
+            return F.cross_entropy(ddp(xb), yb)
         calls.append(len(xb))
         sabotage(calls)
         return F.cross_entropy(ddp(xb), yb)
@@ -98,6 +100,8 @@ for phase, where in {SCENARIOS!r}:
 
     @toma.accumulate(model=ddp, initial_micro_batch={MICRO})
     def compute_loss(xb, yb):
+        if not torch.is_grad_enabled():  # toma's one check, without gradients, that the loss adds up
+            return F.cross_entropy(ddp(xb), yb)
         sizes.append(len(xb))
         fail_here = rank == world - 1 and not state["done"] and state["calls"] == where
         state["calls"] += 1

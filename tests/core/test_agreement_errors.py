@@ -32,6 +32,8 @@ sizes = []
 
 @toma.accumulate(model=ddp, initial_micro_batch=8)
 def compute_loss(xb, yb):
+    if not torch.is_grad_enabled():  # toma's one check, without gradients, that the loss adds up
+        return F.cross_entropy(ddp(xb), yb)
     sizes.append(len(xb))
     if rank == 1 and len(sizes) == 2:   # a collective of the user's own failed in NCCL, out of device memory
         raise dist.DistBackendError(NCCL_OOM)
