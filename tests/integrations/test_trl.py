@@ -161,7 +161,12 @@ def dpo_settings(loss_type="sigmoid"):
 def plain_dpo(loss_type="sigmoid"):
     model = llama()
     trainer, log = run(
-        DPOTrainer, DPOConfig, preference_dataset(), model, trainer=dict(ref_model=llama()), **dpo_settings(loss_type)
+        DPOTrainer,
+        DPOConfig,
+        preference_dataset(),
+        model,
+        trainer=dict(ref_model=llama(seed=1)),
+        **dpo_settings(loss_type),
     )
     return model, log
 
@@ -179,7 +184,13 @@ def test_dpo_keeps_each_chosen_row_with_its_rejected_row_and_logs_as_the_plain_d
     model.register_forward_pre_hook(pairs, with_kwargs=True)
     hook = refuse_more_than(200, once_at=3) if oom else None
     trainer, found = run(
-        MicroDPO, DPOConfig, preference_dataset(), model, hook=hook, trainer=dict(ref_model=llama()), **dpo_settings()
+        MicroDPO,
+        DPOConfig,
+        preference_dataset(),
+        model,
+        hook=hook,
+        trainer=dict(ref_model=llama(seed=1)),
+        **dpo_settings(),
     )
     distance = relative_distance(model, reference, llama())
     assert distance < CLOSE, distance
@@ -213,7 +224,7 @@ def test_dpo_losses_that_relate_the_pairs_of_a_batch_are_refused_when_split_and_
     reference, expected = plain_dpo("aot")
     model = llama()
     _, found = run(
-        MicroDPO, DPOConfig, preference_dataset(), model, trainer=dict(ref_model=llama()), **dpo_settings("aot")
+        MicroDPO, DPOConfig, preference_dataset(), model, trainer=dict(ref_model=llama(seed=1)), **dpo_settings("aot")
     )
     distance = relative_distance(model, reference, llama())
     assert distance < CLOSE, distance
@@ -226,7 +237,7 @@ def test_dpo_losses_that_relate_the_pairs_of_a_batch_are_refused_when_split_and_
             preference_dataset(),
             model,
             hook=refuse_more_than(200),
-            trainer=dict(ref_model=llama()),
+            trainer=dict(ref_model=llama(seed=1)),
             **dpo_settings("aot"),
         )
     assert "groups='batch': the batch is never split" in "".join(raised.value.__notes__)
@@ -329,12 +340,12 @@ results = {{}}
 cases = {{
     "sft padded": (SFTTrainer, MicroSFT, SFTConfig, text_dataset(64), {{}}),
     "sft padding-free": (SFTTrainer, MicroSFT, SFTConfig, text_dataset(64), dict(padding_free=True, max_length=None)),
-    "dpo": (DPOTrainer, MicroDPO, DPOConfig, preference_dataset(32), dict(per_device_train_batch_size=8, trainer=dict(ref_model=llama()))),
+    "dpo": (DPOTrainer, MicroDPO, DPOConfig, preference_dataset(32), dict(per_device_train_batch_size=8, trainer=dict(ref_model=llama(seed=1)))),
 }}
 for name, (plain_class, toma_class, config, data, settings) in cases.items():
     plain, reference = run(plain_class, config, data, False, **dict(settings, trainer=dict(settings.get("trainer", {{}}))))
     if "trainer" in settings:
-        settings["trainer"] = dict(ref_model=llama())
+        settings["trainer"] = dict(ref_model=llama(seed=1))
     mine, model = run(toma_class, config, data, rank == 0, **settings)
     try:
         assert_same_logs(logged(mine), logged(plain))
@@ -440,3 +451,69 @@ def test_a_batch_that_fits_is_split_to_save_padding_unless_told_to_keep_it_whole
             assert logged(trainer) == expected, "bit for bit"
     assert len(calls[False]) > 2, "split to save padding"
     assert len(calls[True]) == 2 and all(rows == 16 for rows, _ in calls[True])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precomputed", [False, True], ids=["reference model", "precomputed reference"])
+def test_dpo_evaluation_in_chunks_keeps_pairs_together_and_reports_the_plain_evaluation(precomputed):
+    """An evaluation batch of pairs that does not fit runs in chunks of whole pairs (each its chosen rows, then
+    their rejected rows; one reference log-probability per pair with them): the plain trainer's metrics and
+    predictions, in the batch's row order."""
+    settings = dict(per_device_eval_batch_size=4, precompute_ref_log_probs=precomputed)
+    seen = []
+
+    def too_big(module, args, kwargs):
+        ids = kwargs.get("input_ids")
+        if ids is not None and not torch.is_grad_enabled():
+            seen.append(ids.shape[0])
+            if ids.shape[0] > 2:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    def evaluate(trainer_class, refuse):
+        model = llama()
+        trainer = trainer_class(
+            model=model,
+            ref_model=llama(seed=1),
+            args=DPOConfig(**common_args(**settings)),
+            train_dataset=preference_dataset(8),
+            eval_dataset=preference_dataset(8),
+            processing_class=tokenizer(),
+            **(dict(toma_policy=Halving()) if refuse else {}),
+        )
+        if refuse:
+            model.register_forward_pre_hook(too_big, with_kwargs=True)
+        metrics = trainer.evaluate()
+        predictions = trainer.predict(trainer.eval_dataset).predictions
+        return {k: v for k, v in metrics.items() if "runtime" not in k and "per_second" not in k}, predictions
+
+    expected, expected_predictions = evaluate(DPOTrainer, False)
+    found, predictions = evaluate(MicroDPO, True)
+    assert max(seen) > 2 and 2 in seen, "the batches were split into chunks of one pair"
+    assert_same_logs([found], [expected])
+    assert torch.allclose(torch.as_tensor(predictions), torch.as_tensor(expected_predictions), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_dpo_with_precomputed_reference_log_probabilities_splits_them_with_their_pairs():
+    """One reference log-probability per pair (4 values beside 8 rows): each micro-batch takes its pairs'."""
+    # a reference other than the policy: while they are the same, every reward is rounding noise around 0 and the
+    # reward accuracy (the share of pairs whose noise has one sign) is noise too
+    settings = dict(per_device_train_batch_size=8, precompute_ref_log_probs=True)
+    reference = llama()
+    _, expected = run(
+        DPOTrainer, DPOConfig, preference_dataset(), reference, trainer=dict(ref_model=llama(seed=1)), **settings
+    )
+    model = llama()
+    trainer, found = run(
+        MicroDPO,
+        DPOConfig,
+        preference_dataset(),
+        model,
+        hook=refuse_more_than(200, once_at=3),
+        trainer=dict(ref_model=llama(seed=1)),
+        **settings,
+    )
+    distance = relative_distance(model, reference, llama())
+    assert distance < CLOSE, distance
+    assert_same_logs(found, expected)
+    assert trainer.toma_stats.oom_retries >= 1

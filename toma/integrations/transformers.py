@@ -23,6 +23,7 @@ count. The division by the accumulation steps follows the Trainer's rule.
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import logging
 from collections.abc import Mapping
@@ -41,7 +42,8 @@ from toma.accumulation.sync import GRADIENT_SYNCS
 from toma.batching.groups import GroupedBatch, Groups, check_groups
 from toma.batching.logical import Piece, logical_batch_of
 from toma.batching.packed import PackedBatch, is_packed
-from toma.batching.splitting import ArgumentBatch
+from toma.batching.splitting import ArgumentBatch, map_tensors
+from toma.batching.tokens import restore_order
 from toma.core.arguments import check_size
 from toma.core.caches import GlobalBatchsizeCache
 from toma.core.policy import SizePolicy, check_policy
@@ -361,7 +363,7 @@ class TomaTrainerMixin(_Trainer):
         groups, checked = self._toma_groups_for(packed)
         lengths = _PACKED if packed else "attention_mask" if self.toma_pack_tokens and _has_mask(inputs) else None
         batch = logical_batch_of((inputs,), {}, _PACKED if packed else None, groups, name="inputs")
-        shares = self._toma_shares(inputs, batch, num_items_in_batch)
+        shares = dataclasses.replace(self._toma_shares(inputs, batch, num_items_in_batch), groups=groups)
         ranks = self.accelerator.num_processes > 1
         records = TrainerRecords(self, self._toma_record_rules, ranks=ranks)
 
@@ -393,7 +395,8 @@ class TomaTrainerMixin(_Trainer):
             groups=groups,
             check_split=checked,
             rollback=records,
-            split_for_padding=self.toma_split_for_padding,
+            # a router's load-balancing loss is not linear in the batch: split only where the batch does not fit
+            split_for_padding=self.toma_split_for_padding and not getattr(self, "aux_loss_enabled", False),
         )
         sizing = Sizing(self.toma_initial_micro_batch, self._toma_training, stats=self.toma_stats)
         with local_collectives(self.accelerator) if ranks else contextlib.nullcontext():
@@ -456,11 +459,16 @@ class TomaTrainerMixin(_Trainer):
         and labels joined; what the steps record per call (TRL's metrics) made one value per batch."""
         predict = super().prediction_step
         packed = is_packed(inputs)
-        try:
-            split = logical_batch_of((inputs,), {}, _PACKED if packed else None, name="inputs")
-        except ValueError:  # no rows to cut
+        groups = self._toma_groups_for(packed)[0]  # DPO's pairs stay together here as in training
+        if groups == "batch":  # never split: its rows relate to each other
             return predict(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
-        if isinstance(split, GroupedBatch) or (isinstance(split, PackedBatch) and split.rows != 1):
+        try:
+            split = logical_batch_of((inputs,), {}, _PACKED if packed else None, groups, name="inputs")
+        except ValueError:  # no rows to cut
+            if groups not in (None, "rows"):
+                raise  # a batch the grouping asked for does not have: an error, not a batch to run whole
+            return predict(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        if isinstance(split, PackedBatch) and split.rows != 1:
             return predict(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         # Each chunk's loss is the Trainer's, normalised by the Trainer's count when it passes one; a loss declared
         # normalised by compute_loss itself adds up.
@@ -508,10 +516,11 @@ class _PredictionChunks(RangeStep):
         summed: bool,
         records: TrainerRecords,
     ) -> None:
-        super().__init__(self._chunk, 0, split.size, (), {}, name="TomaTrainer.prediction_step")
+        super().__init__(self._chunk, 0, split.unit_count, (), {}, name="TomaTrainer.prediction_step")
         self.predict, self.split, self.model, self.count, self.summed = predict, split, model, count, summed
         self.loss_only, self.ignore_keys, self.records = prediction_loss_only, ignore_keys, records
         self.packed = isinstance(split, PackedBatch)  # its chunks' logits and labels join along the row
+        self.grouped = isinstance(split, GroupedBatch)  # its chunks' rows go back to the batch's order
         # (start, loss, logits, labels, weight, the records' calls before it) per chunk
         self.chunks: List[Tuple[int, Any, Any, Any, Any, int]] = []
 
@@ -523,7 +532,7 @@ class _PredictionChunks(RangeStep):
         while self.chunks and self.chunks[-1][0] >= start:  # chunks of an attempt the ranks agreed to redo
             self.records.rewind(self.chunks.pop()[5])
         ((part,), _) = self.split.arguments(start, stop)
-        weight = self.count(part) if self.count is not None else stop - start
+        weight = self.count(part) if self.count is not None else self.split.rows_between(start, stop)
         calls = self.records.calls
         self.records.before_call(part, weight)
         loss, logits, labels = self.predict(self.model, part, self.loss_only, ignore_keys=self.ignore_keys)
@@ -557,7 +566,21 @@ class _PredictionChunks(RangeStep):
         joined = parts[0]
         for part in parts[1:]:
             joined = nested_concat(joined, part, padding_index=-100)
+        if self.grouped:  # a chunk of groups holds its rows in batch order, chunk after chunk: back to the batch's
+            assert isinstance(self.split, GroupedBatch)
+            order = [row for chunk in self.chunks for row in self.split.row_indices(*self._units(chunk[0]))]
+            back = torch.tensor(restore_order(order), dtype=torch.long)
+            rows = len(order)
+            joined = map_tensors(
+                joined, lambda t: t.index_select(0, back.to(t.device)) if t.dim() and t.shape[0] == rows else t
+            )
         return joined
+
+    def _units(self, start: int) -> Tuple[int, int]:
+        """The units `[start, stop)` of the chunk that started at `start`."""
+        starts = [chunk[0] for chunk in self.chunks]
+        index = starts.index(start)
+        return start, starts[index + 1] if index + 1 < len(starts) else self.end
 
 
 def nested_along_row(parts: List[Any]) -> Any:

@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional
 import torch
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from toma.batching.batches import rows
+from toma.batching.groups import Groups, grouped_batch
 from toma.batching.packed import PACKED_KEYS, PackedBatch, is_packed
 
 IGNORE_INDEX = -100  # the Trainer's label for a position that is not a target
@@ -28,6 +28,7 @@ class Shares:
     num_items: Any  # num_items_in_batch as the Trainer passes it (None: none)
     divisor: int  # the plain Trainer's division by the gradient-accumulation steps (1: none)
     summed: bool = False  # normalised by compute_loss itself without num_items_in_batch: the micro-losses add up
+    groups: Optional[Groups] = None  # how the batch's rows belong together (pairs: tensors of n/2 rows beside n)
 
     def num_items_for(self, micro: Any, whole: Any) -> Any:
         """The micro-batch's `num_items_in_batch`: the Trainer's, times its share (as given, for the whole batch
@@ -37,7 +38,7 @@ class Shares:
         if micro is whole:
             return self.num_items
         if self.count is None:
-            return self.num_items * units(micro) / self.rows
+            return self.num_items * units(micro, self.groups) / self.rows
         return self.num_items * self.count(micro) / self.total
 
     def weight_of(self, micro: Any, whole: Any) -> Any:
@@ -45,15 +46,16 @@ class Shares:
         averages over what the loss does."""
         if self.count is not None:
             return self.count(micro)
-        return self.rows if micro is whole else units(micro)
+        return self.rows if micro is whole else units(micro, self.groups)
 
 
-def units(batch: Any) -> int:
-    """A batch's units: its rows, or a padding-free batch's packed sequences."""
+def units(batch: Any, groups: Optional[Groups] = None) -> int:
+    """A batch's units as a share by rows counts them: its rows (a batch of pairs holds tensors of one value per
+    pair beside its rows), or a padding-free batch's packed sequences."""
     if is_packed(batch):
         key = next(key for key in PACKED_KEYS if isinstance(batch.get(key), torch.Tensor))
         return PackedBatch((batch,), {}, key).size
-    return rows(batch)
+    return int(grouped_batch((batch,), {}, groups).size)
 
 
 class LabelCount:
