@@ -508,7 +508,7 @@ class _PredictionChunks(RangeStep):
     def __init__(
         self,
         predict: Callable[..., Tuple[Any, Any, Any]],
-        split: Union[ArgumentBatch, PackedBatch],
+        split: Piece,
         model: torch.nn.Module,
         prediction_loss_only: bool,
         ignore_keys: Optional[List[str]],
