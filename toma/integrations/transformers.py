@@ -27,7 +27,7 @@ import dataclasses
 import functools
 import logging
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
 
 import torch
 import transformers
@@ -42,7 +42,7 @@ from toma.accumulation.sync import GRADIENT_SYNCS
 from toma.batching.groups import GroupedBatch, Groups, check_groups
 from toma.batching.logical import Piece, logical_batch_of
 from toma.batching.packed import PackedBatch, is_packed
-from toma.batching.splitting import ArgumentBatch, map_tensors
+from toma.batching.splitting import map_tensors
 from toma.batching.tokens import restore_order
 from toma.core.arguments import check_size
 from toma.core.caches import GlobalBatchsizeCache
