@@ -19,7 +19,7 @@ one batch makes several calls, and an attempt that runs out of memory makes call
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -104,14 +104,16 @@ class TrainerRecords(Rollback):
         lists = getattr(self.trainer, self.rules.metrics, None)
         return lists if isinstance(lists, dict) else {}
 
+    def _lists_now(self) -> Iterator[Tuple[Tuple[str, str], List[Any]]]:
+        """Every metric list the trainer holds now, by (mode, key)."""
+        for mode, keyed in self._live().items():
+            if isinstance(keyed, dict):
+                for key, values in keyed.items():
+                    if isinstance(values, list):
+                        yield (mode, key), values
+
     def _list_marks(self) -> Dict[Tuple[str, str], Tuple[int, int]]:
-        return {
-            (mode, key): (id(values), len(values))
-            for mode, keyed in self._live().items()
-            if isinstance(keyed, dict)
-            for key, values in keyed.items()
-            if isinstance(values, list)
-        }
+        return {slot: (id(values), len(values)) for slot, values in self._lists_now()}
 
     def _copy_lists(self) -> _Lists:
         return {
@@ -159,17 +161,12 @@ class TrainerRecords(Rollback):
 
     def _truncate(self, marks: Dict[Tuple[str, str], Tuple[int, int]]) -> None:
         """Each list back to the length it had at `marks` (lists made since are emptied)."""
-        for mode, keyed in self._live().items():
-            if not isinstance(keyed, dict):
-                continue
-            for key, values in keyed.items():
-                if not isinstance(values, list):
-                    continue
-                mark = marks.get((mode, key))
-                if mark is None:
-                    del values[:]
-                elif mark[0] == id(values):
-                    del values[mark[1] :]
+        for slot, values in self._lists_now():
+            mark = marks.get(slot)
+            if mark is None:
+                del values[:]
+            elif mark[0] == id(values):
+                del values[mark[1] :]
 
     def after_call(self) -> None:
         """The call finished: what it appended to each list is noted (a list it replaced is left as it wrote it)."""
@@ -177,17 +174,12 @@ class TrainerRecords(Rollback):
         if call is None:
             return
         added: Dict[Tuple[str, str], List[Any]] = {}
-        for mode, keyed in self._live().items():
-            if not isinstance(keyed, dict):
-                continue
-            for key, values in keyed.items():
-                if not isinstance(values, list):
-                    continue
-                mark = call.before.get((mode, key))
-                if mark is None:  # a list made by this call (a defaultdict's new key)
-                    added[(mode, key)] = list(values)
-                elif mark[0] == id(values) and len(values) > mark[1]:
-                    added[(mode, key)] = values[mark[1] :]
+        for slot, values in self._lists_now():
+            mark = call.before.get(slot)
+            if mark is None:  # a list made by this call (a defaultdict's new key)
+                added[slot] = list(values)
+            elif mark[0] == id(values) and len(values) > mark[1]:
+                added[slot] = values[mark[1] :]
         self._calls.append((call, added))
 
     @property
