@@ -6,7 +6,7 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
-from toma.accumulation.fsdp2 import is_fsdp2
+from toma.accumulation.sharded_models import is_fsdp2
 from toma.accumulation.plan import NothingCounted, nothing_counted
 from toma.accumulation.rollback import Rollback
 from toma.accumulation.sync import GRADIENT_SYNCS, GradientSync

@@ -9,14 +9,17 @@ import contextlib
 import logging
 import weakref
 from abc import ABC, abstractmethod
-from typing import ContextManager, Dict, Iterable, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, ContextManager, Dict, Iterable, Optional, Sequence, Tuple
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from toma.accumulation.fsdp2 import ShardedUnits, is_fsdp2
 from toma.accumulation.plan import nothing_counted
+from toma.accumulation.sharded_models import is_fsdp2
 from toma.core.agreement import Agreement, all_reduce_gradients, broadcast_buffers, is_distributed
+
+if TYPE_CHECKING:  # FSDP2 is imported when a model needs it (`_fsdp2_sync`), not by `import toma`
+    from toma.accumulation.fsdp2 import ShardedUnits
 
 __all__ = [
     "GradientSync",
@@ -189,7 +192,7 @@ class AgreeingFSDP2(GradientSync):
     __slots__ = ("model", "units", "agreement", "mode", "_buffers")
     watch_grads = False  # the sharded parameters' gradients change only in `reduce`
 
-    def __init__(self, model: torch.nn.Module, units: ShardedUnits, agreement: Agreement, mode: str) -> None:
+    def __init__(self, model: torch.nn.Module, units: "ShardedUnits", agreement: Agreement, mode: str) -> None:
         self.model, self.units, self.mode = model, units, mode
         self.agreement: Agreement = agreement
         self._buffers: Optional[Dict[torch.dtype, Tuple[torch.Tensor, torch.Tensor]]] = None
@@ -326,6 +329,8 @@ _LIGHTENED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
 
 def _fsdp2_sync(model: torch.nn.Module, mode: str) -> AgreeingFSDP2:
+    from toma.accumulation.fsdp2 import ShardedUnits
+
     units = ShardedUnits(model)
     agreement = Agreement(units.process_group, model_device(model.parameters()))
     reducing = mode == "micro_batch" or (mode == "auto" and model in _LIGHTENED)

@@ -31,7 +31,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy, Strategy
 
 from toma.accumulation.accumulate import AccumulationStats, Sizing, accumulate
-from toma.accumulation.fsdp2 import fsdp2_root
+from toma.accumulation.sharded_models import fsdp2_root
 from toma.accumulation.options import (
     AccumulationOptions,
     NothingCounted,

@@ -27,7 +27,7 @@ import dataclasses
 import functools
 import logging
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, List, Optional, Tuple
 
 import torch
 import transformers
@@ -36,7 +36,7 @@ from transformers.trainer_utils import unwrap_peft_model
 from transformers.training_args import OptimizerNames
 
 from toma.accumulation.accumulate import AccumulationStats, Sizing, accumulate
-from toma.accumulation.fsdp2 import held_unsharded, is_fsdp2
+from toma.accumulation.sharded_models import is_fsdp2
 from toma.accumulation.options import AccumulationOptions, check_flag
 from toma.accumulation.sync import GRADIENT_SYNCS
 from toma.batching.groups import GroupedBatch, Groups, check_groups
@@ -481,7 +481,11 @@ class TomaTrainerMixin(_Trainer):
         records = TrainerRecords(self, self._toma_record_rules, ranks=ranks)
         chunks = _PredictionChunks(predict, split, model, prediction_loss_only, ignore_keys, count, summed, records)
         # FSDP2's forward passes all-gather: held unsharded, a chunk one rank redoes leaves no other waiting
-        held = held_unsharded(model) if self._toma_fsdp2 and is_fsdp2(model) else contextlib.nullcontext()
+        held: ContextManager[None] = contextlib.nullcontext()
+        if self._toma_fsdp2 and is_fsdp2(model):
+            from toma.accumulation.fsdp2 import held_unsharded
+
+            held = held_unsharded(model)
         local = local_collectives(self.accelerator) if ranks else contextlib.nullcontext()
         records.begin()
         try:
