@@ -6,9 +6,9 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
-from toma.accumulation.sharded_models import is_fsdp2
 from toma.accumulation.plan import NothingCounted, nothing_counted
 from toma.accumulation.rollback import Rollback
+from toma.accumulation.sharded_models import is_fsdp2
 from toma.accumulation.sync import GRADIENT_SYNCS, GradientSync
 from toma.batching.groups import Groups, check_groups
 from toma.batching.logical import check_packing

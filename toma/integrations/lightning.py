@@ -31,7 +31,6 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy, Strategy
 
 from toma.accumulation.accumulate import AccumulationStats, Sizing, accumulate
-from toma.accumulation.sharded_models import fsdp2_root
 from toma.accumulation.options import (
     AccumulationOptions,
     NothingCounted,
@@ -39,6 +38,7 @@ from toma.accumulation.options import (
     check_reduction,
     check_weight,
 )
+from toma.accumulation.sharded_models import fsdp2_root
 from toma.accumulation.sync import GRADIENT_SYNCS, AgreeingOnly, GradientSync, model_device, sync_for
 from toma.batching.groups import check_groups
 from toma.batching.logical import logical_batch_of

@@ -36,8 +36,8 @@ from transformers.trainer_utils import unwrap_peft_model
 from transformers.training_args import OptimizerNames
 
 from toma.accumulation.accumulate import AccumulationStats, Sizing, accumulate
-from toma.accumulation.sharded_models import is_fsdp2
 from toma.accumulation.options import AccumulationOptions, check_flag
+from toma.accumulation.sharded_models import is_fsdp2
 from toma.accumulation.sync import GRADIENT_SYNCS
 from toma.batching.groups import GroupedBatch, Groups, check_groups
 from toma.batching.logical import Piece, logical_batch_of
