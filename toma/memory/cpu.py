@@ -5,9 +5,11 @@ import gc
 import logging
 import sys
 import time
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-import psutil
+if TYPE_CHECKING:
+    import psutil
+
 
 __all__ = [
     "get_available_cpu_memory",
@@ -31,7 +33,7 @@ CPU_OOM_MARKERS = (
     "DefaultCPUAllocator: not enough memory",
 )
 
-_process: Optional[psutil.Process] = None
+_process: Optional["psutil.Process"] = None
 
 
 def address_space_limit() -> Optional[int]:
@@ -46,6 +48,8 @@ def address_space_limit() -> Optional[int]:
 def get_available_cpu_memory() -> int:
     """Bytes this process can still allocate: free system memory, or less under an address-space limit."""
     global _process
+    import psutil  # here, not at `import toma`: psutil's import costs more than toma's own modules
+
     available = psutil.virtual_memory().available
     limit = address_space_limit()
     if limit is not None:
@@ -107,6 +111,8 @@ def predictable_heap() -> None:
 def settled_address_space() -> int:
     """This process's address space (bytes) once freed memory has left it: collects garbage, trims the
     heap, and waits until two readings 0.3 s apart agree."""
+    import psutil
+
     process, last = psutil.Process(), -1
     while True:
         gc.collect()

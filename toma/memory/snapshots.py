@@ -9,19 +9,21 @@ import dataclasses
 import json
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Union
 
-import psutil
 import torch
 
 from toma.memory.backends import CUDA
 from toma.memory.cpu import get_available_cpu_memory
 
+if TYPE_CHECKING:
+    import psutil
+
 __all__ = ["MemorySnapshot", "snapshot", "MemoryHistory"]
 
 Device = Union[None, int, str, Any]
 
-_process: Optional[psutil.Process] = None
+_process: Optional["psutil.Process"] = None
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,8 @@ def snapshot(device: Device = None, label: str = "") -> MemorySnapshot:
     """The memory of this process now: RSS and available RAM always, CUDA numbers where CUDA is in use."""
     global _process
     if _process is None:
+        import psutil  # here, not at `import toma`: psutil's import costs more than toma's own modules
+
         _process = psutil.Process()
     cuda: Dict[str, int] = {}
     cuda_device = _cuda_device(device)
