@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from toma import CoupledRows, GlobalBatchsizeCache, NoBatchsizeCache, explicit, toma
+from toma import CoupledRows, GlobalBatchsizeCache, Halving, NoBatchsizeCache, explicit, toma
 from toma.batching.transfer import Transfers
 
 import fake_cuda
@@ -557,12 +557,45 @@ def test_bad_arguments_fail_early_naming_them():
     with pytest.raises(TypeError, match="initial_micro_batch must be a positive int"):
         explicit.accumulate(compute_loss, model, 8.0, inputs, targets)
     with pytest.raises(TypeError, match="initial_micro_batch is required"):
-        toma.accumulate(model=model)(compute_loss)(inputs, targets)
+        explicit.accumulate(compute_loss, model, None, inputs, targets)
     with pytest.raises(ValueError, match="disagree on the logical batch size"):
         explicit.accumulate(compute_loss, model, 8, inputs, targets[:10])
     with pytest.raises(ValueError, match="the logical batch is empty"):
         explicit.accumulate(compute_loss, model, 8, inputs[:0], targets[:0])
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_without_a_starting_size_a_call_starts_at_the_whole_logical_batch_then_at_the_cached_size():
+    """No `initial_micro_batch`: the natural start of a logical batch is all of it; after an out-of-memory error
+    the next call starts where the last one ended, also for a larger batch."""
+    model, inputs, targets = make_case("mlp")
+    expected, _ = reference_grads("mlp")
+    sizes = []
+
+    def fail(sizes, rows):
+        if rows > 20:
+            raise_fake_oom()
+
+    compute_loss = toma.accumulate(model=model, policy=Halving())(recording_loss(model, sizes, fail=fail))
+    seen = []
+    for batch in [(inputs, targets), (torch.cat([inputs, inputs]), torch.cat([targets, targets]))]:
+        model.zero_grad()
+        compute_loss(*batch)  # one call site: the cache's entry is the same
+        seen.append(list(sizes))
+        sizes.clear()
+        if len(seen) == 1:
+            assert_grads_equal(model, expected)
+    assert seen[0] == [N, N // 2, N // 4, N // 4, N // 4, N // 4]  # 64 fails, 32 fails, 16 fits
+    assert seen[1] == [N // 4] * 8
+
+
+def test_without_a_starting_size_one_that_fits_runs_whole_and_pieces_start_at_the_largest():
+    model, inputs, targets = make_case("mlp")
+    expected, _ = reference_grads("mlp")
+    sizes = []
+    toma.accumulate(model=model, cache_type=NoBatchsizeCache)(recording_loss(model, sizes))(inputs, targets)
+    assert sizes == [N]
+    assert_grads_equal(model, expected)
 
 
 def test_the_call_time_override_sets_the_micro_batch():

@@ -83,6 +83,30 @@ def test_gpt2_packed_and_trimmed_equals_the_full_batch_with_a_dict_batch():
     assert [width for _, width in shapes] == sorted((width for _, width in shapes), reverse=True)
 
 
+def test_without_a_starting_size_the_budget_starts_at_the_whole_batchs_padded_area():
+    """No `initial_micro_batch` nor `initial_tokens`: the first attempt holds every row at the batch's width; an
+    out-of-memory error from there packs by tokens below that area."""
+    model, batch = gpt2(), padded_batch()
+    loss, reference = full_batch(model, batch)
+    model.zero_grad()
+    shapes = []
+
+    @toma.accumulate(
+        model=model, lengths="attention_mask", weight=label_tokens, policy=Halving(), split_for_padding=False
+    )
+    def compute_loss(micro):
+        if torch.is_grad_enabled():
+            shapes.append(tuple(micro["input_ids"].shape))
+            if micro["input_ids"].numel() > 14 * WIDTH // 2:
+                raise_fake_oom()
+        return model(**micro).loss
+
+    assert torch.allclose(compute_loss(batch), loss, rtol=1e-6)
+    assert_same(model, reference)
+    assert shapes[0] == (14, WIDTH), "the whole batch first"
+    assert shapes[1][0] * shapes[1][1] <= 14 * WIDTH // 2 and len(shapes) > 2
+
+
 def test_gpt2_with_keyword_arguments_and_the_row_mean_of_bert():
     model, batch = gpt2(), padded_batch(seed=2)
     loss, reference = full_batch(model, batch)

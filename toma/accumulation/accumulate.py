@@ -71,11 +71,12 @@ class AccumulationStats:
 
 class Sizing(NamedTuple):
     """Where a call's micro-batch size comes from and what it reports: `initial`, the size asked for (cached
-    as it is: a short batch never shrinks it, only an out-of-memory error does), the `runner` (the cache and the
+    as it is: a short batch never shrinks it, only an out-of-memory error does; None: the whole logical batch, or
+    `initial_tokens` where the options give a token budget), the `runner` (the cache and the
     policy: `toma.sizing.defaults.ACCUMULATION` where none is given), the cache's `context` for this call, the
     `stats` to update (None: none)."""
 
-    initial: int
+    initial: Optional[int]
     runner: Runner
     context: Optional[Hashable] = None
     stats: Optional[AccumulationStats] = None

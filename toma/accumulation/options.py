@@ -26,10 +26,7 @@ __all__ = [
     "check_scaler",
     "check_weight",
     "nothing_counted",
-    "ROWS_FROM_TOKENS",
 ]
-
-ROWS_FROM_TOKENS = 0  # the initial rows of a call whose token budget starts at `initial_tokens`
 
 REDUCTIONS = ("mean", "sum")
 

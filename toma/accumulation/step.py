@@ -17,7 +17,7 @@ from toma.accumulation.coupling import SplitCheck, check_split_once
 from toma.accumulation.diagnostics import hint_whole, loss_error, warn_once_about_batchnorm
 from toma.accumulation.gradients import GradientStash
 from toma.accumulation.misuse import AccumulationMisuse, MisuseWatch
-from toma.accumulation.options import ROWS_FROM_TOKENS, AccumulationOptions
+from toma.accumulation.options import AccumulationOptions
 from toma.accumulation.plan import Arguments, MicroBatchPlan, Weighting
 from toma.accumulation.rollback import (
     BufferSlot,
@@ -144,14 +144,15 @@ class AccumulateStep(Step):
             return float(max(sum(t.numel() for _, t in s.batch.tensors) / s.area for s in self.tokens))
         return float(max(sum(t.numel() for _, t in piece.tensors) / piece.size for piece in self.batch.pieces))
 
-    def initial_size(self, rows: int, tokens: Optional[int]) -> int:
-        """The size a call starts from: `rows`; with a token budget, `tokens` where the budget was given, else
-        `rows` rows of the batch's longest."""
+    def initial_size(self, rows: Optional[int], tokens: Optional[int]) -> int:
+        """The size a call starts from: `rows` (None: the whole logical batch, its largest piece); with a token
+        budget, `rows` rows of the batch's longest, else `tokens` where the budget was given, else the whole
+        batch's padded area."""
         if self.tokens is None:
-            return rows
-        if rows == ROWS_FROM_TOKENS and tokens is not None:
-            return tokens
-        return rows * max(s.longest for s in self.tokens)
+            return rows if rows is not None else max(piece.size for piece in self.batch.pieces)
+        if rows is not None:
+            return rows * max(s.longest for s in self.tokens)
+        return tokens if tokens is not None else max(s.area for s in self.tokens)
 
     def at_smallest(self, size: int) -> bool:
         """With a token budget or groups: the micro-batch that ran out of memory held one unit (a row trimmed to its

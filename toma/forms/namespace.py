@@ -20,7 +20,7 @@ from typing import (
 import torch
 
 from toma.accumulation.accumulate import AccumulationStats
-from toma.accumulation.options import ROWS_FROM_TOKENS, AccumulationOptions
+from toma.accumulation.options import AccumulationOptions
 from toma.batching.splitting import whole
 from toma.batching.tokens import check_lengths
 from toma.batching.transfer import check_device
@@ -50,7 +50,7 @@ from toma.core.signatures import (
 )
 from toma.core.steps import BatchStep, ChunkStep, RangeStep
 from toma.forms.inline import execute
-from toma.forms.options import CacheType, calls, initial_size
+from toma.forms.options import CacheType, calls, initial_size, optional_initial_size
 from toma.forms.plain import explicit, simple
 from toma.forms.runners import Args, Kwargs, run_accumulate, run_map
 from toma.forms.settings import SettingsNamespace
@@ -69,6 +69,7 @@ class _Form(NamedTuple):
     size: str  # the decorator's size argument; its override per call is `toma_` and this name
     extra: str  # the keywords the wrapper adds, for its docstring
     agreed: bool = True  # whether the decorator takes `distributed=`
+    optional: bool = False  # whether a call may go without a size (then its step's own start: `toma.accumulate`)
 
     def default(self, size: Optional[int]) -> Optional[int]:
         """The decorator's size argument, checked; None when the calls must give it."""
@@ -102,13 +103,17 @@ def _decorator(
     return staticmethod(wrap(func.__func__)) if isinstance(func, staticmethod) else wrap(func)
 
 
-def _sized(form: _Form, default: Optional[int], call: Callable[[int, Args, Kwargs, Any], Any]) -> Callable[..., Any]:
+def _sized(form: _Form, default: Optional[int], call: Callable[[Any, Args, Kwargs, Any], Any]) -> Callable[..., Any]:
     """The wrapper of a form called with the function's own arguments (`toma.batch`, `toma.accumulate`): it
     takes out the size override (`toma_initial_*=`) and `toma_context=`, and passes the rest to `call`."""
     size, override = form.size, f"toma_{form.size}"
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        initial = initial_size(default, kwargs.pop(override, None), size, override)
+        given = kwargs.pop(override, None)
+        if form.optional:
+            initial: Optional[int] = optional_initial_size(default, given, override)
+        else:
+            initial = initial_size(default, given, size, override)
         return call(initial, args, kwargs, kwargs.pop("toma_context", None))
 
     return wrapped
@@ -118,7 +123,7 @@ _BATCH = _Form("toma.batch", "initial_batchsize", "toma_initial_batchsize= and t
 _RANGE = _Form("toma.range", "initial_step", "toma_initial_step= and toma_context=")
 _CHUNKED = _Form("toma.chunked", "initial_step", "toma_initial_step=, toma_dimension= and toma_context=")
 _ACCUMULATE = _Form(
-    "toma.accumulate", "initial_micro_batch", "toma_initial_micro_batch= and toma_context=", agreed=False
+    "toma.accumulate", "initial_micro_batch", "toma_initial_micro_batch= and toma_context=", agreed=False, optional=True
 )
 
 
@@ -312,19 +317,16 @@ class toma(metaclass=SettingsNamespace):
             split_for_padding=split_for_padding,
         )
         default = _ACCUMULATE.default(initial_micro_batch)
-        if accumulation.initial_tokens is not None:
-            if default is not None:
-                raise ValueError(
-                    "give initial_micro_batch (rows of the batch's longest) or initial_tokens (a token budget), "
-                    "not both"
-                )
-            default = ROWS_FROM_TOKENS
+        if accumulation.initial_tokens is not None and default is not None:
+            raise ValueError(
+                "give initial_micro_batch (rows of the batch's longest) or initial_tokens (a token budget), not both"
+            )
         options = calls(cache_type, context, policy, False, default=ACCUMULATION)
 
         def bind(func: Callable[..., Any], options: Runner) -> Bound:
             stats = AccumulationStats()
 
-            def call(initial: int, args: Args, kwargs: Kwargs, context: Optional[Hashable]) -> torch.Tensor:
+            def call(initial: Optional[int], args: Args, kwargs: Kwargs, context: Optional[Hashable]) -> torch.Tensor:
                 return run_accumulate(func, accumulation, options, initial, args, kwargs, context, stats)
 
             return _sized(_ACCUMULATE, default, call), {"stats": stats}

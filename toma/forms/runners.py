@@ -27,7 +27,7 @@ def run_accumulate(
     func: Callable[..., torch.Tensor],
     accumulation: AccumulationOptions,
     options: Runner,
-    initial: int,
+    initial: Optional[int],
     args: Args,
     kwargs: Kwargs,
     context: Optional[Hashable] = None,
