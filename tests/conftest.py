@@ -4,8 +4,8 @@ import pytest
 
 from toma import batchsize_cache
 from toma.core import oom
-from toma.core import policy as core_policy
 from toma.core.caches import StacktraceMemoryBatchsizeCache
+from toma.sizing.defaults import DEFAULTS
 
 from helpers import FixedGauge
 
@@ -17,7 +17,7 @@ def fresh_toma_state(monkeypatch):
     batchsize_cache._caches_by_context.entries.clear()
     monkeypatch.setattr(batchsize_cache, "_default_cache_type", StacktraceMemoryBatchsizeCache)
     monkeypatch.setattr(oom, "_extra_predicates", ())
-    monkeypatch.setattr(core_policy, "_assigned", None)
+    monkeypatch.setattr(DEFAULTS, "assigned", None)
     gauge = FixedGauge()
     monkeypatch.setattr(StacktraceMemoryBatchsizeCache, "gauge", gauge)
     yield gauge

@@ -96,10 +96,10 @@ def test_default_cache_type_reads_and_writes_one_setting():
 
 def test_default_policy_is_halving_and_a_setting_the_forms_read_at_call_time():
     from toma import FitToMemory, Halving, explicit, toma
-    from toma.accumulation.accumulate import ACCUMULATION_POLICY
+    from toma.sizing.defaults import DEFAULTS
 
     assert isinstance(toma_package.DEFAULT_POLICY, Halving), "toma 1.1.0's sequences stay the default"
-    assert isinstance(ACCUMULATION_POLICY, FitToMemory), "accumulation sizes by measuring"
+    assert isinstance(DEFAULTS.accumulation.resolve(), FitToMemory), "accumulation sizes by measuring"
     sizes = []
 
     def plain(batchsize):

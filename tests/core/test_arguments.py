@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from toma.core.arguments import check_dimension, check_index, check_size, check_tensor_dimension
-from toma.sizing.policies import DEFAULT_POLICY, Halving, ShrinkByFactor, check_policy
+from toma.sizing.defaults import DEFAULT_POLICY
+from toma.sizing.policies import Halving, ShrinkByFactor, check_policy
 
 
 def test_check_size_accepts_int_likes():

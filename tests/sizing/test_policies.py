@@ -2,7 +2,8 @@
 
 import pytest
 
-from toma.sizing.policies import DEFAULT_POLICY, Halving, ShrinkByFactor, SizePolicy
+from toma.sizing.defaults import DEFAULT_POLICY
+from toma.sizing.policies import Halving, ShrinkByFactor, SizePolicy
 
 
 def sequence(policy: SizePolicy, size: int):

@@ -26,8 +26,6 @@ from toma.batching.logical import LogicalBatch
 from toma.batching.micro_batch_cost import MicroBatchCost
 from toma.core.caches import LearnedState
 from toma.core.runner import Runner
-from toma.sizing.defaults import ACCUMULATION
-from toma.sizing.policies import SizePolicy
 
 __all__ = [
     "accumulate",
@@ -43,9 +41,6 @@ __all__ = [
     "check_weight",
     "REDUCTIONS",
 ]
-
-# Accumulation sizes a micro-batch by measuring: its size matters for speed, and no 1.1.0 sequence binds it.
-ACCUMULATION_POLICY: SizePolicy = ACCUMULATION  # its one definition is toma.sizing.defaults
 
 
 @dataclass

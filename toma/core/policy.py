@@ -4,7 +4,7 @@ receive, and the shrink step every form shares.
 Concrete policies live in `toma.sizing`; a new policy is a new subclass there.
 """
 
-from typing import Any, Generic, Optional, TypeVar, Union
+from typing import Any, Generic, Optional, Protocol, TypeVar, Union
 
 import torch
 
@@ -17,8 +17,7 @@ __all__ = [
     "Token",
     "check_policy",
     "shrink_below",
-    "assigned_default",
-    "assign_default",
+    "DefaultPolicy",
     "CallState",
     "checked_size",
 ]
@@ -107,21 +106,11 @@ def shrink_below(policy: SizePolicy, size: int, failed: int) -> Optional[int]:
         size = smaller
 
 
-_assigned: Optional[SizePolicy] = None  # what `toma.DEFAULT_POLICY = ...` set; None: each capability's own default
+class DefaultPolicy(Protocol):
+    """A capability's policy where a call gives none, resolved at the start of each run (the registry of them all
+    is `toma.sizing.defaults`)."""
 
-
-def assigned_default() -> Optional[SizePolicy]:
-    """The policy assigned to `toma.DEFAULT_POLICY`, every capability's where none is given; None until then."""
-    return _assigned
-
-
-def assign_default(policy: SizePolicy) -> None:
-    """`toma.DEFAULT_POLICY = policy`: from the next call on, the policy of every run given none."""
-    global _assigned
-    checked = check_policy(policy, "DEFAULT_POLICY")
-    if checked is None:
-        raise TypeError("DEFAULT_POLICY must be a sizing policy such as toma.Halving(), got None")
-    _assigned = checked
+    def resolve(self) -> SizePolicy: ...
 
 
 def checked_size(policy: SizePolicy, smaller: Optional[int], failed: int) -> Optional[int]:

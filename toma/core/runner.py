@@ -1,8 +1,8 @@
 """Runner: the one door into the engine. Every form, `toma.accumulate`, the Trainer, `toma.map`, `HostedEmbedding`
 and the integrations build a Runner once, from options checked as they enter, and run their steps through it.
 
-A Runner resolves, per run: the sizing policy (the one given, else the policy assigned to `toma.DEFAULT_POLICY`,
-else the capability's default from `toma.sizing.defaults`), the cache entry (a fixed cache, or one per cache type
+A Runner resolves, per run: the sizing policy (the one given, else its capability's default, `toma.sizing.defaults`:
+the policy assigned to `toma.DEFAULT_POLICY`, else the capability's own), the cache entry (a fixed cache, or one per cache type
 and context or decorated function), the ranks' agreement (`distributed=`, or the one a step that reports to it
 brings) and the observers. Nothing but this module calls `toma.core.engine.run`.
 """
@@ -12,7 +12,6 @@ import types
 from typing import Any, Callable, Dict, Hashable, Optional, Sequence, Type, TypeVar, cast
 
 from toma.core import engine
-from toma.core import policy as policy_setting
 from toma.core.agreement import AgreedStep, Agreement, agreement_for
 from toma.core.arguments import innermost_function
 from toma.core.caches import (
@@ -23,7 +22,7 @@ from toma.core.caches import (
     get_default_cache_type,
 )
 from toma.core.observers import Observer, Observers
-from toma.core.policy import CallState, SizePolicy, assigned_default, check_policy
+from toma.core.policy import CallState, DefaultPolicy, SizePolicy, check_policy
 from toma.core.steps import Step
 
 __all__ = ["Runner", "CacheType"]
@@ -47,7 +46,7 @@ def _function_context(func: Callable[..., Any]) -> Hashable:
 class Runner:
     """Runs steps through the engine with options checked once (`prefix`: `toma_` for the plain calls' names).
 
-    `default`: the capability's policy where none is given and none is assigned to `toma.DEFAULT_POLICY`.
+    `default`: the capability's default policy (`toma.sizing.defaults`), resolved per run where none is given.
     `cache`: one cache for every call (else `cache_type` and `context`, or the function's `own_caches` when a
     decorator made the Runner). `distributed`: False, True (the default process group) or a process group whose
     ranks agree on every size. `observers`: the engine's (the log, the size file, the gauge) when None.
@@ -58,7 +57,7 @@ class Runner:
 
     def __init__(
         self,
-        default: SizePolicy,
+        default: DefaultPolicy,
         *,
         cache_type: CacheType = None,
         context: Optional[Hashable] = None,
@@ -106,7 +105,7 @@ class Runner:
 
     def resolved_policy(self) -> SizePolicy:
         """The policy of a run starting now (`toma.DEFAULT_POLICY` is read at call time)."""
-        return self.policy or assigned_default() or self.default
+        return self.policy or self.default.resolve()
 
     def cache(self, func: Callable[..., Any], context: Optional[Hashable] = None) -> BatchsizeCache:
         """The cache for a call of `func`: the fixed one, else by context if one is given, else the function's."""
@@ -129,7 +128,7 @@ class Runner:
         `agreement`: the one a step reports to itself (accumulation's gradient sync); else `distributed=` wraps
         the step so that every attempt ends in the ranks' agreement (checked per call: the group may start after
         the Runner was built)."""
-        policy = self.policy or policy_setting._assigned or self.default  # resolved_policy(), on the hot path
+        policy = self.policy or self.default.resolve()
         entry = self.cache(step.func, context).get_batchsize(initial)
         if agreement is None and self.distributed:
             agreement = agreement_for(self.distributed)

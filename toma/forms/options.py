@@ -5,7 +5,7 @@ from typing import Any, Hashable, Optional
 
 from toma.core.arguments import check_size
 from toma.core.caches import NoBatchsizeCache
-from toma.core.policy import SizePolicy
+from toma.core.policy import DefaultPolicy
 from toma.core.runner import CacheType, Runner
 from toma.sizing.defaults import CALLS
 
@@ -18,7 +18,7 @@ def calls(
     policy: Any = None,
     distributed: Any = False,
     prefix: str = "",
-    default: SizePolicy = CALLS,
+    default: DefaultPolicy = CALLS,
 ) -> Runner:
     """The Runner of a form's calls, its options checked once (`prefix`: `toma_` for the plain calls' names);
     `default`: the capability's policy (`toma.sizing.defaults`), the forms' unless the form accumulates."""

@@ -6,7 +6,7 @@ from typing import Any, Type
 
 from toma.core.caches import BatchsizeCache, get_default_cache_type, set_default_cache_type
 from toma.core.policy import SizePolicy
-from toma.sizing.policies import get_default_policy, set_default_policy
+from toma.sizing.defaults import get_default_policy, set_default_policy
 
 __all__ = ["PackageModule", "SettingsNamespace"]
 

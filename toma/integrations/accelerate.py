@@ -25,7 +25,7 @@ from toma.sizing.defaults import ACCELERATE
 
 __all__ = ["find_executable_batch_size", "ACCELERATE_POLICY", "NO_BATCH_SIZE"]
 
-ACCELERATE_POLICY: SizePolicy = ACCELERATE  # accelerate's int(batch_size * 0.9): 128, 115, 103, ...
+ACCELERATE_POLICY: SizePolicy = ACCELERATE.own  # accelerate's int(batch_size * 0.9), from the registry of defaults
 NO_BATCH_SIZE = "No executable batch size found, reached zero."  # accelerate's words, for code that matches them
 
 

@@ -8,15 +8,12 @@ import numbers
 from typing import Optional, SupportsIndex
 
 from toma.core.arguments import check_size
-from toma.core.policy import SizePolicy, assign_default, assigned_default, check_policy, shrink_below
+from toma.core.policy import SizePolicy, check_policy, shrink_below
 
 __all__ = [
     "SizePolicy",
     "ShrinkByFactor",
     "Halving",
-    "DEFAULT_POLICY",
-    "get_default_policy",
-    "set_default_policy",
     "check_policy",
     "shrink_below",
 ]
@@ -55,16 +52,3 @@ class Halving(ShrinkByFactor):
 
     def __repr__(self) -> str:
         return f"Halving(minimum={self.minimum!r})"
-
-
-DEFAULT_POLICY: SizePolicy = Halving()  # toma 1.1.0's sequences: the forms' default until one is assigned
-
-
-def get_default_policy() -> SizePolicy:
-    """The forms' policy where none is given (what `toma.DEFAULT_POLICY` reads): the assigned one, else Halving."""
-    return assigned_default() or DEFAULT_POLICY
-
-
-def set_default_policy(policy: SizePolicy) -> None:
-    """What assigning `toma.DEFAULT_POLICY` does: every capability's policy where none is given, from now on."""
-    assign_default(policy)
