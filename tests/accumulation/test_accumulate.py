@@ -548,7 +548,7 @@ def test_bad_arguments_fail_early_naming_them():
         explicit.accumulate(compute_loss, model, 8, inputs, targets, toma_reduction="none")
     with pytest.raises(TypeError, match="scaler must be a torch.amp.GradScaler"):
         toma.accumulate(model=model, initial_micro_batch=8, scaler=2.0)
-    with pytest.raises(ValueError, match="gradient_sync must be 'auto', 'logical_batch'"):
+    with pytest.raises(ValueError, match="gradient_sync must be one of 'auto', 'logical_batch', 'micro_batch'"):
         toma.accumulate(model=model, initial_micro_batch=8, gradient_sync="each")
     with pytest.raises(ValueError, match="toma_gradient_sync='micro_batch' .* not an FSDP2 module"):
         explicit.accumulate(compute_loss, model, 8, inputs, targets, toma_gradient_sync="micro_batch")

@@ -44,7 +44,7 @@ def run(model, batch, initial, fail_above=None, **options):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
 
     total = options.pop("total", None)
-    accumulation = AccumulationOptions(model, "mean", tokens, None, **options)
+    accumulation = AccumulationOptions(model=model, reduction="mean", weight=tokens, **options)
     sizing = Sizing(initial, Runner(ACCUMULATION, policy=Halving(), cache=GlobalBatchsizeCache()))
     return accumulate(lambda part: micro_loss(*part), ArgumentBatch((batch,), {}), accumulation, sizing, total)
 

@@ -292,7 +292,7 @@ def test_every_step_says_where_its_work_runs():
     assert MapStep(f, ArgumentBatch((host,), {}), Transfers("cpu"), cpu).device == cpu  # toma.map(..., device="cpu")
     model = torch.nn.Linear(2, 1)
     policy = Halving()
-    assert AccumulateStep(f, ArgumentBatch((host,), {}), AccumulationOptions(model), policy).device == cpu
+    assert AccumulateStep(f, ArgumentBatch((host,), {}), AccumulationOptions(model=model), policy).device == cpu
     table = HostedEmbedding(10, 2, optimizer=lambda params: torch.optim.SGD(params, lr=0.1), device="cpu")
     ids = torch.arange(3)
     assert _RowUpdate(table, ids, torch.zeros(3, 2), torch.zeros(3, 2)).device == cpu

@@ -934,3 +934,32 @@ def test_fsdp1_and_other_strategies_that_shard_or_accumulate_themselves_are_refu
         _check_strategy(FSDPStrategy())
     assert "ModelParallelStrategy" in str(refused.value), "the message names the FSDP2 strategy that works"
     _check_strategy(ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1))  # accepted
+
+
+def test_every_option_given_to_micro_batching_reaches_each_steps_accumulation(monkeypatch):
+    """The options are checked once where they enter and reach each batch's accumulation unchanged."""
+    from toma.integrations import lightning as lightning_module
+
+    seen = []
+    real = lightning_module.accumulate
+
+    def recording(func, batch, options, sizing, *rest):
+        seen.append((options, sizing))
+        return real(func, batch, options, sizing, *rest)
+
+    monkeypatch.setattr(lightning_module, "accumulate", recording)
+    policy = Halving()
+    callback = MicroBatching(
+        initial_micro_batch=8, policy=policy, reduction="sum", distributed=False, pack_tokens=False,
+        gradient_sync="logical_batch", groups="pairs", split_for_padding=False,
+    )  # fmt: skip
+    fit(Classifier(), [callback], steps=2)
+    weighted = MicroBatching(weight=lambda batch: len(batch[1]))
+    fit(Classifier(), [weighted], steps=1)
+    assert len(seen) == 3
+    for options, sizing in seen[:2]:
+        assert options.reduction == "sum" and options.groups == "pairs" and options.split_for_padding is False
+        assert options.lengths is None and options.check_split is False
+        assert sizing.initial == 8 and sizing.runner.policy is policy
+    assert callback.gradient_sync == "logical_batch" and callback.settings.gradient_sync == "logical_batch"
+    assert seen[2][0].weight is weighted.weight and seen[2][0].reduction == "mean" and seen[2][0].check_split

@@ -1031,3 +1031,36 @@ def test_a_batch_whose_every_label_is_padding_changes_nothing_and_logs_no_nan(tm
     assert all(torch.equal(p, q) for p, q in zip(seen[0], seen[1])), "the second batch changed nothing"
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert_same_parameters(model, plain_model)
+
+
+def test_every_toma_option_given_to_the_trainer_reaches_each_steps_accumulation(tmp_path, monkeypatch):
+    """`toma_*` options are checked once in `__init__` (with `toma.accumulate`'s checks and messages, named as
+    given) and reach every step's accumulation unchanged."""
+    from toma.integrations import transformers as mixin_module
+
+    seen = []
+    real = mixin_module.accumulate
+
+    def recording(func, batch, options, sizing, *rest, **kwargs):
+        seen.append((options, sizing))
+        return real(func, batch, options, sizing, *rest, **kwargs)
+
+    monkeypatch.setattr(mixin_module, "accumulate", recording)
+    policy = Halving()
+    options = dict(
+        toma_policy=policy, toma_initial_micro_batch=4, toma_gradient_sync="logical_batch", toma_groups="rows",
+        toma_split_for_padding=False, toma_pack_tokens=True,
+    )  # fmt: skip
+    _, trainer, _ = train(TomaTrainer, tmp_path, options=options, rows=False, max_steps=2)
+    assert len(seen) == 2
+    for accumulation, sizing in seen:
+        assert accumulation.gradient_sync == "logical_batch" and accumulation.groups == "rows"
+        assert accumulation.split_for_padding is False and accumulation.lengths == "attention_mask"
+        assert sizing.initial == 4 and sizing.runner.policy is policy
+    for name, value, error in [
+        ("toma_groups", "triples", "toma_groups must be"),
+        ("toma_split_for_padding", 1, "toma_split_for_padding must be True or False"),
+        ("toma_pack_tokens", "yes", "toma_pack_tokens must be True or False"),
+    ]:
+        with pytest.raises((TypeError, ValueError), match=error):
+            TomaTrainer(model=gpt2(), args=arguments(tmp_path), **{name: value})

@@ -812,3 +812,35 @@ def test_padding_free_loader_batches_train_in_chunks_of_their_sequences_as_the_f
         reference_optimizer.step()
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
+
+
+def test_every_option_given_to_the_trainer_reaches_each_steps_accumulation(monkeypatch):
+    """The options are checked once in `__init__` and reach every step unchanged (a step once rebuilt them field
+    by field and dropped `gradient_sync`)."""
+    from toma.training import trainer as trainer_module
+
+    seen = []
+    real = trainer_module.accumulate
+
+    def recording(func, batch, options, sizing, *rest):
+        seen.append((options, sizing))
+        return real(func, batch, options, sizing, *rest)
+
+    monkeypatch.setattr(trainer_module, "accumulate", recording)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    policy, scaler = toma.Halving(), torch.amp.GradScaler("cpu", enabled=False)
+    counted = lambda inputs, targets: len(targets)  # noqa: E731
+    data = DataLoader(TensorDataset(torch.randn(16, 4), torch.randint(0, 2, (16,))), batch_size=8)
+    trainer = Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), data, batch_size=8,
+        initial_micro_batch=4, verbose=0, policy=policy, weight=counted, scaler=scaler,
+        gradient_sync="logical_batch", groups="pairs", split_for_padding=False,
+    )  # fmt: skip
+    trainer.fit(1)
+    assert len(seen) == 2
+    for options, sizing in seen:
+        assert options.model is model and options.reduction == "mean" and options.weight is counted
+        assert options.scaler is scaler and options.gradient_sync == "logical_batch" and options.groups == "pairs"
+        assert options.split_for_padding is False and options.check_split is False
+        assert sizing.initial == 4 and sizing.runner.policy is policy

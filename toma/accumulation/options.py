@@ -1,8 +1,11 @@
-"""The options of an accumulation (model, reduction, weight, scaler; a framework's backward and gradient sync),
-checked once where they enter: the decorator, the plain call and the Trainer alike."""
+"""The options of an accumulation, checked once where the user's arguments enter and passed unchanged after:
+`AccumulationSettings`, what a user chooses (every entry builds it with the same checks: the decorator, the plain
+call, the Trainer, `TomaTrainer`'s `toma_*` keywords, `MicroBatching`), and `AccumulationOptions`, those settings
+with the model and what a framework adds per batch (a backward, a rollback, a name)."""
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Union
 
 import torch
 
@@ -16,6 +19,7 @@ from toma.batching.tokens import Lengths, check_lengths
 from toma.core.arguments import check_size
 
 __all__ = [
+    "AccumulationSettings",
     "AccumulationOptions",
     "NothingCounted",
     "REDUCTIONS",
@@ -42,14 +46,16 @@ def check_model(model: Any, name: str) -> torch.nn.Module:
     return model
 
 
-def check_gradient_sync(gradient_sync: Any, name: str, model: torch.nn.Module) -> str:
-    """`gradient_sync=`: when an FSDP2 model's gradients are reduce-scattered (see `toma.accumulation.sync`)."""
+def check_gradient_sync(gradient_sync: Any, name: str, model: Optional[torch.nn.Module] = None) -> str:
+    """`gradient_sync=`: when an FSDP2 model's gradients are reduce-scattered (see `toma.accumulation.sync`);
+    `model`: the model it is for, where known."""
     if gradient_sync not in GRADIENT_SYNCS:
         raise ValueError(
-            f"{name} must be 'auto', 'logical_batch' (reduce once per logical batch, holding the unsharded "
-            f"gradients) or 'micro_batch' (reduce-scatter after every micro-batch), got {gradient_sync!r}"
+            f"{name} must be one of 'auto', 'logical_batch', 'micro_batch' ('logical_batch': reduce once per "
+            "logical batch, holding the unsharded gradients; 'micro_batch': reduce-scatter after every micro-batch; "
+            f"'auto': the first until one row does not fit beside them), got {gradient_sync!r}"
         )
-    if gradient_sync == "micro_batch" and not is_fsdp2(model):
+    if gradient_sync == "micro_batch" and model is not None and not is_fsdp2(model):
         raise ValueError(
             f"{name}='micro_batch' reduce-scatters an FSDP2 model's gradients after every micro-batch; this model "
             "is not an FSDP2 module (fully_shard): leave it out"
@@ -95,16 +101,76 @@ def check_weight(weight: Any, name: str, reduction: str) -> Optional[Callable[..
     return checked
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
+class AccumulationSettings:
+    """What a user chooses for an accumulation, before a model is known: `reduction`, `weight`, `scaler`, `lengths`
+    (and `initial_tokens`), `gradient_sync`, `groups`, `split_for_padding`, as `toma.accumulate` documents them.
+    Built by `checked` where the user's arguments enter; `for_model` makes the options of a run from it."""
+
+    reduction: str = "mean"
+    weight: Optional[Callable[..., Any]] = None
+    scaler: Any = None
+    lengths: Optional[Lengths] = None
+    initial_tokens: Optional[int] = None
+    gradient_sync: str = "auto"
+    groups: Optional[Groups] = None
+    split_for_padding: bool = True
+
+    @classmethod
+    def checked(
+        cls,
+        *,
+        prefix: str = "",
+        reduction: Any = "mean",
+        weight: Any = None,
+        scaler: Any = None,
+        lengths: Any = None,
+        initial_tokens: Any = None,
+        gradient_sync: Any = "auto",
+        groups: Any = None,
+        split_for_padding: Any = True,
+    ) -> "AccumulationSettings":
+        """The settings, each checked with an error naming the argument as the user wrote it (`prefix` + its name:
+        `toma_` for `explicit.accumulate` and `TomaTrainer`)."""
+        checked_reduction = check_reduction(reduction, f"{prefix}reduction")
+        checked_lengths = check_lengths(lengths, f"{prefix}lengths")
+        tokens = None
+        if initial_tokens is not None:
+            tokens = check_size(initial_tokens, f"{prefix}initial_tokens")
+            if checked_lengths is None:
+                raise ValueError(f"{prefix}initial_tokens is a token budget: it needs {prefix}lengths= as well")
+        checked_groups = check_groups(groups, f"{prefix}groups")
+        check_packing(checked_lengths, checked_groups, prefix)
+        return cls(
+            reduction=checked_reduction,
+            weight=check_weight(weight, f"{prefix}weight", checked_reduction),
+            scaler=check_scaler(scaler, f"{prefix}scaler"),
+            lengths=checked_lengths,
+            initial_tokens=tokens,
+            gradient_sync=check_gradient_sync(gradient_sync, f"{prefix}gradient_sync"),
+            groups=checked_groups,
+            split_for_padding=check_flag(split_for_padding, f"{prefix}split_for_padding"),
+        )
+
+    def for_model(self, model: torch.nn.Module, **framework: Any) -> "AccumulationOptions":
+        """The options of runs on `model` (a user's, checked by `AccumulationOptions.checked`; or a framework's own
+        wrapper); `framework`: `AccumulationOptions`' fields a framework sets (`backward`, `name`, `rollback`, ...)
+        or changes per batch."""
+        fields = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        return AccumulationOptions(model=model, **{"check_split": self.groups is None, **fields, **framework})
+
+
+@dataclass(frozen=True, kw_only=True)
 class AccumulationOptions:
-    """What an accumulation needs besides the loss function and the batch, checked (by `checked`, where the
-    user's options enter). For frameworks (`toma.integrations`): `backward(loss)` replaces `loss.backward()` (an
-    accelerator's backward, which scales for mixed precision); `sync`, how the gradients meet other ranks' (None:
-    the one `model` calls for, `toma.accumulation.sync.sync_for`); `name`, what log lines call the function.
+    """What an accumulation needs besides the loss function and the batch: a user's `AccumulationSettings` for a
+    model (`AccumulationSettings.for_model`, or `checked` in one go); a change per step is a `dataclasses.replace`.
+    For frameworks (`toma.integrations`): `backward(loss)` replaces `loss.backward()` (an accelerator's backward,
+    which scales for mixed precision); `name`, what log lines call the function.
     `lengths` (each row's length: a mask's name or a function) makes the size a token budget
     (`toma.batching.tokens`; a padding-free batch's `position_ids`, `cu_seq_lens_*` or `seq_idx`: cut between its
     packed sequences, `toma.batching.packed`), starting at `initial_tokens` where given. `gradient_sync`: when an
-    FSDP2 model's gradients are reduce-scattered ("auto", "logical_batch", "micro_batch": `toma.accumulation.sync`).
+    FSDP2 model's gradients are reduce-scattered ("auto", "logical_batch", "micro_batch": `toma.accumulation.sync`),
+    or, from a framework, the `GradientSync` itself (how the gradients meet other ranks').
     `groups`: how rows belong together (`toma.batching.groups`; None: each on its own, checked once,
     `toma.accumulation.coupling`); `check_split`: before the first split of a batch, its loss is checked to be
     what its parts add up to (on unless `groups=` says how the rows belong together). `rollback`: a framework's own
@@ -117,11 +183,10 @@ class AccumulationOptions:
     weight: Optional[Callable[..., Any]] = None
     scaler: Any = None
     backward: Optional[Callable[[torch.Tensor], Any]] = None
-    sync: Optional[GradientSync] = None
     name: Optional[str] = None
     lengths: Optional[Lengths] = None
     initial_tokens: Optional[int] = None
-    gradient_sync: str = "auto"
+    gradient_sync: Union[str, GradientSync] = "auto"
     groups: Optional[Groups] = None
     check_split: bool = True
     rollback: Optional[Rollback] = None
@@ -132,7 +197,7 @@ class AccumulationOptions:
         kwargs = dict(model=self.model, reduction=self.reduction, weight=self.weight, scaler=self.scaler)
         if self.lengths is not None:
             kwargs.update(lengths=self.lengths, initial_tokens=self.initial_tokens)
-        if self.gradient_sync != "auto":
+        if isinstance(self.gradient_sync, str) and self.gradient_sync != "auto":
             kwargs.update(gradient_sync=self.gradient_sync)
         if self.groups is not None:
             kwargs.update(groups=self.groups)
@@ -141,43 +206,9 @@ class AccumulationOptions:
         return kwargs
 
     @classmethod
-    def checked(
-        cls,
-        model: Any,
-        reduction: Any = "mean",
-        weight: Any = None,
-        scaler: Any = None,
-        prefix: str = "",
-        lengths: Any = None,
-        initial_tokens: Any = None,
-        gradient_sync: Any = "auto",
-        groups: Any = None,
-        split_for_padding: Any = True,
-    ) -> "AccumulationOptions":
-        """The options, each checked with an error naming the argument (`prefix` + its name)."""
+    def checked(cls, model: Any, *, prefix: str = "", **settings: Any) -> "AccumulationOptions":
+        """The options of a user's call on `model`: `settings` as `AccumulationSettings.checked` takes them."""
         checked_model = check_model(model, "model")
-        reduction = check_reduction(reduction, f"{prefix}reduction")
-        checked_weight = check_weight(weight, f"{prefix}weight", reduction)
-        scaler = check_scaler(scaler, f"{prefix}scaler")
-        checked_lengths = check_lengths(lengths, f"{prefix}lengths")
-        tokens = None
-        if initial_tokens is not None:
-            tokens = check_size(initial_tokens, f"{prefix}initial_tokens")
-            if checked_lengths is None:
-                raise ValueError(f"{prefix}initial_tokens is a token budget: it needs {prefix}lengths= as well")
-        sync = check_gradient_sync(gradient_sync, f"{prefix}gradient_sync", checked_model)
-        checked_groups = check_groups(groups, f"{prefix}groups")
-        check_packing(checked_lengths, checked_groups, prefix)
-        splits = check_flag(split_for_padding, f"{prefix}split_for_padding")
-        return cls(
-            checked_model,
-            reduction,
-            checked_weight,
-            scaler,
-            lengths=checked_lengths,
-            initial_tokens=tokens,
-            gradient_sync=sync,
-            groups=checked_groups,
-            check_split=checked_groups is None,
-            split_for_padding=splits,
-        )
+        checked = AccumulationSettings.checked(prefix=prefix, **settings)
+        check_gradient_sync(checked.gradient_sync, f"{prefix}gradient_sync", checked_model)
+        return checked.for_model(checked_model)

@@ -29,7 +29,7 @@ from toma.accumulation.rollback import (
     buffer_slots,
     is_pending_state,
 )
-from toma.accumulation.sync import model_device, sync_for
+from toma.accumulation.sync import GradientSync, model_device, sync_for
 from toma.batching import transfer
 from toma.batching.groups import GroupedBatch
 from toma.batching.logical import LogicalBatch
@@ -102,7 +102,8 @@ class AccumulateStep(Step):
     ) -> None:
         self.func, self.batch, self.options, self.policy, self.name = func, batch, options, policy, options.name
         self.model = model = options.model
-        self.sync = sync = sync_for(model, options.gradient_sync) if options.sync is None else options.sync
+        given = options.gradient_sync
+        self.sync = sync = given if isinstance(given, GradientSync) else sync_for(model, given)
         self.weighting = Weighting(options.reduction == "mean", options.weight, total, sync.agreement is not None)
         # with a `total` that spans the ranks already, their gradients are averaged as DDP does
         self.rank_weighted = options.weight is not None and total is None

@@ -307,9 +307,9 @@ class toma(metaclass=SettingsNamespace):
         micro-batch costs (measured); `split_for_padding=False` runs a batch that fits whole."""
         accumulation = AccumulationOptions.checked(
             model,
-            reduction,
-            weight,
-            scaler,
+            reduction=reduction,
+            weight=weight,
+            scaler=scaler,
             lengths=lengths,
             initial_tokens=initial_tokens,
             gradient_sync=gradient_sync,

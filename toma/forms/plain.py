@@ -141,10 +141,10 @@ class explicit:
         check_function(func, "explicit.accumulate")
         accumulation = AccumulationOptions.checked(
             model,
-            toma_reduction,
-            toma_weight,
-            toma_scaler,
             prefix="toma_",
+            reduction=toma_reduction,
+            weight=toma_weight,
+            scaler=toma_scaler,
             lengths=toma_lengths,
             gradient_sync=toma_gradient_sync,
             groups=toma_groups,

@@ -31,16 +31,9 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy, Strategy
 
 from toma.accumulation.accumulate import AccumulationStats, Sizing, accumulate
-from toma.accumulation.options import (
-    AccumulationOptions,
-    NothingCounted,
-    check_flag,
-    check_reduction,
-    check_weight,
-)
+from toma.accumulation.options import AccumulationSettings, NothingCounted, check_flag
 from toma.accumulation.sharded_models import fsdp2_root
-from toma.accumulation.sync import GRADIENT_SYNCS, AgreeingOnly, GradientSync, model_device, sync_for
-from toma.batching.groups import check_groups
+from toma.accumulation.sync import AgreeingOnly, GradientSync, model_device, sync_for
 from toma.batching.logical import logical_batch_of
 from toma.batching.packed import is_packed
 from toma.core.agreement import Agreement, is_distributed
@@ -304,24 +297,27 @@ class MicroBatching(Callback):
         self.initial_micro_batch = (
             None if initial_micro_batch is None else check_size(initial_micro_batch, "initial_micro_batch")
         )
-        self.reduction = check_reduction(reduction, "reduction")
-        self.weight = check_weight(weight, "weight", self.reduction)
+        self.settings = AccumulationSettings.checked(
+            reduction=reduction,
+            weight=weight,
+            gradient_sync=gradient_sync,
+            groups=groups,
+            split_for_padding=split_for_padding,
+        )
         self.distributed, self.log_micro_batch = bool(distributed), bool(log_micro_batch)
-        if not isinstance(pack_tokens, bool):
-            raise TypeError(f"pack_tokens must be True or False, got {pack_tokens!r}")
-        self.pack_tokens = pack_tokens
-        if gradient_sync not in GRADIENT_SYNCS:
-            raise ValueError(
-                f"gradient_sync must be one of {', '.join(map(repr, GRADIENT_SYNCS))}, got {gradient_sync!r}"
-            )
-        self.gradient_sync = gradient_sync
-        self.groups = check_groups(groups, "groups")
-        self.split_for_padding = check_flag(split_for_padding, "split_for_padding")
+        self.pack_tokens = check_flag(pack_tokens, "pack_tokens")
         self.stats = AccumulationStats()
         self.cache = GlobalBatchsizeCache()  # one size per callback, wherever the step runs from
         self._runner = Runner(ACCUMULATION, policy=policy, cache=self.cache)
         # id(module) -> (the training_step this callback set, the one the instance had itself or _NOT_SET)
         self._wrapped: Dict[int, Tuple[Callable[..., Any], Any]] = {}
+
+    # The settings as attributes, read-only: `settings` is built and checked once
+    reduction = property(lambda self: self.settings.reduction, doc="How training_step's loss reduces its batch.")
+    weight = property(lambda self: self.settings.weight, doc="What a micro-batch's mean loss averages over.")
+    gradient_sync = property(lambda self: self.settings.gradient_sync, doc="When FSDP2's gradients are reduced.")
+    groups = property(lambda self: self.settings.groups, doc="Which rows belong together.")
+    split_for_padding = property(lambda self: self.settings.split_for_padding, doc="Split a fitting batch to pack.")
 
     @property
     def policy(self) -> Optional[SizePolicy]:
@@ -420,10 +416,9 @@ class MicroBatching(Callback):
                 lengths = _PACKED if packed else "attention_mask" if by_mask else None
                 # FSDP2's strategy each batch: "auto" may have switched to reducing after every micro-batch
                 sync: Optional[GradientSync] = fit.sync if fit.root is None else sync_for(fit.root, self.gradient_sync)
-                options = AccumulationOptions(
-                    model, self.reduction, self.weight, fit.scaler, _backward, sync, "MicroBatching",
-                    lengths=lengths, groups=self.groups, check_split=self.groups is None,
-                    split_for_padding=self.split_for_padding,
+                options = self.settings.for_model(
+                    model, scaler=fit.scaler, backward=_backward, gradient_sync=sync or self.gradient_sync,
+                    name="MicroBatching", lengths=lengths,
                 )  # fmt: skip
                 sizing = Sizing(self.initial_micro_batch or split.size, self._runner, stats=self.stats)
                 loss = accumulate(step.function(), split, options, sizing)

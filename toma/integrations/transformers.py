@@ -36,10 +36,9 @@ from transformers.trainer_utils import unwrap_peft_model
 from transformers.training_args import OptimizerNames
 
 from toma.accumulation.accumulate import AccumulationStats, Sizing, accumulate
-from toma.accumulation.options import AccumulationOptions, check_flag
+from toma.accumulation.options import AccumulationSettings, check_flag
 from toma.accumulation.sharded_models import is_fsdp2
-from toma.accumulation.sync import GRADIENT_SYNCS
-from toma.batching.groups import GroupedBatch, Groups, check_groups
+from toma.batching.groups import GroupedBatch, Groups
 from toma.batching.logical import Piece, logical_batch_of
 from toma.batching.packed import PackedBatch, is_packed
 from toma.batching.splitting import map_tensors
@@ -163,19 +162,15 @@ class TomaTrainerMixin(_Trainer):
         )
         self.toma_weight = check_weight(toma_weight)
         self._toma_weight_checked = False  # whether toma_weight was seen to count row by row
-        if not isinstance(toma_log_micro_batch, bool):
-            raise TypeError(f"toma_log_micro_batch must be True or False, got {toma_log_micro_batch!r}")
-        self.toma_log_micro_batch = toma_log_micro_batch
-        if not isinstance(toma_pack_tokens, bool):
-            raise TypeError(f"toma_pack_tokens must be True or False, got {toma_pack_tokens!r}")
-        self.toma_pack_tokens = toma_pack_tokens
-        if toma_gradient_sync not in GRADIENT_SYNCS:
-            raise ValueError(
-                f"toma_gradient_sync must be one of {', '.join(map(repr, GRADIENT_SYNCS))}, got {toma_gradient_sync!r}"
-            )
-        self.toma_gradient_sync = toma_gradient_sync
-        self.toma_groups = check_groups(toma_groups, "toma_groups")
-        self.toma_split_for_padding = check_flag(toma_split_for_padding, "toma_split_for_padding")
+        self.toma_log_micro_batch = check_flag(toma_log_micro_batch, "toma_log_micro_batch")
+        self.toma_pack_tokens = check_flag(toma_pack_tokens, "toma_pack_tokens")
+        # checked as toma.accumulate checks them, named as given here
+        self.toma_settings = AccumulationSettings.checked(
+            prefix="toma_",
+            gradient_sync=toma_gradient_sync,
+            groups=toma_groups,
+            split_for_padding=toma_split_for_padding,
+        )
         self.toma_stats = AccumulationStats()
         # One size per trainer, for training and for evaluation: set once found, whatever the batch's length.
         self._toma_training = Runner(ACCUMULATION, policy=given, cache=GlobalBatchsizeCache())
@@ -202,6 +197,11 @@ class TomaTrainerMixin(_Trainer):
     def toma_policy(self, policy: Optional[SizePolicy]) -> None:
         self._toma_training = self._toma_training.with_policy(policy)
         self._toma_evaluation = self._toma_evaluation.with_policy(policy)
+
+    # The settings as attributes, read-only: `toma_settings` is built and checked once
+    toma_gradient_sync = property(lambda self: self.toma_settings.gradient_sync, doc="When FSDP2's gradients reduce.")
+    toma_groups = property(lambda self: self.toma_settings.groups, doc="Which rows belong together.")
+    toma_split_for_padding = property(lambda self: self.toma_settings.split_for_padding, doc="Split to pack.")
 
     @property
     def _toma_fsdp2(self) -> bool:
@@ -383,15 +383,13 @@ class TomaTrainerMixin(_Trainer):
         def backward(loss: torch.Tensor) -> None:
             self.accelerator.backward(loss if divisor == 1 else loss / divisor)
 
-        options = AccumulationOptions(
+        options = self.toma_settings.for_model(
             model,
-            "sum" if shares.summed else "mean",
-            shares.count,
-            None,
-            backward,
+            reduction="sum" if shares.summed else "mean",
+            weight=shares.count,
+            backward=backward,
             name=f"{type(self).__name__}.training_step",
             lengths=lengths,
-            gradient_sync=self.toma_gradient_sync,
             groups=groups,
             check_split=checked,
             rollback=records,

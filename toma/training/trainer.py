@@ -104,9 +104,9 @@ class Trainer:
     ) -> None:
         self.accumulation = AccumulationOptions.checked(
             model,
-            reduction,
-            weight,
-            scaler,
+            reduction=reduction,
+            weight=weight,
+            scaler=scaler,
             lengths=lengths,
             gradient_sync=gradient_sync,
             groups=groups,
