@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from toma import toma
-from toma.core.agreement import all_reduce_gradients
+from toma.accumulation.gradient_collectives import all_reduce_gradients
 
 LOGICAL, MICRO = 1024, 128
 STOP, NATIVE, NO_OVERLAP, TOMA = 0, 1, 2, 3

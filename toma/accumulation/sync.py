@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING, ContextManager, Dict, Iterable, Optional, Sequ
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from toma.accumulation.gradient_collectives import all_reduce_gradients, broadcast_buffers
 from toma.accumulation.plan import nothing_counted
 from toma.accumulation.sharded_models import is_fsdp2
-from toma.core.agreement import Agreement, all_reduce_gradients, broadcast_buffers, is_distributed
+from toma.core.agreement import Agreement, is_distributed
 
 if TYPE_CHECKING:  # FSDP2 is imported when a model needs it (`_fsdp2_sync`), not by `import toma`
     from toma.accumulation.fsdp2 import ShardedUnits
@@ -144,7 +145,7 @@ class AgreeingDDP(GradientSync):
 
     Every micro-batch runs under `no_sync()`; after the logical batch the ranks agree (one small all-reduce)
     whether any ran out of memory, and only if none did are the gradients all-reduced, once, in buckets
-    (`toma.core.agreement.all_reduce_gradients`). Letting DDP reduce during the last backward pass would overlap
+    (`toma.accumulation.gradient_collectives.all_reduce_gradients`). Letting DDP reduce during the last backward pass would overlap
     communication with it, but a rank that runs out of memory there leaves the others' all-reduces unmatched:
     the hang this design exists to prevent. The lost overlap is the price (see the benchmark). DDP's reducer
     never runs, so nothing writes into the gradients set aside.
