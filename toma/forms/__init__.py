@@ -1,5 +1,6 @@
-"""The public forms, thin drivers of the one engine: each form's step (`toma.core.steps`), run with the call's
-options (`options.CallOptions.perform`; `runners` for the runs that are more than that), shared by
+"""The public forms, thin drivers of the one engine: each form's step (`toma.core.steps`), run through the call's
+`toma.core.runner.Runner` (`runner.perform`; built by `options.calls`; `runners` for the runs that are more than a
+step), shared by
 
 - `toma.batch` / `toma.range` / `toma.chunked` / `toma.accumulate`: decorators with a per-function cache
   (`namespace`), and `toma.map`;

@@ -17,7 +17,7 @@ __all__ = ["execute"]
 R = TypeVar("R")
 
 
-def _options(cache_type: CacheType, context: Optional[Hashable], policy: Any, distributed: Any) -> Runner:
+def _runner(cache_type: CacheType, context: Optional[Hashable], policy: Any, distributed: Any) -> Runner:
     return calls(cache_type, call_site_key() if context is None else context, policy, distributed)
 
 
@@ -33,11 +33,11 @@ class execute:
         distributed: Any = False,
     ) -> Callable[[Callable[[int], R]], R]:
         initial = check_size(initial_batchsize, "initial_batchsize")
-        options = _options(cache_type, context, policy, distributed)
+        runner = _runner(cache_type, context, policy, distributed)
 
         def execute_batch(func: Callable[[int], R]) -> R:
             check_function(func, "toma.execute.batch")
-            return cast(R, options.perform(BatchStep(func, (), {}), initial).result)
+            return cast(R, runner.perform(BatchStep(func, (), {}), initial).result)
 
         return execute_batch
 
@@ -53,11 +53,11 @@ class execute:
     ) -> Callable[[Callable[[int, int], Any]], None]:
         start, end = check_index(start, "start"), check_index(end, "end")
         initial = check_size(initial_step, "initial_step")
-        options = _options(cache_type, context, policy, distributed)
+        runner = _runner(cache_type, context, policy, distributed)
 
         def execute_range(func: Callable[[int, int], Any]) -> None:
             check_function(func, "toma.execute.range")
-            options.perform(RangeStep(func, start, end, (), {}), initial)
+            runner.perform(RangeStep(func, start, end, (), {}), initial)
 
         return execute_range
 
@@ -73,10 +73,10 @@ class execute:
     ) -> Callable[[Callable[[torch.Tensor, int, int], Any]], None]:
         initial = check_size(initial_step, "initial_step")
         dim = check_tensor_dimension(tensor, check_dimension(dimension, "dimension"), "tensor", "dimension")
-        options = _options(cache_type, context, policy, distributed)
+        runner = _runner(cache_type, context, policy, distributed)
 
         def execute_chunked(func: Callable[[torch.Tensor, int, int], Any]) -> None:
             check_function(func, "toma.execute.chunked")
-            options.perform(ChunkStep(func, tensor, dim, (), {}), initial)
+            runner.perform(ChunkStep(func, tensor, dim, (), {}), initial)
 
         return execute_chunked

@@ -71,8 +71,8 @@ class explicit:
         """`func(batchsize, *args, **kwargs)`, shrinking `batchsize` on out-of-memory errors; returns its result."""
         check_function(func, "explicit.batch")
         initial = check_size(initial_batchsize, "initial_batchsize")
-        options = calls(toma_cache_type, toma_context, toma_policy, toma_distributed, prefix="toma_")
-        return cast(R, options.perform(BatchStep(func, args, kwargs), initial).result)
+        runner = calls(toma_cache_type, toma_context, toma_policy, toma_distributed, prefix="toma_")
+        return cast(R, runner.perform(BatchStep(func, args, kwargs), initial).result)
 
     @staticmethod
     def range(
@@ -91,8 +91,8 @@ class explicit:
         check_function(func, "explicit.range")
         start, end = check_index(start, "start"), check_index(end, "end")
         initial = check_size(initial_step, "initial_step")
-        options = calls(toma_cache_type, toma_context, toma_policy, toma_distributed, prefix="toma_")
-        options.perform(RangeStep(func, start, end, args, kwargs), initial)
+        runner = calls(toma_cache_type, toma_context, toma_policy, toma_distributed, prefix="toma_")
+        runner.perform(RangeStep(func, start, end, args, kwargs), initial)
 
     @staticmethod
     def chunked(
@@ -113,8 +113,8 @@ class explicit:
         dim = check_tensor_dimension(
             tensor, check_dimension(toma_dimension, "toma_dimension"), "tensor", "toma_dimension"
         )
-        options = calls(toma_cache_type, toma_context, toma_policy, toma_distributed, prefix="toma_")
-        options.perform(ChunkStep(func, tensor, dim, args, kwargs), initial)
+        runner = calls(toma_cache_type, toma_context, toma_policy, toma_distributed, prefix="toma_")
+        runner.perform(ChunkStep(func, tensor, dim, args, kwargs), initial)
 
     @staticmethod
     def accumulate(
@@ -151,5 +151,5 @@ class explicit:
             split_for_padding=toma_split_for_padding,
         )
         initial = check_size(initial_micro_batch, "initial_micro_batch")
-        options = calls(toma_cache_type, toma_context, toma_policy, False, "toma_", ACCUMULATION)
-        return run_accumulate(func, accumulation, options, initial, args, kwargs)
+        runner = calls(toma_cache_type, toma_context, toma_policy, False, "toma_", ACCUMULATION)
+        return run_accumulate(func, accumulation, runner, initial, args, kwargs)

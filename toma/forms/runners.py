@@ -1,6 +1,6 @@
 """The runs of the forms that are more than a step and the engine, shared by all kinds of call: `toma.accumulate`
 (and `explicit.accumulate`), `toma.map`. The other forms run their step (`toma.core.steps`) with the call's
-options, `options.perform(step, initial, context)`, the same in `toma.X`, `explicit.X`, `simple.X` and
+Runner, `runner.perform(step, initial, context)`, the same in `toma.X`, `explicit.X`, `simple.X` and
 `toma.execute.X`."""
 
 from typing import Any, Callable, Dict, Hashable, Optional, Tuple, Union
@@ -26,7 +26,7 @@ Kwargs = Dict[str, Any]
 def run_accumulate(
     func: Callable[..., torch.Tensor],
     accumulation: AccumulationOptions,
-    options: Runner,
+    runner: Runner,
     initial: Optional[int],
     args: Args,
     kwargs: Kwargs,
@@ -34,7 +34,7 @@ def run_accumulate(
     stats: Optional[AccumulationStats] = None,
 ) -> torch.Tensor:
     """Forward and backward over the logical batch of `args`/`kwargs` in micro-batches; its loss, detached."""
-    sizing = Sizing(initial, options, context, stats)
+    sizing = Sizing(initial, runner, context, stats)
     batch = logical_batch_of(args, kwargs, accumulation.lengths, accumulation.groups)
     return accumulate(func, batch, accumulation, sizing)
 
@@ -45,7 +45,7 @@ def run_map(
     device: torch.device,
     output: torch.device,
     initial_step: Optional[int],
-    options: Runner,
+    runner: Runner,
     lengths: Optional[Lengths] = None,
 ) -> Any:
     """`func(*chunk)` over row chunks of `inputs` on `device`; the outputs joined on `output`. With `lengths`,
@@ -70,4 +70,4 @@ def run_map(
             split, initial = tokens.batch, initial * tokens.widths[0]
     transfers = Transfers(device)
     split = split.placed(transfers.place)  # toma.whole values move once per call, not once per chunk
-    return options.perform(MapStep(func, split, transfers, output, tokens=tokens), initial).result()
+    return runner.perform(MapStep(func, split, transfers, output, tokens=tokens), initial).result()

@@ -105,7 +105,7 @@ def find_executable_batch_size(
     # One size per function's code, wherever it is called from (accelerate keeps one per decoration): an inner
     # training function decorated anew on every outer call, as accelerate's documentation does it, finds it too.
     cache = Runner(ACCELERATE, cache_type=GlobalBatchsizeCache).cache(function)
-    options = Runner(ACCELERATE, policy=chosen, cache=cache)
+    runner = Runner(ACCELERATE, policy=chosen, cache=cache)
     initial = max(1, starting_batch_size)
     limit = _positional_limit(function)
     name = getattr(function, "__name__", repr(function))
@@ -117,7 +117,7 @@ def find_executable_batch_size(
         if starting_batch_size == 0:
             raise RuntimeError(NO_BATCH_SIZE)
         try:
-            return options.perform(BatchStep(function, args, kwargs), initial).result
+            return runner.perform(BatchStep(function, args, kwargs), initial).result
         except Exception as error:
             if should_reduce_batch_size(error):  # out of memory at the smallest size
                 # The error stays as the context (the traceback shows it), not the cause: a cause would make an
