@@ -21,6 +21,7 @@ from toma.core.arguments import check_size
 __all__ = [
     "AccumulationSettings",
     "AccumulationOptions",
+    "SettingAttribute",
     "NothingCounted",
     "REDUCTIONS",
     "check_flag",
@@ -158,6 +159,23 @@ class AccumulationSettings:
         or changes per batch."""
         fields = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
         return AccumulationOptions(model=model, **{"check_split": self.groups is None, **fields, **framework})
+
+
+class SettingAttribute:
+    """An integration's attribute for one field of its `AccumulationSettings` (held in `holder`): reads it, and on
+    assignment checks the value as the constructor does (named `prefix` + field) and replaces the settings."""
+
+    def __init__(self, holder: str, field: str, prefix: str = "") -> None:
+        self.holder, self.field, self.prefix = holder, field, prefix
+
+    def __get__(self, instance: Any, owner: Any = None) -> Any:
+        return self if instance is None else getattr(getattr(instance, self.holder), self.field)
+
+    def __set__(self, instance: Any, value: Any) -> None:
+        settings = getattr(instance, self.holder)
+        fields = {field.name: getattr(settings, field.name) for field in dataclasses.fields(settings)}
+        fields[self.field] = value
+        setattr(instance, self.holder, AccumulationSettings.checked(prefix=self.prefix, **fields))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -31,7 +31,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy, Strategy
 
 from toma.accumulation.accumulate import AccumulationStats, Sizing, accumulate
-from toma.accumulation.options import AccumulationSettings, NothingCounted, check_flag
+from toma.accumulation.options import AccumulationSettings, NothingCounted, SettingAttribute, check_flag
 from toma.accumulation.sharded_models import fsdp2_root
 from toma.accumulation.sync import AgreeingOnly, GradientSync, model_device, sync_for
 from toma.batching.logical import logical_batch_of
@@ -312,12 +312,12 @@ class MicroBatching(Callback):
         # id(module) -> (the training_step this callback set, the one the instance had itself or _NOT_SET)
         self._wrapped: Dict[int, Tuple[Callable[..., Any], Any]] = {}
 
-    # The settings as attributes, read-only: `settings` is built and checked once
-    reduction = property(lambda self: self.settings.reduction, doc="How training_step's loss reduces its batch.")
-    weight = property(lambda self: self.settings.weight, doc="What a micro-batch's mean loss averages over.")
-    gradient_sync = property(lambda self: self.settings.gradient_sync, doc="When FSDP2's gradients are reduced.")
-    groups = property(lambda self: self.settings.groups, doc="Which rows belong together.")
-    split_for_padding = property(lambda self: self.settings.split_for_padding, doc="Split a fitting batch to pack.")
+    # The settings as attributes: `settings`, checked where they enter (and again where one is assigned)
+    reduction = SettingAttribute("settings", "reduction")
+    weight = SettingAttribute("settings", "weight")
+    gradient_sync = SettingAttribute("settings", "gradient_sync")
+    groups = SettingAttribute("settings", "groups")
+    split_for_padding = SettingAttribute("settings", "split_for_padding")
 
     @property
     def policy(self) -> Optional[SizePolicy]:

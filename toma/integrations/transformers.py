@@ -36,7 +36,7 @@ from transformers.trainer_utils import unwrap_peft_model
 from transformers.training_args import OptimizerNames
 
 from toma.accumulation.accumulate import AccumulationStats, Sizing, accumulate
-from toma.accumulation.options import AccumulationSettings, check_flag
+from toma.accumulation.options import AccumulationSettings, SettingAttribute, check_flag
 from toma.accumulation.sharded_models import is_fsdp2
 from toma.batching.groups import GroupedBatch, Groups
 from toma.batching.logical import Piece, logical_batch_of
@@ -198,10 +198,10 @@ class TomaTrainerMixin(_Trainer):
         self._toma_training = self._toma_training.with_policy(policy)
         self._toma_evaluation = self._toma_evaluation.with_policy(policy)
 
-    # The settings as attributes, read-only: `toma_settings` is built and checked once
-    toma_gradient_sync = property(lambda self: self.toma_settings.gradient_sync, doc="When FSDP2's gradients reduce.")
-    toma_groups = property(lambda self: self.toma_settings.groups, doc="Which rows belong together.")
-    toma_split_for_padding = property(lambda self: self.toma_settings.split_for_padding, doc="Split to pack.")
+    # The settings as attributes: `toma_settings`, checked where they enter (and again where one is assigned)
+    toma_gradient_sync = SettingAttribute("toma_settings", "gradient_sync", "toma_")
+    toma_groups = SettingAttribute("toma_settings", "groups", "toma_")
+    toma_split_for_padding = SettingAttribute("toma_settings", "split_for_padding", "toma_")
 
     @property
     def _toma_fsdp2(self) -> bool:
