@@ -8,6 +8,7 @@ modules' pending state, and the engine redoes the whole logical batch at a small
 batch itself never changes.
 """
 
+import functools
 from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import torch
@@ -38,7 +39,7 @@ from toma.batching.splitting import MicroBatch
 from toma.batching.tokens import TokenPiece, token_batches
 from toma.batching.transfer import MicroBatchTransfers, shared_transfers
 from toma.core.agreement import AgreedRetry
-from toma.core.oom import ControlException, should_reduce_batch_size
+from toma.core.oom import should_reduce_batch_size
 from toma.core.steps import TOKEN_BUDGET, Step
 from toma.sizing.policies import SizePolicy
 
@@ -209,16 +210,12 @@ class AccumulateStep(Step):
         """The attempt, then, with other ranks, their agreement and the gradients' reduction (this call's only:
         the ones it started with are set aside)."""
         agreement = self.sync.agreement
-        try:
+        if agreement is None:
             result = self._attempt(asked, size)
-        except ControlException:  # the ranks agreed already, within the attempt
-            raise
-        except Exception as error:
-            if agreement is not None:  # tell the other ranks: the retry restores all
-                agreement.after_attempt(asked, error, self.policy, size, lighter=self.sync.lighter)
-            raise
-        if agreement is not None:
-            agreement.after_attempt(asked, None, self.policy)
+        else:  # the other ranks told this rank's outcome (the retry restores all); agreements within pass
+            attempt = functools.partial(self._attempt, asked, size)
+            lighter = self.sync.lighter
+            result = agreement.reported(attempt, asked, self.policy, lambda: size, lighter=lighter, met_within=True)
         self.sync.reduce(self.params, self.total_weight if self.rank_weighted else None)
         return result
 

@@ -18,7 +18,7 @@ others in the agreement's all-reduce until the process group's timeout (or gloo'
 raises there.
 """
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,13 @@ __all__ = [
     "agreement_for",
     "is_distributed",
 ]
+
+R = TypeVar("R")
+
+
+class _Never(Exception):
+    """Raised by nothing: the `except` clause of `Agreement.reported` that lets no error pass untold."""
+
 
 FINISHED = 2**62  # larger than any size: the MIN over ranks is FINISHED only when every rank finished
 _COUNTS = 2**40  # FINISHED - n, for a count n below this, also means every rank finished (`before_attempt`)
@@ -147,6 +154,37 @@ class Agreement:
             proposal = -(1 + self.rank)
         self._decide(self._min(proposal), proposal, size, oom, error)
 
+    def reported(
+        self,
+        attempt: Callable[[], R],
+        size: int,
+        policy: SizePolicy,
+        failed: Callable[[], Optional[int]],
+        *,
+        lighter: bool = False,
+        met_within: bool = False,
+        undo: Optional[Callable[[], None]] = None,
+    ) -> R:
+        """`attempt()` on this rank, its outcome then told to every rank (`after_attempt`, the protocol's one
+        caller): the result once all finished; this rank's error re-raised once told; AgreedRetry or RankFailed as
+        agreed. `failed()`: the work that ran out of memory. `met_within`: the attempt meets the others itself
+        (`before_attempt`, `all_finished`), so an AgreedRetry or RankFailed from there was agreed already. `undo`:
+        what a finished attempt takes back when another rank makes all redo it."""
+        try:
+            result = attempt()
+        except ControlException if met_within else _Never:
+            raise
+        except Exception as error:
+            self.after_attempt(size, error, policy, failed(), lighter)
+            raise
+        try:
+            self.after_attempt(size, None, policy)
+        except AgreedRetry:
+            if undo is not None:
+                undo()
+            raise
+        return result
+
     def before_attempt(self, size: int, count: int = 0) -> int:
         """For an attempt with collectives of its own, before the first: every rank reached it (one that failed
         earlier in its attempt reports through `after_attempt`, which this matches: then AgreedRetry or
@@ -213,17 +251,15 @@ class AgreedStep(Step):
 
     def __call__(self, size: int) -> bool:
         mark = self.step.mark()
-        try:
-            done = self.step(size)
-        except Exception as error:
-            self.agreement.after_attempt(size, error, self.policy, self.step.effective(size))
-            raise
-        try:
-            self.agreement.after_attempt(size, None, self.policy)
-        except AgreedRetry:
-            self.step.rewind(mark)
-            raise
-        return bool(done)
+        return bool(
+            self.agreement.reported(
+                lambda: self.step(size),
+                size,
+                self.policy,
+                lambda: self.step.effective(size),
+                undo=lambda: self.step.rewind(mark),
+            )
+        )
 
 
 def agreement_for(distributed: Any) -> Optional[Agreement]:
