@@ -6,6 +6,7 @@ every member the engine, a learning policy, the size file and the ranks' agreeme
 is a subclass that overrides what it knows.
 """
 
+from abc import ABC, abstractmethod
 from itertools import islice
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -17,8 +18,9 @@ __all__ = ["Step", "BatchStep", "RangeStep", "ChunkStep", "find_device", "TOKEN_
 TOKEN_BUDGET = "token budget"  # the size name of a step whose size counts tokens (rows sorted and packed by length)
 
 
-class Step:
-    """One unit of work at a given size; `step(size)` is True when there is nothing left to do.
+class Step(ABC):
+    """One unit of work at a given size; `step(size)` is True when there is nothing left to do (the one abstract
+    member; the others have the defaults of a step that knows nothing more).
 
     `effective(size)` is how much work an attempt at `size` really does (the rows left in a range, the rows of
     a short batch): after an out-of-memory error the engine shrinks from it, not from `size`, so a chunk is
@@ -72,8 +74,9 @@ class Step:
         """What a log line calls the step's function."""
         return self.name or getattr(self.func, "__qualname__", None) or repr(self.func)
 
+    @abstractmethod
     def __call__(self, size: int) -> bool:
-        raise NotImplementedError
+        """One attempt at `size`: True once all work is done."""
 
 
 _LOOKED_AT = 32  # arguments find_device looks at, at most: a long list of host tensors costs nothing
