@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Hashable, Optional, Tuple, Type
 
 from toma.core import call_sites
+from toma.core.halving import halved
 from toma.memory.free import GAUGE, FreeMemoryGauge
 
 __all__ = [
@@ -124,7 +125,7 @@ class Batchsize(_Unlocked):
         value = self.value
         if value is None:
             raise ValueError("decrease_batchsize: no batch size has been set yet")
-        self.shrink_to(max(1, value // 2))
+        self.shrink_to(halved(value) or 1)
 
 
 class BatchsizeCache:

@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional, Tuple
 import torch
 
 from toma.core.caches import Batchsize
+from toma.core.halving import halved
 from toma.core.policy import CallState, LearningPolicy, shrink_below
 from toma.memory.backends import default_meter
 from toma.memory.free import GAUGE, FreeMemoryGauge
@@ -82,7 +83,7 @@ class FitToMemory(LearningPolicy):
 
     def shrink(self, size: int) -> Optional[int]:
         """Halving: what the ranks of a process group and the fallback use."""
-        return None if size <= self.minimum else max(self.minimum, size // 2)
+        return halved(size, self.minimum)
 
     @staticmethod
     def known(entry: Batchsize) -> Optional[Learned]:

@@ -8,6 +8,7 @@ import numbers
 from typing import Optional, SupportsIndex
 
 from toma.core.arguments import check_size
+from toma.core.halving import halved
 from toma.core.policy import SizePolicy, check_policy, shrink_below
 
 __all__ = [
@@ -35,10 +36,11 @@ class ShrinkByFactor(SizePolicy):
         self.minimum: int = check_size(minimum, "minimum")
 
     def shrink(self, size: int) -> Optional[int]:
+        if self.factor == 0.5:
+            return halved(size, self.minimum)
         if size <= self.minimum:
             return None
-        smaller = size // 2 if self.factor == 0.5 else math.floor(size * self.factor)
-        return max(self.minimum, min(smaller, size - 1))
+        return max(self.minimum, min(math.floor(size * self.factor), size - 1))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(factor={self.factor!r}, minimum={self.minimum!r})"
