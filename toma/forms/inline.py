@@ -10,7 +10,7 @@ from toma.core.call_sites import call_site_key
 from toma.core.policy import SizePolicy
 from toma.core.runner import Runner
 from toma.core.steps import BatchStep, ChunkStep, RangeStep
-from toma.forms.options import CacheType, calls
+from toma.forms.call_runners import CacheType, calls
 
 __all__ = ["execute"]
 

@@ -49,11 +49,11 @@ from toma.core.signatures import (
     Unpack,
 )
 from toma.core.steps import BatchStep, ChunkStep, RangeStep
+from toma.forms.call_runners import CacheType, calls, initial_size, optional_initial_size
 from toma.forms.inline import execute
-from toma.forms.options import CacheType, calls, initial_size, optional_initial_size
+from toma.forms.live_settings import SettingsNamespace
 from toma.forms.plain import explicit, simple
-from toma.forms.runners import Args, Kwargs, run_accumulate, run_map
-from toma.forms.settings import SettingsNamespace
+from toma.forms.runs import Args, Kwargs, run_accumulate, run_map
 from toma.offload.hosted_embedding import HostedEmbedding
 from toma.sizing.defaults import ACCUMULATION
 

@@ -8,8 +8,8 @@ from toma.accumulation.options import AccumulationOptions
 from toma.core.arguments import check_dimension, check_function, check_index, check_size, check_tensor_dimension
 from toma.core.policy import SizePolicy
 from toma.core.steps import BatchStep, ChunkStep, RangeStep
-from toma.forms.options import PLAIN, CacheType, calls
-from toma.forms.runners import run_accumulate
+from toma.forms.call_runners import PLAIN, CacheType, calls
+from toma.forms.runs import run_accumulate
 from toma.sizing.defaults import ACCUMULATION
 
 __all__ = ["explicit", "simple"]

@@ -25,7 +25,6 @@ from toma.memory import MemoryHistory
 from toma.memory.backends import backend_for
 from toma.sizing.defaults import ACCUMULATION
 from toma.sizing.policies import SizePolicy, check_policy
-from toma.training.arguments import check_functions, check_run, place
 from toma.training.criteria import check_criterion, criterion_weight
 from toma.training.data import WHOLE_BATCHES, EvaluationChunks, call_arguments, logical_batch, rows_per_epoch
 from toma.training.history import EpochTally, TrainingHistory
@@ -40,6 +39,7 @@ from toma.training.outputs import (
     loss_of,
 )
 from toma.training.progress import Progress
+from toma.training.trainer_arguments import check_functions, check_run, place
 
 __all__ = ["Trainer", "Callback", "StopTraining", "accuracy", "METRICS"]
 
