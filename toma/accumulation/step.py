@@ -231,6 +231,7 @@ class AccumulateStep(Step):
         sync.begin(asked, len(plan.running), self.total_weight if self.rank_weighted else None)
         if len(plan.running) > 1 and self.split_check is not None and not self.split_check.done:
             self._check_split(plan)
+        each = sync.each_micro_batch
         last = plan.running[-1][0] if plan.running else -1
         total: Optional[torch.Tensor] = None
         timer = timer_for(self.tokens[0].cost if self.tokens else None, self.device)
@@ -256,7 +257,8 @@ class AccumulateStep(Step):
                     backward(loss)
                 if index != last:
                     watch.backward_done()
-                sync.micro_batch_done()
+                if each:
+                    sync.micro_batch_done()
                 loss = loss.detach()
                 total = loss if total is None else total + loss
         sync.finish()

@@ -48,8 +48,8 @@ class GradientSync(ABC):
     0. `begin()` before the attempt's first micro-batch (FSDP2: every unit unsharded, nothing reduced in the
        passes).
     1. `with sync.scope(last):` around each micro-batch's forward and backward pass; `last` is True for
-       the attempt's last micro-batch that runs (what DDP reduces in); then `micro_batch_done()`; after the
-       last, `finish()`.
+       the attempt's last micro-batch that runs (what DDP reduces in); then, where `each_micro_batch`,
+       `micro_batch_done()`; after the last, `finish()`.
     2. After the last micro-batch, with an `agreement`, the ranks agree whether every one of them finished
        (`Agreement.after_attempt`; a rank that ran out of memory makes all retry together at one size).
     3. `reduce(params, weight)` once every rank finished: this attempt's gradients only, before they are added
@@ -75,13 +75,14 @@ class GradientSync(ABC):
     watch_grads = True
     layout = ""  # how the model is spread over the ranks, where that changes which sizes fit (the size file's key)
     lighter = False  # whether `lightened` has a strategy that needs less memory at the same micro-batch size
+    each_micro_batch = False  # whether `micro_batch_done` and `finish` do anything
 
     def begin(self, size: int, micro_batches: int, weight: Optional[float]) -> None:
         """Before the first micro-batch of an attempt at `size` that runs `micro_batches` of them (nothing, for
         most strategies). `weight`, as for `reduce`."""
 
     def micro_batch_done(self) -> None:
-        """After each micro-batch's backward pass (nothing, for most strategies)."""
+        """After each micro-batch's backward pass, where `each_micro_batch`."""
 
     def finish(self) -> None:
         """After the attempt's last micro-batch, before the ranks' agreement (what `reduce` needs allocated
@@ -247,6 +248,7 @@ class ReducingFSDP2(AgreeingFSDP2):
     rounds with zeros, so every rank runs as many collectives."""
 
     __slots__ = ("_size", "_rounds", "_done", "_weight", "_scale")
+    each_micro_batch = True
 
     @property
     def lighter(self) -> bool:  # type: ignore[override]
