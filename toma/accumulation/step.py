@@ -34,7 +34,7 @@ from toma.accumulation.sync import GradientSync, model_device, sync_for
 from toma.batching import transfer
 from toma.batching.groups import GroupedBatch
 from toma.batching.logical import LogicalBatch
-from toma.batching.micro_batch_cost import NEVER, MicroBatchCost, timer_for
+from toma.batching.micro_batch_cost import NEVER, MicroBatchCost
 from toma.batching.splitting import MicroBatch
 from toma.batching.tokens import TokenPiece, token_batches
 from toma.batching.transfer import MicroBatchTransfers, shared_transfers
@@ -234,13 +234,14 @@ class AccumulateStep(Step):
         each = sync.each_micro_batch
         last = plan.running[-1][0] if plan.running else -1
         total: Optional[torch.Tensor] = None
-        timer = timer_for(self.tokens[0].cost if self.tokens else None, self.device)
-        areas = plan.areas
+        timer = self.tokens[0].cost.timer(self.device) if self.tokens else None
         with watch:
             for (index, factor), (args, kwargs) in zip(plan.running, self._arguments(plan)):
                 _, start, stop = plan.micro_batches[index]
                 self.failing_units, self.failing_piece = stop - start, plan.micro_batches[index][0]
-                timer.begin(areas[index] if areas is not None else 0)
+                if timer is not None:
+                    assert plan.areas is not None
+                    timer.begin(plan.areas[index])
                 with sync.scope(index == last):
                     try:
                         loss = func(*args, **kwargs)
@@ -263,7 +264,8 @@ class AccumulateStep(Step):
                 total = loss if total is None else total + loss
         sync.finish()
         self.failing_units = None
-        timer.end()
+        if timer is not None:
+            timer.end()
         if total is None:  # every micro-batch counted 0 items: nothing to learn from, no NaN
             return torch.zeros((), device=self.params[0].device if self.params else None)
         return total if total.dim() == 0 else total.reshape(())

@@ -20,7 +20,7 @@ import torch
 
 from toma.memory.backends import DeviceBackend, backend_for
 
-__all__ = ["MicroBatchCost", "MicroBatchTimer", "NOT_TIMED", "timer_for"]
+__all__ = ["MicroBatchCost", "MicroBatchTimer"]
 
 WARMUP = 2  # micro-batches not counted first: the allocator grows, kernels are chosen
 SAMPLES = 8  # timed micro-batches the line is fitted to
@@ -143,27 +143,3 @@ class MicroBatchTimer:
         spans = [self.backend.seconds_between(a, b) for a, b in zip(self.marks, self.marks[1:])]
         self.cost.add(list(zip(self.areas, spans)))
         self.marks, self.areas = self.marks[-1:], self.areas[len(spans) :]
-
-
-class _NotTimed:
-    """The timer of a run that is not timed (rows, not tokens; or measured already): marks nothing."""
-
-    __slots__ = ()
-
-    def begin(self, area: int) -> None:
-        pass
-
-    def end(self) -> None:
-        pass
-
-    def drop(self) -> None:
-        pass
-
-
-NOT_TIMED = _NotTimed()
-
-
-def timer_for(cost: Optional[MicroBatchCost], device: Optional[torch.device]) -> "MicroBatchTimer | _NotTimed":
-    """The timer of one run of micro-batches: `cost`'s while it still measures, else one that marks nothing."""
-    timer = None if cost is None else cost.timer(device)
-    return NOT_TIMED if timer is None else timer
