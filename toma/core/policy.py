@@ -107,10 +107,11 @@ def shrink_below(policy: SizePolicy, size: int, failed: int) -> Optional[int]:
 
 
 class DefaultPolicy(Protocol):
-    """A capability's policy where a call gives none, resolved at the start of each run (the registry of them all
-    is `toma.sizing.defaults`)."""
+    """A capability's policy where a call gives none, read at the start of each run (`current`; the registry of
+    them all is `toma.sizing.defaults`)."""
 
-    def resolve(self) -> SizePolicy: ...
+    @property
+    def current(self) -> SizePolicy: ...
 
 
 def checked_size(policy: SizePolicy, smaller: Optional[int], failed: int) -> Optional[int]:

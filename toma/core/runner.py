@@ -105,7 +105,7 @@ class Runner:
 
     def resolved_policy(self) -> SizePolicy:
         """The policy of a run starting now (`toma.DEFAULT_POLICY` is read at call time)."""
-        return self.policy or self.default.resolve()
+        return self.policy or self.default.current
 
     def cache(self, func: Callable[..., Any], context: Optional[Hashable] = None) -> BatchsizeCache:
         """The cache for a call of `func`: the fixed one, else by context if one is given, else the function's."""
@@ -128,7 +128,7 @@ class Runner:
         `agreement`: the one a step reports to itself (accumulation's gradient sync); else `distributed=` wraps
         the step so that every attempt ends in the ranks' agreement (checked per call: the group may start after
         the Runner was built)."""
-        policy = self.policy or self.default.resolve()
+        policy = self.policy or self.default.current  # resolved_policy(), on the hot path
         entry = self.cache(step.func, context).get_batchsize(initial)
         if agreement is None and self.distributed:
             agreement = agreement_for(self.distributed)

@@ -32,13 +32,14 @@ PLAIN = Runner(CALLS, cache=NoBatchsizeCache())  # `simple.*`: no cache, the def
 
 def initial_size(default: Optional[int], override: Any, name: str, override_name: str) -> int:
     """A call's initial size: its `toma_initial_*=` override, else the decorator's."""
-    size = optional_initial_size(default, override, override_name)
-    if size is None:
+    if override is not None:
+        return check_size(override, override_name)
+    if default is None:
         raise TypeError(f"{name} is required: give it to the decorator or pass {override_name}= to the call")
-    return size
+    return default
 
 
-def optional_initial_size(default: Optional[int], override: Any, override_name: str) -> Optional[int]:
+def optional_initial_size(default: Optional[int], override: Any, name: str, override_name: str) -> Optional[int]:
     """The same for a form with a start of its own where neither is given (None: `toma.accumulate` starts at the
     whole logical batch)."""
     return check_size(override, override_name) if override is not None else default

@@ -107,13 +107,10 @@ def _sized(form: _Form, default: Optional[int], call: Callable[[Any, Args, Kwarg
     """The wrapper of a form called with the function's own arguments (`toma.batch`, `toma.accumulate`): it
     takes out the size override (`toma_initial_*=`) and `toma_context=`, and passes the rest to `call`."""
     size, override = form.size, f"toma_{form.size}"
+    start = optional_initial_size if form.optional else initial_size
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        given = kwargs.pop(override, None)
-        if form.optional:
-            initial: Optional[int] = optional_initial_size(default, given, override)
-        else:
-            initial = initial_size(default, given, size, override)
+        initial = start(default, kwargs.pop(override, None), size, override)
         return call(initial, args, kwargs, kwargs.pop("toma_context", None))
 
     return wrapped

@@ -27,16 +27,18 @@ __all__ = [
 
 class CapabilityDefault:
     """One capability's policy where a call gives none: the policy assigned to `toma.DEFAULT_POLICY`, else its own
-    (`own`). What a `toma.core.runner.Runner` resolves at the start of each run."""
+    (`own`). `current` is that policy, kept up to date by the registry, so that a `toma.core.runner.Runner` reads
+    it at the start of each run with one attribute load."""
 
-    __slots__ = ("name", "users", "own", "_registry")
+    __slots__ = ("name", "users", "own", "current")
 
-    def __init__(self, name: str, users: str, own: SizePolicy, registry: "DefaultPolicies") -> None:
-        self.name, self.users, self.own, self._registry = name, users, own, registry
+    def __init__(self, name: str, users: str, own: SizePolicy) -> None:
+        self.name, self.users, self.own = name, users, own
+        self.current: SizePolicy = own
 
     def resolve(self) -> SizePolicy:
         """The policy of a run starting now."""
-        return self._registry.assigned or self.own
+        return self.current
 
     def __repr__(self) -> str:
         return f"<default policy of {self.users}: {self.resolve()!r}>"
@@ -47,16 +49,27 @@ class DefaultPolicies:
     `toma.DEFAULT_POLICY` is assigned)."""
 
     def __init__(self) -> None:
-        self.assigned: Optional[SizePolicy] = None
         self.calls = CapabilityDefault(
-            "calls", "toma.batch/range/chunked (every form), toma.map, HostedEmbedding", Halving(), self
+            "calls", "toma.batch/range/chunked (every form), toma.map, HostedEmbedding", Halving()
         )
         self.accumulation = CapabilityDefault(
-            "accumulation", "toma.accumulate, toma.Trainer, TomaTrainer, MicroBatching", FitToMemory(), self
+            "accumulation", "toma.accumulate, toma.Trainer, TomaTrainer, MicroBatching", FitToMemory()
         )
         self.accelerate = CapabilityDefault(
-            "accelerate", "toma.integrations.accelerate.find_executable_batch_size", ShrinkByFactor(0.9), self
+            "accelerate", "toma.integrations.accelerate.find_executable_batch_size", ShrinkByFactor(0.9)
         )
+        self._assigned: Optional[SizePolicy] = None
+
+    @property
+    def assigned(self) -> Optional[SizePolicy]:
+        """The policy assigned over all capabilities (None: each uses its own)."""
+        return self._assigned
+
+    @assigned.setter
+    def assigned(self, policy: Optional[SizePolicy]) -> None:
+        self._assigned = policy
+        for entry in self.capabilities.values():
+            entry.current = policy or entry.own
 
     @property
     def capabilities(self) -> Dict[str, CapabilityDefault]:
