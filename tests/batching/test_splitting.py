@@ -123,13 +123,13 @@ def test_per_row_data_is_found_inside_sequences_and_a_shape_can_be_kept_whole():
 
 
 def test_cutting_a_long_per_row_list_does_not_walk_it_again_for_every_micro_batch(monkeypatch):
-    import toma.batching.splitting as splitting
+    import toma.batching.nested as nested
 
     rows_ = 4096
     split = ArgumentBatch((torch.zeros(rows_), [str(i) for i in range(rows_)]), {})
     walked = []
-    real = splitting._holds_batch_tensors
-    monkeypatch.setattr(splitting, "_holds_batch_tensors", lambda obj: walked.append(1) or real(obj))
+    real = nested._holds_batch_tensors
+    monkeypatch.setattr(nested, "_holds_batch_tensors", lambda obj: walked.append(1) or real(obj))
     for _, start, stop in split.micro_batches(1):
         assert split.arguments(start, stop)[0][1] == [str(start)]
     assert not walked, "what is per-row was decided once, when the batch was scanned"

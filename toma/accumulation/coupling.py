@@ -131,41 +131,94 @@ def check_split_once(
     middle = (start + stop) // 2
     parts = [(start, stop), (start, middle), (middle, stop)]
     try:
-        with torch.no_grad(), _EvalMode(model):
-            arguments = [arguments_of(piece, a, b, width) for a, b in parts]
-            losses = [_loss(func, args) for args in arguments]
-            weights = [unit_weight(piece, a, b, args) for (a, b), args in zip(parts[1:], arguments[1:])]
+        losses, weights = _part_losses(func, model, piece, parts, width, arguments_of, unit_weight)
     except _NoLoss:
         return  # the training pass refuses it in its own words
     except Exception as error:
-        out_of_memory = should_reduce_batch_size(error)
-        if out_of_memory and not extended:
-            raise  # the micro-batch's rows do not fit even without gradients: the attempt fails, smaller is checked
-        if not (out_of_memory or _needs_gradients(error)):
-            raise  # not of the check's making: the user's error, untouched
+        if not _cannot_check(error, extended):
+            raise  # the attempt fails as any other (smaller is checked), or the user's error, untouched
         check.done = True
-        why = "ran out of memory" if should_reduce_batch_size(error) else "need gradients"
-        log.warning(
-            "toma: %s: could not check that its loss is what its parts add up to (%d %s %s without gradients, in "
-            "eval mode); it trains split as if they were independent. If they are, pass groups='rows' to say so",
-            name,
-            stop - start,
-            piece.unit_name,
-            why,
-        )
+        _warn_unchecked(name, stop - start, piece.unit_name, error)
         return
     whole, first, second = losses
+    parts_sum = _parts_sum(first, second, weights, summed)
+    if parts_sum is None:
+        return  # a half counts nothing: the comparison says nothing; the next split is checked
+    _judge(check, model, name, (stop - start, piece.unit_name), whole, first, second, parts_sum, summed)
+
+
+def _part_losses(
+    func: Callable[..., Any],
+    model: torch.nn.Module,
+    piece: Any,
+    parts: List[Tuple[int, int]],
+    width: Optional[int],
+    arguments_of: Callable[[Any, int, int, Optional[int]], Arguments],
+    unit_weight: Callable[[Any, int, int, Arguments], Optional[float]],
+) -> Tuple[List[float], List[Optional[float]]]:
+    """The losses of `parts` (the whole first, then its halves) without gradients and in eval mode, and what each
+    half's loss averages over."""
+    with torch.no_grad(), _EvalMode(model):
+        arguments = [arguments_of(piece, a, b, width) for a, b in parts]
+        losses = [_loss(func, args) for args in arguments]
+        weights = [unit_weight(piece, a, b, args) for (a, b), args in zip(parts[1:], arguments[1:])]
+    return losses, weights
+
+
+def _cannot_check(error: Exception, extended: bool) -> bool:
+    """Whether `error` means the check cannot run here (then it warns and counts as done): the two units of an
+    extended check do not fit, or the function needs gradients. Any other error is raised as it is: a micro-batch
+    whose units do not fit even without gradients fails the attempt, and the next, smaller one is checked."""
+    out_of_memory = should_reduce_batch_size(error)
+    if out_of_memory and not extended:
+        return False
+    return out_of_memory or _needs_gradients(error)
+
+
+def _warn_unchecked(name: str, units: int, unit_name: str, error: Exception) -> None:
+    """Say that the loss was not checked, and why, and how to declare the rows independent."""
+    why = "ran out of memory" if should_reduce_batch_size(error) else "need gradients"
+    log.warning(
+        "toma: %s: could not check that its loss is what its parts add up to (%d %s %s without gradients, in "
+        "eval mode); it trains split as if they were independent. If they are, pass groups='rows' to say so",
+        name,
+        units,
+        unit_name,
+        why,
+    )
+
+
+def _parts_sum(first: float, second: float, weights: List[Optional[float]], summed: bool) -> Optional[float]:
+    """The halves' losses as the micro-batches would add them up; None where a half counts nothing."""
     if summed:
-        parts_sum = first + second
-    else:
-        if any(w is None for w in weights) or sum(weights) <= 0:  # type: ignore[arg-type]
-            return  # a half counts nothing: the comparison says nothing; the next split is checked
-        total = float(sum(weights))  # type: ignore[arg-type]
-        parts_sum = (weights[0] * first + weights[1] * second) / total  # type: ignore[operator]
-    scale = abs(whole) + abs(parts_sum)
-    difference = abs(whole - parts_sum) / scale if scale > 0 else 0.0
+        return first + second
+    if any(w is None for w in weights) or sum(weights) <= 0:  # type: ignore[arg-type]
+        return None
+    total = float(sum(weights))  # type: ignore[arg-type]
+    return (weights[0] * first + weights[1] * second) / total  # type: ignore[operator]
+
+
+def _relative_difference(a: float, b: float) -> float:
+    scale = abs(a) + abs(b)
+    return abs(a - b) / scale if scale > 0 else 0.0
+
+
+def _judge(
+    check: SplitCheck,
+    model: torch.nn.Module,
+    name: str,
+    units: Tuple[int, str],
+    whole: float,
+    first: float,
+    second: float,
+    parts_sum: float,
+    summed: bool,
+) -> None:
+    """Record the relative difference between the whole's loss and its halves' sum on `check`: inconclusive where
+    the halves gave the same loss, done otherwise; `CoupledRows` where it is beyond rounding."""
+    difference = _relative_difference(whole, parts_sum)
     allowed = tolerance(model)
-    spread = abs(first - second) / (abs(first) + abs(second)) if abs(first) + abs(second) > 0 else 0.0
+    spread = _relative_difference(first, second)
     check.difference = difference
     if not math.isnan(difference) and difference <= allowed and spread <= allowed / 100:
         # the parts gave the same loss to the rounding (DPO's, while the policy is its reference, is log 2 for any
@@ -176,17 +229,24 @@ def check_split_once(
         return
     check.done = True
     if math.isnan(difference) or difference > allowed:
-        raise CoupledRows(
-            f"{name}: the loss of {stop - start} {piece.unit_name} together is {whole:.6g}, but its two halves' losses "
-            f"{'added' if summed else 'weighted by what each averages over'} give {parts_sum:.6g} (a relative "
-            f"difference of {difference:.2g}): the loss is not what its parts add up to, so training it in "
-            "micro-batches would train something else. It relates rows to each other (in-batch negatives, a "
-            "contrastive or listwise loss, a batch statistic, a sort over the batch), or it averages over something "
-            "weight= does not count. Say how the rows belong together with groups= ('pairs' for DPO's chosen and "
-            "rejected rows, a function giving each row's group, 'batch' to never split a batch), give weight= what "
-            "the loss averages over, or, if the difference is acceptable (a per-micro-batch auxiliary loss), pass "
-            "groups='rows'. Checked once, before anything of a split batch trained"
-        )
+        raise _coupled_rows(name, units, whole, parts_sum, summed, difference)
     log.info(
         "toma: %s: its loss is what its parts add up to (checked once: relative difference %.2g)", name, difference
+    )
+
+
+def _coupled_rows(
+    name: str, units: Tuple[int, str], whole: float, parts_sum: float, summed: bool, difference: float
+) -> CoupledRows:
+    """The error that names the difference found and the remedies."""
+    return CoupledRows(
+        f"{name}: the loss of {units[0]} {units[1]} together is {whole:.6g}, but its two halves' losses "
+        f"{'added' if summed else 'weighted by what each averages over'} give {parts_sum:.6g} (a relative "
+        f"difference of {difference:.2g}): the loss is not what its parts add up to, so training it in "
+        "micro-batches would train something else. It relates rows to each other (in-batch negatives, a "
+        "contrastive or listwise loss, a batch statistic, a sort over the batch), or it averages over something "
+        "weight= does not count. Say how the rows belong together with groups= ('pairs' for DPO's chosen and "
+        "rejected rows, a function giving each row's group, 'batch' to never split a batch), give weight= what "
+        "the loss averages over, or, if the difference is acceptable (a per-micro-batch auxiliary loss), pass "
+        "groups='rows'. Checked once, before anything of a split batch trained"
     )

@@ -14,11 +14,20 @@ cannot be joined (loader batches padded to different widths, `toma.batching.batc
 `ArgumentPieces` cuts its micro-batches within each piece, never across two.
 """
 
-import copy
-from collections.abc import Mapping
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
+
+from toma.batching.argument_scan import ArgumentScan
+from toma.batching.nested import (
+    is_row_sequence_candidate,
+    leaves,
+    map_tensors,
+    place_whole,
+    rebuild_mapping,
+    rebuild_sequence,
+    whole,
+)
 
 __all__ = [
     "whole",
@@ -31,158 +40,6 @@ __all__ = [
     "rebuild_mapping",
     "rebuild_sequence",
 ]
-
-
-class whole:
-    """Marks an argument that goes to every micro-batch unsplit: `compute_loss(x, y, toma.whole(weights))`."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-    def __repr__(self) -> str:
-        return f"whole({self.value!r})"
-
-
-def _is_record(obj: Any) -> bool:
-    return isinstance(obj, tuple) and hasattr(obj, "_fields")
-
-
-def _holds_batch_tensors(obj: Any) -> bool:
-    if isinstance(obj, torch.Tensor):
-        return obj.dim() > 0
-    if isinstance(obj, whole):
-        return True
-    if isinstance(obj, (tuple, list)):
-        return any(_holds_batch_tensors(item) for item in obj)
-    if isinstance(obj, Mapping):
-        return any(_holds_batch_tensors(value) for value in obj.values())
-    return False
-
-
-def is_row_sequence_candidate(obj: Any) -> bool:
-    """A list or tuple of plain values (no batch tensor inside, 0-dim tensors count as values; not a
-    namedtuple): one item per row when its length is the batch's row count."""
-    return isinstance(obj, (list, tuple)) and not _is_record(obj) and not _holds_batch_tensors(obj)
-
-
-class _Scan:
-    """One walk over a call's arguments: the batch tensors (with their paths), and the plain sequences that
-    become per-row data once the row count is known."""
-
-    def __init__(self) -> None:
-        self.tensors: List[Tuple[str, torch.Tensor]] = []
-        self.sequences: List[Tuple[List[Any], Any]] = []  # (containers from the top down, the sequence)
-        self.changing: Set[int] = set()  # ids of containers that hold something to split
-
-    def walk(self, obj: Any, path: str, parents: List[Any]) -> bool:
-        """True if `obj` changes per micro-batch whatever the row count (a batch tensor or a `whole`)."""
-        if isinstance(obj, torch.Tensor):
-            if obj.dim() == 0:
-                return False
-            self.tensors.append((path, obj))
-            return True
-        if isinstance(obj, whole):
-            return True
-        if isinstance(obj, (tuple, list)):
-            if is_row_sequence_candidate(obj):
-                if obj:
-                    self.sequences.append((parents, obj))
-                return False
-            items: Any = enumerate(obj)
-        elif isinstance(obj, Mapping):
-            items = obj.items()
-        else:
-            return False
-        inner = parents + [obj]
-        hits = [
-            self.walk(value, f"{path}[{key!r}]" if isinstance(obj, Mapping) else f"{path}[{key}]", inner)
-            for key, value in items
-        ]
-        if any(hits):
-            self.changing.add(id(obj))
-            return True
-        return False
-
-
-def rebuild_mapping(obj: Mapping, items: Dict[Any, Any]) -> Any:
-    """A mapping like `obj` (its type and extra state kept where it can be copied) holding `items`."""
-    if type(obj) is dict:
-        return items
-    try:  # OrderedDict, defaultdict, a tokenizer's BatchEncoding: keep the type and its extra state
-        rebuilt = copy.copy(obj)
-        for key, value in items.items():
-            rebuilt[key] = value  # type: ignore[index]
-        return rebuilt
-    except Exception:
-        return items
-
-
-def rebuild_sequence(obj: Any, items: List[Any]) -> Any:
-    """A list, tuple or namedtuple like `obj` holding `items`."""
-    if isinstance(obj, list):
-        return items
-    return type(obj)(*items) if _is_record(obj) else tuple(items)
-
-
-def leaves(obj: Any) -> List[Any]:
-    """The values at the leaves of tuples, lists and dicts, in order (depth first)."""
-    found: List[Any] = []
-    if isinstance(obj, (tuple, list)):
-        for item in obj:
-            found.extend(leaves(item))
-    elif isinstance(obj, dict):
-        for value in obj.values():
-            found.extend(leaves(value))
-    else:
-        found.append(obj)
-    return found
-
-
-def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    """`obj` with `fn` applied to every tensor inside tuples, lists and mappings (types kept), and every
-    `whole` unwrapped."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, whole):
-        return obj.value
-    if isinstance(obj, (tuple, list)):
-        return rebuild_sequence(obj, [map_tensors(item, fn) for item in obj])
-    if isinstance(obj, Mapping):
-        return rebuild_mapping(obj, {key: map_tensors(value, fn) for key, value in obj.items()})
-    return obj
-
-
-def _place_whole(obj: Any, move: Callable[[torch.Tensor], torch.Tensor], inside: bool) -> Any:
-    """`obj` with `move` applied to the tensors inside `whole` values; containers rebuilt only where
-    something changed (types such as `torch.Size` stay as they are)."""
-    if isinstance(obj, torch.Tensor):
-        return move(obj) if inside else obj
-    if isinstance(obj, whole):
-        value = _place_whole(obj.value, move, True)
-        return obj if value is obj.value else whole(value)
-    if isinstance(obj, (tuple, list)):
-        items = [_place_whole(item, move, inside) for item in obj]
-        return obj if all(new is old for new, old in zip(items, obj)) else rebuild_sequence(obj, items)
-    if isinstance(obj, Mapping):
-        values = {key: _place_whole(value, move, inside) for key, value in obj.items()}
-        return obj if all(values[key] is value for key, value in obj.items()) else rebuild_mapping(obj, values)
-    return obj
-
-
-def _mark_per_row(parents: List[Any], sequence: Any, size: int, changing: Set[int], per_row: Set[int]) -> None:
-    """A sequence of `size` items is the rows' own data (texts, ids): split with them. Inside one of another
-    length, sequences of `size` items are looked for further down (a tuple of such lists, like a dict)."""
-    if len(sequence) == size:
-        per_row.add(id(sequence))
-        changing.add(id(sequence))
-        changing.update(id(parent) for parent in parents)
-        return
-    inner = parents + [sequence]
-    for item in sequence:
-        if isinstance(item, (list, tuple)) and item:
-            _mark_per_row(inner, item, size, changing, per_row)
 
 
 class ArgumentBatch:
@@ -203,29 +60,12 @@ class ArgumentBatch:
     )
 
     def __init__(self, args: Tuple[Any, ...], kwargs: Dict[str, Any], name: str = "args") -> None:
-        scan = _Scan()
+        scan = ArgumentScan()
         arg_hits = [scan.walk(arg, f"{name}[{i}]", []) for i, arg in enumerate(args)]
         kwarg_hits = {key: scan.walk(value, f"kwargs[{key!r}]", []) for key, value in kwargs.items()}
-        if not scan.tensors:
-            raise ValueError(
-                "no tensor argument with a batch dimension to split: pass the logical batch as tensors "
-                "(also inside tuples, lists or dicts) whose dim 0 is the batch"
-            )
-        first_path, first = scan.tensors[0]
-        size = first.shape[0]
-        disagreeing = [(path, tensor.shape[0]) for path, tensor in scan.tensors if tensor.shape[0] != size]
-        if disagreeing:
-            others = ", ".join(f"{path} has {rows}" for path, rows in disagreeing)
-            raise ValueError(
-                f"tensor arguments disagree on the logical batch size (dim 0): {first_path} has {size} rows, "
-                f"{others}; wrap arguments that are not part of the batch in toma.whole(...)"
-            )
-        if size == 0:
-            raise ValueError(f"the logical batch is empty: {first_path} has 0 rows")
+        size = scan.batch_size()
+        per_row = scan.per_row(size)  # ids of the sequences that hold one item per row
         changing = scan.changing
-        per_row: Set[int] = set()  # ids of the sequences that hold one item per row
-        for parents, sequence in scan.sequences:
-            _mark_per_row(parents, sequence, size, changing, per_row)
         self.args, self.kwargs, self.size, self.tensors, self.name = args, kwargs, size, scan.tensors, name
         self._changing, self._per_row = changing, per_row
         # Which top-level arguments change per micro-batch, and whether each is a plain tensor (a fast slice).
@@ -351,8 +191,8 @@ class ArgumentBatch:
     def placed(self, move: Callable[[torch.Tensor], torch.Tensor]) -> "ArgumentBatch":
         """This batch with every tensor inside a `whole` replaced by `move(tensor)`, so that a caller moving
         micro-batches to a device moves what they all share once; itself when nothing changes."""
-        args = tuple(_place_whole(arg, move, False) for arg in self.args)
-        kwargs = {key: _place_whole(value, move, False) for key, value in self.kwargs.items()}
+        args = tuple(place_whole(arg, move, False) for arg in self.args)
+        kwargs = {key: place_whole(value, move, False) for key, value in self.kwargs.items()}
         if all(new is old for new, old in zip(args, self.args)) and all(
             kwargs[key] is value for key, value in self.kwargs.items()
         ):
