@@ -119,6 +119,33 @@ def _sized(form: _Form, default: Optional[int], call: Callable[[Any, Args, Kwarg
     return wrapped
 
 
+def _accumulation_start(initial_micro_batch: Optional[int], accumulation: AccumulationOptions) -> Optional[int]:
+    """`toma.accumulate`'s `initial_micro_batch`, checked, and refused beside `initial_tokens`: one start only."""
+    default = _ACCUMULATE.default(initial_micro_batch)
+    if accumulation.initial_tokens is not None and default is not None:
+        raise ValueError(
+            "give initial_micro_batch (rows of the batch's longest) or initial_tokens (a token budget), not both"
+        )
+    return default
+
+
+def _accumulation_binding(
+    accumulation: AccumulationOptions, default: Optional[int]
+) -> Callable[[Callable[..., Any], Runner], Bound]:
+    """`toma.accumulate`'s `bind`: each decorated function's wrapper runs the accumulation with stats of its own
+    (its `stats` attribute)."""
+
+    def bind(func: Callable[..., Any], options: Runner) -> Bound:
+        stats = AccumulationStats()
+
+        def call(initial: Optional[int], args: Args, kwargs: Kwargs, context: Optional[Hashable]) -> torch.Tensor:
+            return run_accumulate(func, accumulation, options, initial, args, kwargs, context, stats)
+
+        return _sized(_ACCUMULATE, default, call), {"stats": stats}
+
+    return bind
+
+
 _BATCH = _Form("toma.batch", "initial_batchsize", "toma_initial_batchsize= and toma_context=")
 _RANGE = _Form("toma.range", "initial_step", "toma_initial_step= and toma_context=")
 _CHUNKED = _Form("toma.chunked", "initial_step", "toma_initial_step=, toma_dimension= and toma_context=")
@@ -316,21 +343,9 @@ class toma(metaclass=SettingsNamespace):
             groups=groups,
             split_for_padding=split_for_padding,
         )
-        default = _ACCUMULATE.default(initial_micro_batch)
-        if accumulation.initial_tokens is not None and default is not None:
-            raise ValueError(
-                "give initial_micro_batch (rows of the batch's longest) or initial_tokens (a token budget), not both"
-            )
+        default = _accumulation_start(initial_micro_batch, accumulation)
         options = calls(cache_type, context, policy, False, default=ACCUMULATION)
-
-        def bind(func: Callable[..., Any], options: Runner) -> Bound:
-            stats = AccumulationStats()
-
-            def call(initial: Optional[int], args: Args, kwargs: Kwargs, context: Optional[Hashable]) -> torch.Tensor:
-                return run_accumulate(func, accumulation, options, initial, args, kwargs, context, stats)
-
-            return _sized(_ACCUMULATE, default, call), {"stats": stats}
-
+        bind = _accumulation_binding(accumulation, default)
         again = dict(initial_micro_batch=_ACCUMULATE.default(initial_micro_batch), **accumulation.as_kwargs())
         return _decorator(_ACCUMULATE, func, options, bind, toma.accumulate, **again)
 
