@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from toma.accumulation.accumulate import AccumulationOptions, Sizing, accumulate
+from toma.accumulation.accumulate import AccumulationOptions, MicroBatchSizing, accumulate
 from toma.batching.splitting import ArgumentBatch
 from toma.core.caches import GlobalBatchsizeCache
 from toma.core.runner import Runner
@@ -45,7 +45,7 @@ def run(model, batch, initial, fail_above=None, **options):
 
     total = options.pop("total", None)
     accumulation = AccumulationOptions(model=model, reduction="mean", weight=tokens, **options)
-    sizing = Sizing(initial, Runner(ACCUMULATION, policy=Halving(), cache=GlobalBatchsizeCache()))
+    sizing = MicroBatchSizing(initial, Runner(ACCUMULATION, policy=Halving(), cache=GlobalBatchsizeCache()))
     return accumulate(lambda part: micro_loss(*part), ArgumentBatch((batch,), {}), accumulation, sizing, total)
 
 

@@ -29,7 +29,7 @@ from toma.core.runner import Runner
 
 __all__ = [
     "accumulate",
-    "Sizing",
+    "MicroBatchSizing",
     "AccumulationStats",
     "AccumulationMisuse",
     "CoupledRows",
@@ -64,7 +64,7 @@ class AccumulationStats:
         return None if self.learned is None else self.learned.model()
 
 
-class Sizing(NamedTuple):
+class MicroBatchSizing(NamedTuple):
     """Where a call's micro-batch size comes from and what it reports: `initial`, the size asked for (cached
     as it is: a short batch never shrinks it, only an out-of-memory error does; None: the whole logical batch, or
     `initial_tokens` where the options give a token budget), the `runner` (the cache and the
@@ -78,7 +78,11 @@ class Sizing(NamedTuple):
 
 
 def accumulate(
-    func: Callable[..., Any], batch: LogicalBatch, options: AccumulationOptions, sizing: Sizing, total: Any = None
+    func: Callable[..., Any],
+    batch: LogicalBatch,
+    options: AccumulationOptions,
+    sizing: MicroBatchSizing,
+    total: Any = None,
 ) -> torch.Tensor:
     """Forward and backward `func(*micro_args, **micro_kwargs)` over the logical batch (an `ArgumentBatch` of
     a call's arguments, or `ArgumentPieces` of several) in micro-batches; returns the logical batch's loss, detached.

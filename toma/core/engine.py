@@ -116,6 +116,30 @@ def _retry(state: CallState[S], observers: Observers) -> None:
         state.quick, state.device = False, state.step.device
 
 
+def _starting(
+    step: S, entry: Batchsize, policy: SizePolicy, initial_size: int, observers: Observers
+) -> Optional[CallState[S]]:
+    """Tell the observers that want it that a run starts; the run's state where one did (None: nothing built)."""
+    state: Optional[CallState[S]] = None
+    for observer in observers.starters:
+        if observer.wants_start(entry):
+            if state is None:
+                state = CallState(step, entry, policy, initial_size)
+            observer.starting(state)
+    return state
+
+
+def _first_failure(
+    state: Optional[CallState[S]], step: S, entry: Batchsize, policy: SizePolicy, initial_size: int, size: int, ran: int
+) -> CallState[S]:
+    """The state of a quick attempt that ran out of memory (built now where the run had none): its size, what it
+    ran, one attempt."""
+    if state is None:
+        state = CallState(step, entry, policy, initial_size)
+    state.size, state.attempts, state.ran = size, 1, ran
+    return state
+
+
 def run(
     step: S,
     entry: Batchsize,
@@ -131,25 +155,18 @@ def run(
     error at the smallest size the policy allows is re-raised with a note saying so. With an `agreement` the
     ranks of a process group start at the same size, and a step raising AgreedRetry is retried at the agreed size.
     """
-    state: Optional[CallState[S]] = None
-    for observer in observers.starters:
-        if observer.wants_start(entry):
-            if state is None:
-                state = CallState(step, entry, policy, initial_size)
-            observer.starting(state)
+    state = _starting(step, entry, policy, initial_size, observers)
     if not isinstance(policy, LearningPolicy):
         quick = agreement is None
     elif agreement is None:
-        if state is None:
-            state = CallState(step, entry, policy, initial_size)
+        state = state if state is not None else CallState(step, entry, policy, initial_size)
         state.scale = float(step.row_items)
         # a settled call site between measurements: nothing to start, measure, learn or locate
         quick = state.quick = not state.recalled and policy.quick(state)
     else:
         quick = False
     if not quick:
-        if state is None:
-            state = CallState(step, entry, policy, initial_size)
+        state = state if state is not None else CallState(step, entry, policy, initial_size)
         _start(state, agreement, observers)
         return _attempts(state, agreement, observers)
     # One attempt at the entry's size, unmeasured, with no state unless it runs out of memory.
@@ -162,9 +179,7 @@ def run(
     except Exception as exception:
         if not should_reduce_batch_size(exception):
             raise
-        if state is None:
-            state = CallState(step, entry, policy, initial_size)
-        state.size, state.attempts, state.ran = size, 1, ran
+        state = _first_failure(state, step, entry, policy, initial_size, size, ran)
         if not _own_failure(state, exception):
             raise
     else:

@@ -79,21 +79,21 @@ class _Form(NamedTuple):
 def _decorator(
     form: _Form,
     func: Any,
-    options: Runner,
+    runner: Runner,
     bind: Callable[[Any, Runner], Bound],
     decorator: Callable[..., Any],
     **again: Any,
 ) -> Any:
     """The skeleton every decorator shares: `@form(...)` without a function returns the decorator with its
-    options (`again`, the form's own, and `options`); with one, checks it and wraps it with its own caches
+    options (`again`, the form's own, and the `runner`'s); with one, checks it and wraps it with its own caches
     (`bind(func, runner)`: the wrapper and attributes to set on it). A staticmethod stays one, so the result works
     through a class and an instance."""
     if func is None:
-        return functools.partial(decorator, **again, **options.as_kwargs(form.agreed))
+        return functools.partial(decorator, **again, **runner.as_kwargs(form.agreed))
     check_function(func, form.name, form.size)
 
     def wrap(target: Callable[..., Any]) -> Callable[..., Any]:
-        call, attributes = bind(target, options.owning())
+        call, attributes = bind(target, runner.owning())
         wrapped = functools.wraps(target)(call)
         for name, value in attributes.items():
             setattr(wrapped, name, value)
@@ -114,6 +114,33 @@ def _sized(form: _Form, default: Optional[int], call: Callable[[Any, Args, Kwarg
         return call(initial, args, kwargs, kwargs.pop("toma_context", None))
 
     return wrapped
+
+
+def _accumulation_start(initial_micro_batch: Optional[int], accumulation: AccumulationOptions) -> Optional[int]:
+    """`toma.accumulate`'s `initial_micro_batch`, checked, and refused beside `initial_tokens`: one start only."""
+    default = _ACCUMULATE.default(initial_micro_batch)
+    if accumulation.initial_tokens is not None and default is not None:
+        raise ValueError(
+            "give initial_micro_batch (rows of the batch's longest) or initial_tokens (a token budget), not both"
+        )
+    return default
+
+
+def _accumulation_binding(
+    accumulation: AccumulationOptions, default: Optional[int]
+) -> Callable[[Callable[..., Any], Runner], Bound]:
+    """`toma.accumulate`'s `bind`: each decorated function's wrapper runs the accumulation with stats of its own
+    (its `stats` attribute)."""
+
+    def bind(func: Callable[..., Any], runner: Runner) -> Bound:
+        stats = AccumulationStats()
+
+        def call(initial: Optional[int], args: Args, kwargs: Kwargs, context: Optional[Hashable]) -> torch.Tensor:
+            return run_accumulate(func, accumulation, runner, initial, args, kwargs, context, stats)
+
+        return _sized(_ACCUMULATE, default, call), {"stats": stats}
+
+    return bind
 
 
 _BATCH = _Form("toma.batch", "initial_batchsize", "toma_initial_batchsize= and toma_context=")
@@ -160,15 +187,15 @@ class toma(metaclass=SettingsNamespace):
     ) -> Any:
         """`@toma.batch(initial_batchsize=512)`: the function's first argument becomes the batch size."""
         default = _BATCH.default(initial_batchsize)
-        options = calls(cache_type, context, policy, distributed)
+        runner = calls(cache_type, context, policy, distributed)
 
-        def bind(func: Callable[..., Any], options: Runner) -> Bound:
+        def bind(func: Callable[..., Any], runner: Runner) -> Bound:
             def call(initial: int, args: Args, kwargs: Kwargs, context: Optional[Hashable]) -> Any:
-                return options.perform(BatchStep(func, args, kwargs), initial, context).result
+                return runner.perform(BatchStep(func, args, kwargs), initial, context).result
 
             return _sized(_BATCH, default, call), {}
 
-        return _decorator(_BATCH, func, options, bind, toma.batch, initial_batchsize=default)
+        return _decorator(_BATCH, func, runner, bind, toma.batch, initial_batchsize=default)
 
     @overload
     @staticmethod
@@ -190,9 +217,9 @@ class toma(metaclass=SettingsNamespace):
     ) -> Any:
         """`@toma.range(initial_step=32)`: `f(start, end, ...)` runs over `[start, end)` chunk by chunk."""
         default = _RANGE.default(initial_step)
-        options = calls(cache_type, context, policy, distributed)
+        runner = calls(cache_type, context, policy, distributed)
 
-        def bind(func: Callable[..., Any], options: Runner) -> Bound:
+        def bind(func: Callable[..., Any], runner: Runner) -> Bound:
             def wrapped(
                 start: int,
                 end: int,
@@ -203,11 +230,11 @@ class toma(metaclass=SettingsNamespace):
             ) -> None:
                 start, end = check_index(start, "start"), check_index(end, "end")
                 initial = initial_size(default, toma_initial_step, "initial_step", "toma_initial_step")
-                options.perform(RangeStep(func, start, end, args, kwargs), initial, toma_context)
+                runner.perform(RangeStep(func, start, end, args, kwargs), initial, toma_context)
 
             return wrapped, {}
 
-        return _decorator(_RANGE, func, options, bind, toma.range, initial_step=default)
+        return _decorator(_RANGE, func, runner, bind, toma.range, initial_step=default)
 
     @overload
     @staticmethod
@@ -233,9 +260,9 @@ class toma(metaclass=SettingsNamespace):
         """`@toma.chunked(initial_step=512)`: `f(chunk, start, end, ...)` runs over chunks of a tensor."""
         default = _CHUNKED.default(initial_step)
         default_dimension = check_dimension(dimension, "dimension")
-        options = calls(cache_type, context, policy, distributed)
+        runner = calls(cache_type, context, policy, distributed)
 
-        def bind(func: Callable[..., Any], options: Runner) -> Bound:
+        def bind(func: Callable[..., Any], runner: Runner) -> Bound:
             def wrapped(
                 tensor: torch.Tensor,
                 *args: Any,
@@ -251,13 +278,11 @@ class toma(metaclass=SettingsNamespace):
                     dim = check_tensor_dimension(
                         tensor, check_index(toma_dimension, "toma_dimension"), "tensor", "toma_dimension"
                     )
-                options.perform(ChunkStep(func, tensor, dim, args, kwargs), initial, toma_context)
+                runner.perform(ChunkStep(func, tensor, dim, args, kwargs), initial, toma_context)
 
             return wrapped, {}
 
-        return _decorator(
-            _CHUNKED, func, options, bind, toma.chunked, initial_step=default, dimension=default_dimension
-        )
+        return _decorator(_CHUNKED, func, runner, bind, toma.chunked, initial_step=default, dimension=default_dimension)
 
     @overload
     @staticmethod
@@ -313,23 +338,11 @@ class toma(metaclass=SettingsNamespace):
             groups=groups,
             split_for_padding=split_for_padding,
         )
-        default = _ACCUMULATE.default(initial_micro_batch)
-        if accumulation.initial_tokens is not None and default is not None:
-            raise ValueError(
-                "give initial_micro_batch (rows of the batch's longest) or initial_tokens (a token budget), not both"
-            )
-        options = calls(cache_type, context, policy, False, default=ACCUMULATION)
-
-        def bind(func: Callable[..., Any], options: Runner) -> Bound:
-            stats = AccumulationStats()
-
-            def call(initial: Optional[int], args: Args, kwargs: Kwargs, context: Optional[Hashable]) -> torch.Tensor:
-                return run_accumulate(func, accumulation, options, initial, args, kwargs, context, stats)
-
-            return _sized(_ACCUMULATE, default, call), {"stats": stats}
-
+        default = _accumulation_start(initial_micro_batch, accumulation)
+        runner = calls(cache_type, context, policy, False, default=ACCUMULATION)
+        bind = _accumulation_binding(accumulation, default)
         again = dict(initial_micro_batch=_ACCUMULATE.default(initial_micro_batch), **accumulation.as_kwargs())
-        return _decorator(_ACCUMULATE, func, options, bind, toma.accumulate, **again)
+        return _decorator(_ACCUMULATE, func, runner, bind, toma.accumulate, **again)
 
     @staticmethod
     def map(
@@ -357,5 +370,5 @@ class toma(metaclass=SettingsNamespace):
         target = check_device(device, "device")
         output = check_device(output_device, "output_device")
         initial = None if initial_step is None else check_size(initial_step, "initial_step")
-        options = calls(cache_type, call_site_key() if context is None else context, policy, distributed)
-        return run_map(func, inputs, target, output, initial, options, checked_lengths)
+        runner = calls(cache_type, call_site_key() if context is None else context, policy, distributed)
+        return run_map(func, inputs, target, output, initial, runner, checked_lengths)

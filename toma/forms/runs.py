@@ -7,7 +7,7 @@ from typing import Any, Callable, Dict, Hashable, Optional, Tuple, Union
 
 import torch
 
-from toma.accumulation.accumulate import AccumulationStats, Sizing, accumulate
+from toma.accumulation.accumulate import AccumulationStats, MicroBatchSizing, accumulate
 from toma.accumulation.options import AccumulationOptions
 from toma.batching.logical import is_packed_lengths, logical_batch_of
 from toma.batching.packed import PackedBatch, PackedTokens
@@ -34,7 +34,7 @@ def run_accumulate(
     stats: Optional[AccumulationStats] = None,
 ) -> torch.Tensor:
     """Forward and backward over the logical batch of `args`/`kwargs` in micro-batches; its loss, detached."""
-    sizing = Sizing(initial, runner, context, stats)
+    sizing = MicroBatchSizing(initial, runner, context, stats)
     batch = logical_batch_of(args, kwargs, accumulation.lengths, accumulation.groups)
     return accumulate(func, batch, accumulation, sizing)
 

@@ -19,10 +19,9 @@ gradients after the training step (its closure runs step, `zero_grad`, backward)
 first batch of every accumulation window, and DDP reduces only in the backward pass Lightning runs.
 """
 
-import contextlib
 import logging
 from collections.abc import Mapping
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import lightning.pytorch as pl
 import torch
@@ -30,7 +29,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy, Strategy
 
-from toma.accumulation.accumulate import AccumulationStats, Sizing, accumulate
+from toma.accumulation.accumulate import AccumulationStats, MicroBatchSizing, accumulate
 from toma.accumulation.options import AccumulationSettings, NothingCounted, SettingAttribute, check_flag
 from toma.accumulation.sharded_models import fsdp2_root
 from toma.accumulation.sync import AgreeingOnly, GradientSync, model_device, sync_for
@@ -43,6 +42,16 @@ from toma.core.oom import should_reduce_batch_size
 from toma.core.policy import SizePolicy
 from toma.core.runner import Runner
 from toma.integrations.lightning_logs import StepLogs
+from toma.integrations.lightning_step import (
+    NOT_SET,
+    AsReturned,
+    HeldGradients,
+    LogicalBatchLoss,
+    MicroBatchStep,
+    ModuleAsModel,
+    autograd_backward,
+    micro_batch_region,
+)
 from toma.sizing.defaults import ACCUMULATION
 
 __all__ = ["MicroBatching", "LogicalBatchLoss"]
@@ -50,115 +59,6 @@ __all__ = ["MicroBatching", "LogicalBatchLoss"]
 log = logging.getLogger("toma")
 
 _PACKED = "position_ids"  # what a padding-free batch's sequences are found by (or its cu_seq_lens, seq_idx)
-
-
-class _Gradients:
-    """The logical batch's gradients, one per parameter (None: the batch gave it none), and the loss scale the
-    micro-batches' backward passes were multiplied by (None: no scaler)."""
-
-    __slots__ = ("grads", "scale")
-
-    def __init__(self, grads: List[Optional[torch.Tensor]], scale: Optional[torch.Tensor]) -> None:
-        self.grads: Optional[List[Optional[torch.Tensor]]] = grads
-        self.scale = scale
-
-    def take(self, grad_output: torch.Tensor) -> List[Optional[torch.Tensor]]:
-        """The gradients times `grad_output` (what reached the loss) over the scale they already carry, handed
-        over: kept nowhere else, so autograd can use them as `.grad` without a copy."""
-        grads, self.grads = self.grads, None
-        if grads is None:
-            raise RuntimeError("the logical batch's loss can only be backpropagated once")
-        factor = grad_output if self.scale is None else grad_output / self.scale
-        for grad in grads:
-            if grad is not None:
-                grad.mul_(factor)
-        return grads
-
-
-class LogicalBatchLoss(torch.autograd.Function):
-    """The logical batch's loss (already computed, with its gradients, in micro-batches) as a tensor of the
-    parameters' graph: its backward pass gives each parameter the logical batch's gradient times the gradient
-    that reached the loss (Lightning's 1 / `accumulate_grad_batches`, a scaler's scale)."""
-
-    @staticmethod
-    def forward(ctx: Any, loss: torch.Tensor, gradients: _Gradients, *params: torch.Tensor) -> torch.Tensor:
-        ctx.gradients = gradients
-        return loss.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
-        gradients: _Gradients = ctx.gradients
-        return (None, None, *gradients.take(grad_output))
-
-
-class _Accumulated(torch.nn.Module):
-    """The LightningModule as `toma.accumulate`'s model, with what the micro-batches left for the logical batch
-    (their `self.log` calls, whether each returned a loss) as its pending state
-    (`toma.accumulation.rollback.PendingState`): a failed attempt's share is dropped with its gradients."""
-
-    def __init__(self, module: pl.LightningModule, logs: StepLogs) -> None:
-        super().__init__()
-        self.module = module
-        self.logs = logs
-        self.returned: List[bool] = []  # per micro-batch: it returned a loss (True) or None (False)
-
-    def pending_mark(self) -> Tuple[int, int]:
-        return self.logs.mark(), len(self.returned)
-
-    def pending_rewind(self, mark: Tuple[int, int]) -> None:
-        self.logs.rewind(mark[0])
-        del self.returned[mark[1] :]
-
-
-class _AsReturned(Exception):
-    """A training step's output that is not a loss MicroBatching can train: it goes to Lightning unchanged, whose
-    own checks answer it (an error for an invalid output), as in a plain run."""
-
-    def __init__(self, output: Any) -> None:
-        super().__init__("the training step's output goes to Lightning as it is")
-        self.output = output
-
-
-class _MicroBatchStep:
-    """The module's own training step, called once per micro-batch: its loss goes to toma; what else it returned
-    (a dict's other keys) is kept from the last micro-batch. A step that returns None (Lightning's way to skip a
-    batch) gives toma a loss with no parameter behind it, so the logical batch can be skipped whole."""
-
-    def __init__(self, step: Callable[..., Any], args: tuple, kwargs: Dict[str, Any], model: _Accumulated) -> None:
-        self.step, self.args, self.kwargs, self.model = step, args, kwargs, model
-        self.extra: Optional[Dict[str, Any]] = None
-        self.name = getattr(step, "__qualname__", "training_step")
-
-    def loss(self, part: Any) -> Any:
-        self.model.logs.start(part)
-        output = self.step(part, *self.args, **self.kwargs)
-        if output is None:
-            self.model.logs.returned(None)
-            self.model.returned.append(False)
-            return torch.zeros((), device=self.model.module.device, requires_grad=True)
-        loss = output.get("loss") if isinstance(output, Mapping) else output
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise _AsReturned(output)
-        self.model.logs.returned(loss)
-        if isinstance(output, Mapping):
-            self.extra = {key: value for key, value in output.items() if key != "loss"}
-        self.model.returned.append(True)
-        return loss
-
-    def function(self) -> Callable[[Any], Any]:
-        """`loss` as a function named after the module's training step (for toma's messages and the size file)."""
-
-        def loss(part: Any) -> Any:
-            return self.loss(part)
-
-        loss.__qualname__, loss.__module__ = self.name, getattr(self.step, "__module__", loss.__module__)
-        return loss
-
-
-def _backward(loss: torch.Tensor) -> None:
-    """A micro-batch's backward pass, run by autograd itself: `Tensor.backward` is what Lightning calls, once per
-    batch, and a patched or counted `Tensor.backward` sees it once per batch with MicroBatching too."""
-    torch.autograd.backward(loss)
 
 
 def _scaler_of(precision: Precision) -> Any:
@@ -202,7 +102,7 @@ class _Fit:
         root: Optional[torch.nn.Module] = None,
     ) -> None:
         self.module, self.original, self.scaler, self.sync, self.root = module, original, scaler, sync, root
-        self.model: _Accumulated
+        self.model: ModuleAsModel
         self.told_whole = False
         self.told_nothing = False  # whether a batch with nothing to learn from was named in a warning
 
@@ -217,29 +117,6 @@ def _stand_in_for(wrapper: Callable[..., Any], original: Callable[..., Any]) -> 
         except AttributeError:
             pass
     wrapper.__wrapped__ = getattr(original, "__wrapped__", original)  # type: ignore[attr-defined]
-
-
-_NOT_SET: Any = object()
-
-
-@contextlib.contextmanager
-def _micro_batch_region(module: "pl.LightningModule", params: List[torch.Tensor], logs: StepLogs) -> Iterator[None]:
-    """While the micro-batches run: the gradients so far set aside (the logical batch's start from None) and
-    the module's `self.log` captured; both put back after, whatever happens."""
-    held = [p.grad for p in params]
-    for p in params:
-        p.grad = None
-    own_log = module.__dict__.get("log", _NOT_SET)
-    module.log = logs.log  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        if own_log is _NOT_SET:
-            del module.log
-        else:
-            module.log = own_log  # type: ignore[method-assign]
-        for p, grad in zip(params, held, strict=True):
-            p.grad = grad
 
 
 class MicroBatching(Callback):
@@ -309,7 +186,7 @@ class MicroBatching(Callback):
         self.stats = AccumulationStats()
         self.cache = GlobalBatchsizeCache()  # one size per callback, wherever the step runs from
         self._runner = Runner(ACCUMULATION, policy=policy, cache=self.cache)
-        # id(module) -> (the training_step this callback set, the one the instance had itself or _NOT_SET)
+        # id(module) -> (the training_step this callback set, the one the instance had itself or NOT_SET)
         self._wrapped: Dict[int, Tuple[Callable[..., Any], Any]] = {}
 
     # The settings as attributes: `settings`, checked where they enter (and again where one is assigned)
@@ -358,7 +235,7 @@ class MicroBatching(Callback):
 
     def _wrap(self, trainer: "pl.Trainer", module: "pl.LightningModule") -> None:
         self._unwrap(module)  # a fit that ended without telling the callback
-        own = module.__dict__.get("training_step", _NOT_SET)
+        own = module.__dict__.get("training_step", NOT_SET)
         original = module.training_step
         sync: Optional[AgreeingOnly] = None
         root = None
@@ -372,7 +249,7 @@ class MicroBatching(Callback):
         elif self.distributed and isinstance(trainer.strategy, DDPStrategy) and is_distributed():
             sync = AgreeingOnly(Agreement(None, model_device(module.parameters())))
         fit = _Fit(module, original, _scaler_of(trainer.precision_plugin), sync, root)
-        fit.model = _Accumulated(module, StepLogs(self.weight, self.reduction))
+        fit.model = ModuleAsModel(module, StepLogs(self.weight, self.reduction))
 
         def training_step(batch: Any, *args: Any, **kwargs: Any) -> Any:
             return self._logical_batch(fit, batch, args, kwargs)
@@ -382,10 +259,10 @@ class MicroBatching(Callback):
         self._wrapped[id(module)] = (training_step, own)
 
     def _unwrap(self, module: "pl.LightningModule") -> None:
-        wrapped, own = self._wrapped.pop(id(module), (None, _NOT_SET))
+        wrapped, own = self._wrapped.pop(id(module), (None, NOT_SET))
         if wrapped is None or module.__dict__.get("training_step") is not wrapped:
             return
-        if own is _NOT_SET:
+        if own is NOT_SET:
             del module.training_step
         else:
             module.training_step = own  # type: ignore[method-assign]
@@ -406,24 +283,24 @@ class MicroBatching(Callback):
                 log.info("MicroBatching runs batches it cannot split whole, as Lightning does (%s)", reason)
             return fit.original(batch, *args, **kwargs)
         model = fit.model
-        step = _MicroBatchStep(fit.original, args, kwargs, model)
+        step = MicroBatchStep(fit.original, args, kwargs, model)
         params: List[torch.Tensor] = [p for p in fit.module.parameters() if p.requires_grad]
         model.returned.clear()
         try:
-            with _micro_batch_region(fit.module, params, model.logs):
+            with micro_batch_region(fit.module, params, model.logs):
                 mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
                 by_mask = self.pack_tokens and isinstance(mask, torch.Tensor) and mask.dim() == 2
                 lengths = _PACKED if packed else "attention_mask" if by_mask else None
                 # FSDP2's strategy each batch: "auto" may have switched to reducing after every micro-batch
                 sync: Optional[GradientSync] = fit.sync if fit.root is None else sync_for(fit.root, self.gradient_sync)
                 options = self.settings.for_model(
-                    model, scaler=fit.scaler, backward=_backward, gradient_sync=sync or self.gradient_sync,
+                    model, scaler=fit.scaler, backward=autograd_backward, gradient_sync=sync or self.gradient_sync,
                     name="MicroBatching", lengths=lengths,
                 )  # fmt: skip
-                sizing = Sizing(self.initial_micro_batch or split.size, self._runner, stats=self.stats)
+                sizing = MicroBatchSizing(self.initial_micro_batch or split.size, self._runner, stats=self.stats)
                 loss = accumulate(step.function(), split, options, sizing)
                 grads = [p.grad for p in params]
-        except _AsReturned as returned:
+        except AsReturned as returned:
             model.logs.clear()
             return returned.output
         except NothingCounted:  # before any forward pass (after them under FSDP2)
@@ -453,7 +330,7 @@ class MicroBatching(Callback):
     def _output(
         self,
         fit: _Fit,
-        step: _MicroBatchStep,
+        step: MicroBatchStep,
         loss: torch.Tensor,
         grads: List[Optional[torch.Tensor]],
         params: List[torch.Tensor],
@@ -477,5 +354,5 @@ class MicroBatching(Callback):
         if self.log_micro_batch and _writes_logs(module.trainer):
             module.log("micro_batch", float(self.stats.micro_batch or 0), on_step=True, on_epoch=False)
         scale = None if fit.scaler is None else fit.scaler.scale(torch.ones((), device=loss.device))
-        result = LogicalBatchLoss.apply(loss, _Gradients(grads, scale), *params)
+        result = LogicalBatchLoss.apply(loss, HeldGradients(grads, scale), *params)
         return result if step.extra is None else {"loss": result, **step.extra}

@@ -26,39 +26,44 @@ import copy
 import dataclasses
 import functools
 import logging
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
 
 import torch
 import transformers
-from transformers.trainer_pt_utils import nested_concat
 from transformers.trainer_utils import unwrap_peft_model
-from transformers.training_args import OptimizerNames
 
-from toma.accumulation.accumulate import AccumulationStats, Sizing, accumulate
+from toma.accumulation.accumulate import AccumulationStats, MicroBatchSizing, accumulate
 from toma.accumulation.options import AccumulationSettings, SettingAttribute, check_flag
 from toma.accumulation.sharded_models import is_fsdp2
-from toma.batching.groups import GroupedBatch, Groups
 from toma.batching.logical import Piece, logical_batch_of
 from toma.batching.packed import PackedBatch, is_packed
-from toma.batching.splitting import map_tensors
-from toma.batching.tokens import restore_order
 from toma.core.arguments import check_size
 from toma.core.caches import GlobalBatchsizeCache
 from toma.core.policy import SizePolicy, check_policy
 from toma.core.runner import Runner
-from toma.core.steps import RangeStep
 from toma.integrations import grpo
 from toma.integrations.local_collectives import local_collectives
 from toma.integrations.trainer_records import TrainerRecords
+from toma.integrations.transformers_chunks import PredictionChunks, held_for_chunks
+from toma.integrations.transformers_setup import OPTIONS as OPTIONS  # the toma_ options, named here as before
+from toma.integrations.transformers_setup import (
+    check_options,
+    check_setup,
+    fsdp2_on,
+    groups_for,
+    say_once,
+    trainer_groups,
+)
 from toma.integrations.transformers_shares import (
     Count,
     LabelCount,
     Shares,
-    check_additive,
     check_weight,
     has_labels,
+    has_mask,
     is_causal_lm,
+    nothing_to_learn,
+    trainer_shares,
 )
 from toma.integrations.trl import known_groups, record_rules, trl_trainer
 from toma.integrations.versions import require
@@ -72,28 +77,9 @@ require("transformers", transformers.__version__, MINIMUM_TRANSFORMERS, "transfo
 
 log = logging.getLogger("toma")
 
-OPTIONS = (
-    "toma_policy",
-    "toma_initial_micro_batch",
-    "toma_weight",
-    "toma_log_micro_batch",
-    "toma_pack_tokens",
-    "toma_gradient_sync",
-    "toma_groups",
-    "toma_split_for_padding",
-)
 
 _NOTHING = object()  # no instance attribute of that name
 _PACKED = "position_ids"  # what a padding-free batch's sequences are found by (or its cu_seq_lens, seq_idx)
-_said: set = set()
-
-
-def _say_once(text: str) -> None:
-    if text not in _said:
-        _said.add(text)
-        log.warning(text)
-
-
 # Type checkers see the mixin as the Trainer it is mixed into; at run time it is a plain class.
 if TYPE_CHECKING:
     _Trainer = transformers.Trainer
@@ -143,17 +129,7 @@ class TomaTrainerMixin(_Trainer):
         toma_split_for_padding: bool = True,
         **kwargs: Any,
     ) -> None:
-        unknown = sorted(name for name in kwargs if name.startswith("toma_"))
-        if unknown:
-            raise TypeError(
-                f"{type(self).__name__} got unknown toma option(s) {', '.join(unknown)}; "
-                f"the options are {', '.join(name + '=' for name in OPTIONS)}"
-            )
-        if not isinstance(self, transformers.Trainer):
-            raise TypeError(
-                f"{type(self).__name__} uses TomaTrainerMixin without transformers.Trainer: "
-                "class MyTrainer(TomaTrainerMixin, transformers.Trainer)"
-            )
+        check_options(self, kwargs)
         given = check_policy(toma_policy, "toma_policy")
         self.toma_initial_micro_batch = (
             WHOLE_BATCHES
@@ -181,7 +157,7 @@ class TomaTrainerMixin(_Trainer):
         self._toma_check_setup()
         if self._toma_trl == "GRPOTrainer":
             grpo.check_grpo(self)
-        self._toma_known_groups = known_groups(self) if self._toma_trl else self._toma_trainer_groups()
+        self._toma_known_groups = known_groups(self) if self._toma_trl else trainer_groups(self)
         self._toma_record_rules = record_rules(self)
         self._toma_trainer_count = LabelCount(self._loss_shifts_labels)
         model = unwrap_peft_model(self.model)
@@ -205,47 +181,12 @@ class TomaTrainerMixin(_Trainer):
 
     @property
     def _toma_fsdp2(self) -> bool:
-        """Whether accelerate shards the model with FSDP2 (`fsdp_config={"fsdp_version": 2}`), which the
-        accumulation handles (`toma.accumulation.sync.AgreeingFSDP2`); FSDP1 it refuses."""
-        plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
-        return bool(self.is_fsdp_enabled) and getattr(plugin, "fsdp_version", 1) == 2
+        """Whether accelerate shards the model with FSDP2, which the accumulation handles; FSDP1 it refuses."""
+        return fsdp2_on(self)
 
     def _toma_check_setup(self) -> None:
         """Setups whose collectives or optimizers run inside a step cannot be split into micro-batches."""
-        refused = [
-            (self.is_deepspeed_enabled, "DeepSpeed (args.deepspeed), which runs its own accumulation"),
-            (
-                self.is_fsdp_enabled and not self._toma_fsdp2,
-                "FSDP1 (args.fsdp without fsdp_version 2), whose collectives run inside each forward pass; FSDP2 "
-                '(fsdp_config={"fsdp_version": 2}) is supported',
-            ),
-            (
-                self.toma_gradient_sync == "micro_batch" and not self._toma_fsdp2,
-                "toma_gradient_sync='micro_batch', which reduce-scatters FSDP2's gradients: FSDP2 is not on "
-                '(fsdp_config={"fsdp_version": 2})',
-            ),
-            (
-                self.args.n_gpu > 1,
-                f"DataParallel over {self.args.n_gpu} GPUs in one process; launch one process per GPU (torchrun)",
-            ),
-            (
-                self.args.optim in (OptimizerNames.LOMO, OptimizerNames.ADALOMO),
-                f"args.optim={OptimizerNames(self.args.optim).value!r}, which updates the weights inside each "
-                "backward pass",
-            ),
-            (self.get_tp_size() > 1, "tensor parallelism, whose collectives run inside each forward pass"),
-            (self.get_cp_size() > 1, "context parallelism, whose collectives run inside each forward pass"),
-            (self.get_sp_size() > 1, "sequence parallelism, whose collectives run inside each forward pass"),
-        ]
-        for refuse, what in refused:
-            if refuse:
-                raise ValueError(f"{type(self).__name__} cannot split batches into micro-batches under {what}")
-        if self.args.auto_find_batch_size:
-            log.warning(
-                "%s with auto_find_batch_size=True: toma handles out-of-memory errors inside each step, so the "
-                "batch size never shrinks; leave auto_find_batch_size off",
-                type(self).__name__,
-            )
+        check_setup(self, self.toma_gradient_sync)
 
     # --- training ------------------------------------------------------------------------------------
 
@@ -267,46 +208,27 @@ class TomaTrainerMixin(_Trainer):
         return self._toma_trainer_count(chunk) if items is None else items
 
     def _toma_shares(self, inputs: Any, batch: Piece, num_items_in_batch: Any) -> Shares:
-        if self._toma_trl == "GRPOTrainer":  # scaled for accumulation by itself; what it averages over, by loss type
+        """Each micro-batch's share of the batch (`toma.integrations.transformers_shares.trainer_shares`); GRPO's by
+        its loss type, which scales for accumulation by itself."""
+        if self._toma_trl == "GRPOTrainer":
             if grpo.summed(self):
                 return Shares(None, None, batch.size, None, 1, summed=True)
             count = self.toma_weight if self.toma_weight is not None else grpo.grpo_shares(self)
             return Shares(count, None if count is None else count(inputs), batch.size, None, 1)
-        declared = self.loss_is_scaled_for_ga
-        if declared is not None:
-            scaled = bool(declared)
-        else:  # the Trainer's own rule: normalised by num_items_in_batch, by the model or compute_loss_func
-            scaled = (
-                self.model_accepts_loss_kwargs and num_items_in_batch is not None
-            ) or self.compute_loss_func is not None
-        divisor = 1 if scaled else int(self.current_gradient_accumulation_steps)
-        if declared is True and num_items_in_batch is None:
-            # Normalised over the window by compute_loss itself, with nothing to scale: the micro-losses add up.
-            return Shares(None, None, batch.size, None, 1, summed=True)
-        count = self._toma_count_for(inputs)
-        if count is None:
-            return Shares(None, None, batch.size, num_items_in_batch, divisor)
-        total = count(inputs)
-        value = float(total)
-        if value > 0:
-            if count is self.toma_weight and not self._toma_weight_checked:
-                check_additive(count, batch, value)
-                self._toma_weight_checked = True
-            return Shares(count, total, batch.size, num_items_in_batch, divisor)
-        if not value == 0:
-            raise ValueError(
-                f"toma_weight must return a count of at least 0, got {value} for a batch of {batch.size} rows"
-            )
-        if count is self.toma_weight and has_labels(inputs):
-            labelled = float(self._toma_model_count(inputs))
-            if labelled > 0:
-                raise ValueError(
-                    f"toma_weight counted 0 items in a batch of {batch.size} rows whose labels hold {labelled:g}: "
-                    "its micro-batches cannot be weighted, and the plain Trainer would train on this batch's loss. "
-                    "toma_weight must return what the batch's loss averages over"
-                )
-        # Nothing to average over (every label -100): shares by rows give the plain Trainer's value all the same.
-        return Shares(None, None, batch.size, num_items_in_batch, divisor)
+        weight, count = self.toma_weight, self._toma_count_for(inputs)
+        shares = trainer_shares(
+            self,
+            inputs,
+            batch,
+            num_items_in_batch,
+            count,
+            self._toma_model_count,
+            weight,
+            not self._toma_weight_checked,
+        )
+        if weight is not None and shares.count is weight:  # seen to add up: checked once
+            self._toma_weight_checked = True
+        return shares
 
     def training_step(
         self, model: torch.nn.Module, inputs: Any, num_items_in_batch: Optional[Any] = None
@@ -325,7 +247,7 @@ class TomaTrainerMixin(_Trainer):
             else:
                 self.__dict__["compute_loss"] = saved
         if not self._toma_reached:
-            _say_once(
+            say_once(
                 f"{type(self).__name__}: its training_step did not reach the Trainer's call of compute_loss, so toma "
                 "did not split its batches into micro-batches"
             )
@@ -353,15 +275,25 @@ class TomaTrainerMixin(_Trainer):
                 f"{type(self).__name__}: accelerate shards with FSDP2 but the model the step gets is "
                 f"{type(model).__name__}, not the fully_shard root; toma holds and reduces the root's units"
             )
-        if self._toma_nothing_to_learn(inputs, num_items_in_batch):
-            _say_once(
+        labelled = self._toma_trl != "GRPOTrainer"  # GRPO's loss averages over no labels
+        if labelled and nothing_to_learn(
+            inputs, num_items_in_batch, self.accelerator.num_processes, self._toma_count_for
+        ):
+            say_once(
                 f"{type(self).__name__}: a batch whose every label is -100 has nothing to learn from: toma skips it "
                 "(no forward or backward pass: it changes nothing, and its loss is logged as 0, not NaN)"
             )
             return torch.zeros((), device=self.args.device).requires_grad_()
+        return self._toma_accumulate(compute, model, inputs, num_items_in_batch)
+
+    def _toma_accumulate(
+        self, compute: Callable[..., Any], model: torch.nn.Module, inputs: Any, num_items_in_batch: Any
+    ) -> torch.Tensor:
+        """The batch as one logical batch through `accumulate`: each micro-batch's `compute_loss` given its share of
+        `num_items_in_batch` and weighted by it, its backward through the accelerator; the records made one."""
         packed = is_packed(inputs)  # cut between its sequences, whatever toma_pack_tokens says: rows cannot cut it
-        groups, checked = self._toma_groups_for(packed)
-        lengths = _PACKED if packed else "attention_mask" if self.toma_pack_tokens and _has_mask(inputs) else None
+        groups, checked = groups_for(packed, self.toma_groups, self._toma_known_groups)
+        lengths = _PACKED if packed else "attention_mask" if self.toma_pack_tokens and has_mask(inputs) else None
         batch = logical_batch_of((inputs,), {}, _PACKED if packed else None, groups, name="inputs")
         shares = dataclasses.replace(self._toma_shares(inputs, batch, num_items_in_batch), groups=groups)
         ranks = self.accelerator.num_processes > 1
@@ -396,48 +328,11 @@ class TomaTrainerMixin(_Trainer):
             # a router's load-balancing loss is not linear in the batch: split only where the batch does not fit
             split_for_padding=self.toma_split_for_padding and not getattr(self, "aux_loss_enabled", False),
         )
-        sizing = Sizing(self.toma_initial_micro_batch, self._toma_training, stats=self.toma_stats)
+        sizing = MicroBatchSizing(self.toma_initial_micro_batch, self._toma_training, stats=self.toma_stats)
         with local_collectives(self.accelerator) if ranks else contextlib.nullcontext():
             loss = accumulate(micro_loss, batch, options, sizing, total=shares.total)
         records.merge()
         return loss.detach().requires_grad_()
-
-    def _toma_nothing_to_learn(self, inputs: Any, num_items_in_batch: Any) -> bool:
-        """Whether a batch's labels count nothing, on every rank where there are several (the Trainer's
-        `num_items_in_batch` counts them all): its loss would be a mean over nothing."""
-        if self._toma_trl == "GRPOTrainer" or not has_labels(inputs):
-            return False
-        if num_items_in_batch is not None:
-            return float(num_items_in_batch) == 0
-        if self.accelerator.num_processes > 1:
-            return False  # the other ranks' items are unknown here: this rank takes part with a loss of 0
-        count = self._toma_count_for(inputs)
-        return count is not None and float(count(inputs)) == 0
-
-    def _toma_trainer_groups(self) -> Tuple[Optional[Groups], bool]:
-        """The plain Trainer's loss is the model's own (a mean or sum over label tokens or rows): rows on their own,
-        known. A `compute_loss` of a subclass or a `compute_loss_func` may relate them: checked."""
-        for cls in type(self).__mro__:
-            if cls is transformers.Trainer:
-                break
-            if "compute_loss" in vars(cls) and not cls.__module__.startswith("toma."):
-                return None, False
-        return ("rows", True) if self.compute_loss_func is None else (None, False)
-
-    def _toma_groups_for(self, packed: bool) -> Tuple[Optional[Groups], bool]:
-        """How the batch's rows belong together (`toma_groups=`, else what toma knows of the trainer), and whether
-        the loss is checked before a batch is split (when that is not known)."""
-        if packed:
-            if self.toma_groups not in (None, "rows"):
-                raise ValueError(
-                    f"toma_groups={self.toma_groups!r} groups rows of a padded batch, but this batch is padding-free "
-                    "(its sequences packed into one row): it is cut between its sequences"
-                )
-            return None, self._toma_known_groups[0] is None
-        if self.toma_groups is not None:
-            return self.toma_groups, False
-        groups, known = self._toma_known_groups
-        return groups, not known
 
     def log(self, logs: dict, *args: Any, **kwargs: Any) -> None:
         """The Trainer's log; with `toma_log_micro_batch`, the micro-batch size and the out-of-memory retries so far
@@ -457,7 +352,8 @@ class TomaTrainerMixin(_Trainer):
         and labels joined; what the steps record per call (TRL's metrics) made one value per batch."""
         predict = super().prediction_step
         packed = is_packed(inputs)
-        groups = self._toma_groups_for(packed)[0]  # DPO's pairs stay together here as in training
+        # DPO's pairs stay together here as in training
+        groups = groups_for(packed, self.toma_groups, self._toma_known_groups)[0]
         if groups == "batch":  # never split: its rows relate to each other
             return predict(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         try:
@@ -477,13 +373,8 @@ class TomaTrainerMixin(_Trainer):
         # Trainer's gathers (its token count across devices) stay: every rank runs them at each chunk's start.
         ranks = self.accelerator.num_processes > 1 and self._toma_trl is not None
         records = TrainerRecords(self, self._toma_record_rules, ranks=ranks)
-        chunks = _PredictionChunks(predict, split, model, prediction_loss_only, ignore_keys, count, summed, records)
-        # FSDP2's forward passes all-gather: held unsharded, a chunk one rank redoes leaves no other waiting
-        held: ContextManager[None] = contextlib.nullcontext()
-        if self._toma_fsdp2 and is_fsdp2(model):
-            from toma.accumulation.fsdp2 import held_unsharded
-
-            held = held_unsharded(model)
+        chunks = PredictionChunks(predict, split, model, prediction_loss_only, ignore_keys, count, summed, records)
+        held = held_for_chunks(model) if self._toma_fsdp2 else contextlib.nullcontext()
         local = local_collectives(self.accelerator) if ranks else contextlib.nullcontext()
         records.begin()
         try:
@@ -494,105 +385,6 @@ class TomaTrainerMixin(_Trainer):
             raise
         records.merge()
         return found
-
-
-def _has_mask(inputs: Any) -> bool:
-    """Whether a batch carries a (rows, width) `attention_mask` to pack its rows by."""
-    mask = inputs.get("attention_mask") if isinstance(inputs, Mapping) else None
-    return isinstance(mask, torch.Tensor) and mask.dim() == 2
-
-
-class _PredictionChunks(RangeStep):
-    """The rows of one evaluation batch in chunks, each through the Trainer's `prediction_step`."""
-
-    size_name = "evaluation chunk size"
-
-    def __init__(
-        self,
-        predict: Callable[..., Tuple[Any, Any, Any]],
-        split: Piece,
-        model: torch.nn.Module,
-        prediction_loss_only: bool,
-        ignore_keys: Optional[List[str]],
-        count: Optional[Count],
-        summed: bool,
-        records: TrainerRecords,
-    ) -> None:
-        super().__init__(self._chunk, 0, split.unit_count, (), {}, name="TomaTrainer.prediction_step")
-        self.predict, self.split, self.model, self.count, self.summed = predict, split, model, count, summed
-        self.loss_only, self.ignore_keys, self.records = prediction_loss_only, ignore_keys, records
-        self.packed = isinstance(split, PackedBatch)  # its chunks' logits and labels join along the row
-        self.grouped = isinstance(split, GroupedBatch)  # its chunks' rows go back to the batch's order
-        # (start, loss, logits, labels, weight, the records' calls before it) per chunk
-        self.chunks: List[Tuple[int, Any, Any, Any, Any, int]] = []
-
-    @property
-    def device(self) -> Optional[torch.device]:
-        return next((p.device for p in self.model.parameters()), None)
-
-    def _chunk(self, start: int, stop: int) -> None:
-        while self.chunks and self.chunks[-1][0] >= start:  # chunks of an attempt the ranks agreed to redo
-            self.records.rewind(self.chunks.pop()[5])
-        ((part,), _) = self.split.arguments(start, stop)
-        weight = self.count(part) if self.count is not None else self.split.rows_between(start, stop)
-        calls = self.records.calls
-        self.records.before_call(part, weight)
-        loss, logits, labels = self.predict(self.model, part, self.loss_only, ignore_keys=self.ignore_keys)
-        self.records.after_call()
-        self.chunks.append((start, loss, logits, labels, weight, calls))
-
-    def joined(self) -> Tuple[Optional[torch.Tensor], Any, Any]:
-        if len(self.chunks) == 1:
-            _, loss, logits, labels, _, _ = self.chunks[0]
-            return loss, logits, labels
-        return self._loss(), self._concatenated(2), self._concatenated(3)
-
-    def _loss(self) -> Optional[torch.Tensor]:
-        """The chunks' losses weighted by their items (chunks with none, a mean over nothing, left out), or
-        added up."""
-        losses = [(chunk[1], 1.0 if self.summed else float(chunk[4])) for chunk in self.chunks if chunk[1] is not None]
-        if not losses:
-            return None
-        total = 1.0 if self.summed else sum(weight for _, weight in losses)
-        if total == 0:  # nothing to average over: the plain Trainer's mean over nothing
-            return losses[0][0]
-        kept = [loss.float() * (weight / total) for loss, weight in losses if weight > 0]
-        return torch.stack(kept).sum().to(losses[0][0].dtype)
-
-    def _concatenated(self, index: int) -> Any:
-        parts = [chunk[index] for chunk in self.chunks if chunk[index] is not None]
-        if not parts:
-            return None
-        if self.packed:  # one row of packed sequences: its chunks' outputs side by side along the row
-            return nested_along_row(parts)
-        joined = parts[0]
-        for part in parts[1:]:
-            joined = nested_concat(joined, part, padding_index=-100)
-        if self.grouped:  # a chunk of groups holds its rows in batch order, chunk after chunk: back to the batch's
-            assert isinstance(self.split, GroupedBatch)
-            order = [row for chunk in self.chunks for row in self.split.row_indices(*self._units(chunk[0]))]
-            back = torch.tensor(restore_order(order), dtype=torch.long)
-            rows = len(order)
-            joined = map_tensors(
-                joined, lambda t: t.index_select(0, back.to(t.device)) if t.dim() and t.shape[0] == rows else t
-            )
-        return joined
-
-    def _units(self, start: int) -> Tuple[int, int]:
-        """The units `[start, stop)` of the chunk that started at `start`."""
-        starts = [chunk[0] for chunk in self.chunks]
-        index = starts.index(start)
-        return start, starts[index + 1] if index + 1 < len(starts) else self.end
-
-
-def nested_along_row(parts: List[Any]) -> Any:
-    """Outputs of a packed row's chunks joined along dim 1 (tensors, also inside tuples and lists)."""
-    first = parts[0]
-    if isinstance(first, torch.Tensor):
-        return torch.cat(parts, dim=1) if first.dim() >= 2 else torch.cat(parts)
-    if isinstance(first, (list, tuple)):
-        return type(first)(nested_along_row([part[i] for part in parts]) for i in range(len(first)))
-    return first
 
 
 class TomaTrainer(TomaTrainerMixin, transformers.Trainer):

@@ -7,9 +7,11 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
+import transformers
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from toma.batching.groups import Groups, grouped_batch
+from toma.batching.logical import Piece
 from toma.batching.packed import PACKED_KEYS, PackedBatch, is_packed
 
 IGNORE_INDEX = -100  # the Trainer's label for a position that is not a target
@@ -80,6 +82,28 @@ def has_labels(inputs: Any) -> bool:
     )
 
 
+def has_mask(inputs: Any) -> bool:
+    """Whether a batch carries a (rows, width) `attention_mask` to pack its rows by."""
+    mask = inputs.get("attention_mask") if isinstance(inputs, Mapping) else None
+    return isinstance(mask, torch.Tensor) and mask.dim() == 2
+
+
+def nothing_to_learn(
+    inputs: Any, num_items_in_batch: Any, ranks: int, count_for: Callable[[Any], Optional[Count]]
+) -> bool:
+    """Whether a batch's labels count nothing, on every rank where there are several (the Trainer's
+    `num_items_in_batch` counts them all): its loss would be a mean over nothing. `count_for(inputs)`: what the
+    loss averages over (None: rows)."""
+    if not has_labels(inputs):
+        return False
+    if num_items_in_batch is not None:
+        return float(num_items_in_batch) == 0
+    if ranks > 1:
+        return False  # the other ranks' items are unknown here: this rank takes part with a loss of 0
+    count = count_for(inputs)
+    return count is not None and float(count(inputs)) == 0
+
+
 def is_causal_lm(model: Any) -> bool:
     """Whether the model's own loss shifts its labels, by the Trainer's label-smoothing rule (a causal language
     model's class, not an encoder-decoder), which a subclass of such a class inherits."""
@@ -117,3 +141,49 @@ def check_additive(weight: Count, batch: Any, total: float) -> None:
             f"to the whole batch's: the two halves of a batch of {batch.size} rows count {counted:g}, the whole "
             f"{total:g}"
         )
+
+
+def trainer_shares(
+    trainer: transformers.Trainer,
+    inputs: Any,
+    batch: Piece,
+    num_items_in_batch: Any,
+    count: Optional[Count],
+    model_count: Count,
+    weight: Optional[Count],
+    check: bool,
+) -> Shares:
+    """The shares of a batch's micro-batches for the Trainer's loss: counted in `count` (None: rows), scaled as the
+    Trainer scales for accumulation; `weight` (`toma_weight=`) checked to add up where `check`, and refused where it
+    counts nothing in a labelled batch (`model_count` the labels' items)."""
+    declared = trainer.loss_is_scaled_for_ga
+    if declared is not None:
+        scaled = bool(declared)
+    else:  # the Trainer's own rule: normalised by num_items_in_batch, by the model or compute_loss_func
+        scaled = (
+            trainer.model_accepts_loss_kwargs and num_items_in_batch is not None
+        ) or trainer.compute_loss_func is not None
+    divisor = 1 if scaled else int(trainer.current_gradient_accumulation_steps)
+    if declared is True and num_items_in_batch is None:
+        # Normalised over the window by compute_loss itself, with nothing to scale: the micro-losses add up.
+        return Shares(None, None, batch.size, None, 1, summed=True)
+    if count is None:
+        return Shares(None, None, batch.size, num_items_in_batch, divisor)
+    total = count(inputs)
+    value = float(total)
+    if value > 0:
+        if count is weight and check:
+            check_additive(count, batch, value)
+        return Shares(count, total, batch.size, num_items_in_batch, divisor)
+    if not value == 0:
+        raise ValueError(f"toma_weight must return a count of at least 0, got {value} for a batch of {batch.size} rows")
+    if count is weight and has_labels(inputs):
+        labelled = float(model_count(inputs))
+        if labelled > 0:
+            raise ValueError(
+                f"toma_weight counted 0 items in a batch of {batch.size} rows whose labels hold {labelled:g}: "
+                "its micro-batches cannot be weighted, and the plain Trainer would train on this batch's loss. "
+                "toma_weight must return what the batch's loss averages over"
+            )
+    # Nothing to average over (every label -100): shares by rows give the plain Trainer's value all the same.
+    return Shares(None, None, batch.size, num_items_in_batch, divisor)

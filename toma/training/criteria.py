@@ -3,13 +3,16 @@ what the loss is normalised by: `nn.CrossEntropyLoss` and `nn.NLLLoss` divide th
 ignore, each counted by its class weight; every other loss, and a criterion given as a plain function, by rows
 (unless `weight=` says otherwise)."""
 
+import dataclasses
 from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn
 from torch.nn.modules.loss import _Loss
 
-__all__ = ["check_criterion", "criterion_weight", "TargetCount"]
+from toma.accumulation.options import AccumulationOptions
+
+__all__ = ["check_criterion", "criterion_weight", "for_criterion", "TargetCount"]
 
 
 # A criterion's own reduction, as the Trainer's `reduction=` calls it: KLDivLoss's "batchmean" is a mean over rows.
@@ -60,3 +63,13 @@ def criterion_weight(loss_fn: Any, reduction: str) -> Optional[Callable[..., Any
     if reduction == "mean" and isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)):
         return TargetCount(loss_fn)
     return None
+
+
+def for_criterion(options: AccumulationOptions, loss_fn: Any, weight_given: bool) -> AccumulationOptions:
+    """A Trainer's options for `loss_fn(model(inputs), targets)`: the criterion's reduction checked, its rows its
+    own (nothing to check before a split), and, without `weight=`, weighted by what its mean divides by."""
+    check_criterion(loss_fn, options.reduction)
+    options = dataclasses.replace(options, check_split=False)
+    if not weight_given:  # what the criterion's mean divides by (its targets), not rows
+        options = dataclasses.replace(options, weight=criterion_weight(loss_fn, options.reduction))
+    return options

@@ -11,13 +11,13 @@ import dataclasses
 import logging
 import math
 import time
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, TextIO, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, Mapping, Optional, Sequence, TextIO, Tuple, Union
 
 import torch
 
-from toma.accumulation.accumulate import AccumulationStats, Sizing, accumulate
+from toma.accumulation.accumulate import AccumulationStats, MicroBatchSizing, accumulate
 from toma.accumulation.options import AccumulationOptions, NothingCounted
-from toma.batching.batches import logical_batches, rows, take, to_device
+from toma.batching.batches import logical_batches, rows, to_device
 from toma.core.arguments import check_size
 from toma.core.caches import GlobalBatchsizeCache
 from toma.core.runner import Runner
@@ -25,8 +25,9 @@ from toma.memory import MemoryHistory
 from toma.memory.backends import backend_for
 from toma.sizing.defaults import ACCUMULATION
 from toma.sizing.policies import SizePolicy, check_policy
-from toma.training.criteria import check_criterion, criterion_weight
-from toma.training.data import WHOLE_BATCHES, EvaluationChunks, call_arguments, logical_batch, rows_per_epoch
+from toma.training.criteria import for_criterion
+from toma.training.data import logical_batch, rows_per_epoch
+from toma.training.evaluation import Evaluation
 from toma.training.history import EpochTally, TrainingHistory
 from toma.training.outputs import (
     METRICS,
@@ -35,7 +36,6 @@ from toma.training.outputs import (
     check_metrics,
     check_scalar,
     default_targets,
-    logits_of,
     loss_of,
 )
 from toma.training.progress import Progress
@@ -116,24 +116,17 @@ class Trainer:
         given = check_policy(policy, "policy")
         check_functions(optimizer, loss_fn, forward, targets)
         if forward is None:
-            check_criterion(loss_fn, self.accumulation.reduction)
-            # loss_fn(model(inputs), targets): a criterion's mean or sum over its rows, nothing to check
-            self.accumulation = dataclasses.replace(self.accumulation, check_split=False)
-            if weight is None:  # what the criterion's mean divides by (its targets), not rows
-                counted = criterion_weight(loss_fn, self.accumulation.reduction)
-                self.accumulation = dataclasses.replace(self.accumulation, weight=counted)
+            self.accumulation = for_criterion(self.accumulation, loss_fn, weight_given=weight is not None)
         self.batch_size = check_size(batch_size, "batch_size")
         self.initial_micro_batch = (
             None if initial_micro_batch is None else check_size(initial_micro_batch, "initial_micro_batch")
         )
         check_run(verbose, callbacks, train_data)
-        self.optimizer, self.loss_fn, self.forward = optimizer, loss_fn, forward
-        self.train_data = train_data
+        self.optimizer, self.loss_fn, self.forward, self.train_data = optimizer, loss_fn, forward, train_data
         self.scaler, self.reduction, self.weight = scaler, self.accumulation.reduction, self.accumulation.weight
         self.targets = targets or default_targets
         self.device = place(self.model, device)
-        self.callbacks = list(callbacks)
-        self.verbose, self.file = verbose, file
+        self.callbacks, self.verbose, self.file = list(callbacks), verbose, file
         self._start_state(given)
 
     def _start_state(self, policy: Optional[SizePolicy]) -> None:
@@ -194,7 +187,7 @@ class Trainer:
         initial = self.initial_micro_batch or self.batch_size
         self.optimizer.zero_grad()
         options = dataclasses.replace(options, name="Trainer.step")
-        sizing = Sizing(initial, self._training, stats=self.stats)
+        sizing = MicroBatchSizing(initial, self._training, stats=self.stats)
         try:
             loss = accumulate(self._micro_batch_loss, logical, options, sizing)
         except NothingCounted as nothing:
@@ -369,35 +362,6 @@ class Trainer:
 
     # --- evaluation ----------------------------------------------------------------------------------
 
-    def _chunks(self, func: Callable[..., None], rows_: int, *args: Any) -> None:
-        """`func(start, stop, *args)` over `[0, rows_)` in chunks that fit (the trainer's evaluation size)."""
-        step = EvaluationChunks(func, 0, rows_, args, {}, name="Trainer.evaluate", device=self.device)
-        self._evaluation.perform(step, WHOLE_BATCHES)
-
-    def _predict_rows(self, start: int, stop: int, inputs: Any, outputs: List[torch.Tensor]) -> None:
-        outputs.append(self.model(to_device(take(inputs, start, stop), self.device, non_blocking=True)))
-
-    def _forward_rows(
-        self, start: int, stop: int, batch: Any, named: Dict[str, Metric], totals: Dict[str, float]
-    ) -> None:
-        part = take(batch, start, stop)
-        count = self._count(part) if self.weight is not None else float(stop - start)
-        if count == 0:
-            return
-        output = self.forward(to_device(part, self.device, non_blocking=True))  # type: ignore[misc]
-        results = {"loss": loss_of(output).detach().float().item() * (count if self.reduction == "mean" else 1)}
-        if named:
-            logits = logits_of(output)
-            targets = to_device(self.targets(part), self.device, non_blocking=True)
-            results.update({name: float(metric(logits, targets)) * count for name, metric in named.items()})
-        # Only a chunk that finished counts: one that runs out of memory half-way is redone whole.
-        for name, value in results.items():
-            totals[name] += value
-        totals["_seen"] += count
-
-    def _count(self, *parts: Any) -> float:
-        return float(self.weight(*parts))  # type: ignore[misc]
-
     def evaluate(
         self, data: Iterable[Any], metrics: Union[None, Mapping[str, Metric], Sequence[Union[str, Metric]]] = None
     ) -> Dict[str, float]:
@@ -406,34 +370,17 @@ class Trainer:
         over rows, or over what `weight` counts. With `forward=`, metrics get the output's logits and the
         batch's targets (`batch["labels"]`, the second of a pair, or `targets(batch)`)."""
         named = check_metrics(metrics)
-        was_training = self.model.training
-        self.model.eval()
-        totals = {"loss": 0.0, **{name: 0.0 for name in named}, "_seen": 0.0}
-        try:
-            with torch.no_grad():
-                for batch in data:
-                    if self.forward is not None:
-                        self._chunks(self._forward_rows, rows(batch), batch, named, totals)
-                        continue
-                    inputs, targets = call_arguments(batch, False)
-                    n = rows(inputs)
-                    count = self._count(inputs, targets) if self.weight is not None else float(n)
-                    outputs: List[torch.Tensor] = []
-                    self._chunks(self._predict_rows, n, inputs, outputs)
-                    output = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
-                    targets = to_device(targets, self.device, non_blocking=True)
-                    loss = check_scalar(self.loss_fn(output, targets), "loss_fn(model(inputs), targets)")  # type: ignore[misc]
-                    if count > 0:
-                        totals["loss"] += loss.item() * (count if self.reduction == "mean" else 1)
-                        for name, metric in named.items():
-                            totals[name] += float(metric(output, targets)) * count
-                    totals["_seen"] += count
-        finally:
-            self.model.train(was_training)
-        seen = totals.pop("_seen")
-        if seen == 0:
-            raise ValueError("data yielded no batches (or nothing to count): there is nothing to evaluate")
-        return {name: total / seen for name, total in totals.items()}
+        evaluation = Evaluation(
+            self.model,
+            self.loss_fn,
+            self.forward,
+            self.targets,
+            self.weight,
+            self.reduction,
+            self.device,
+            self._evaluation,
+        )
+        return evaluation.run(data, named)
 
     # --- memory --------------------------------------------------------------------------------------
 

@@ -1,0 +1,94 @@
+"""`Trainer.evaluate`'s pass over the data: the loss and metrics of each batch, computed in chunks that fit (a range
+step on the trainer's evaluation Runner), averaged over rows or over what `weight` counts."""
+
+import dataclasses
+from typing import Any, Callable, Dict, Iterable, List, Optional
+
+import torch
+
+from toma.batching.batches import rows, take, to_device
+from toma.core.runner import Runner
+from toma.training.data import WHOLE_BATCHES, EvaluationChunks, call_arguments
+from toma.training.outputs import Metric, check_scalar, logits_of, loss_of
+
+__all__ = ["Evaluation"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Evaluation:
+    """What one `Trainer.evaluate` call reads from its trainer: the model and loss, how a batch's rows count, the
+    device, and the Runner that keeps the evaluation chunk size."""
+
+    model: torch.nn.Module
+    loss_fn: Optional[Callable[..., torch.Tensor]]
+    forward: Optional[Callable[[Any], Any]]
+    targets: Callable[[Any], Any]
+    weight: Optional[Callable[..., Any]]
+    reduction: str
+    device: torch.device
+    runner: Runner
+
+    def run(self, data: Iterable[Any], named: Dict[str, Metric]) -> Dict[str, float]:
+        """The loss and the `named` metrics over `data`, without gradients, the model in eval mode for the pass."""
+        was_training = self.model.training
+        self.model.eval()
+        totals = {"loss": 0.0, **{name: 0.0 for name in named}, "_seen": 0.0}
+        try:
+            with torch.no_grad():
+                for batch in data:
+                    if self.forward is not None:
+                        self._chunks(self._forward_rows, rows(batch), batch, named, totals)
+                    else:
+                        self._batch(batch, named, totals)
+        finally:
+            self.model.train(was_training)
+        seen = totals.pop("_seen")
+        if seen == 0:
+            raise ValueError("data yielded no batches (or nothing to count): there is nothing to evaluate")
+        return {name: total / seen for name, total in totals.items()}
+
+    def _batch(self, batch: Any, named: Dict[str, Metric], totals: Dict[str, float]) -> None:
+        """An `(inputs, targets)` batch: the model's outputs in chunks, joined, then the loss and metrics of the
+        whole batch."""
+        inputs, targets = call_arguments(batch, False)
+        n = rows(inputs)
+        count = self._count(inputs, targets) if self.weight is not None else float(n)
+        outputs: List[torch.Tensor] = []
+        self._chunks(self._predict_rows, n, inputs, outputs)
+        output = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+        targets = to_device(targets, self.device, non_blocking=True)
+        loss = check_scalar(self.loss_fn(output, targets), "loss_fn(model(inputs), targets)")  # type: ignore[misc]
+        if count > 0:
+            totals["loss"] += loss.item() * (count if self.reduction == "mean" else 1)
+            for name, metric in named.items():
+                totals[name] += float(metric(output, targets)) * count
+        totals["_seen"] += count
+
+    def _chunks(self, func: Callable[..., None], rows_: int, *args: Any) -> None:
+        """`func(start, stop, *args)` over `[0, rows_)` in chunks that fit (the trainer's evaluation size)."""
+        step = EvaluationChunks(func, 0, rows_, args, {}, name="Trainer.evaluate", device=self.device)
+        self.runner.perform(step, WHOLE_BATCHES)
+
+    def _predict_rows(self, start: int, stop: int, inputs: Any, outputs: List[torch.Tensor]) -> None:
+        outputs.append(self.model(to_device(take(inputs, start, stop), self.device, non_blocking=True)))
+
+    def _forward_rows(
+        self, start: int, stop: int, batch: Any, named: Dict[str, Metric], totals: Dict[str, float]
+    ) -> None:
+        part = take(batch, start, stop)
+        count = self._count(part) if self.weight is not None else float(stop - start)
+        if count == 0:
+            return
+        output = self.forward(to_device(part, self.device, non_blocking=True))  # type: ignore[misc]
+        results = {"loss": loss_of(output).detach().float().item() * (count if self.reduction == "mean" else 1)}
+        if named:
+            logits = logits_of(output)
+            targets = to_device(self.targets(part), self.device, non_blocking=True)
+            results.update({name: float(metric(logits, targets)) * count for name, metric in named.items()})
+        # Only a chunk that finished counts: one that runs out of memory half-way is redone whole.
+        for name, value in results.items():
+            totals[name] += value
+        totals["_seen"] += count
+
+    def _count(self, *parts: Any) -> float:
+        return float(self.weight(*parts))  # type: ignore[misc]
