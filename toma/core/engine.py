@@ -8,6 +8,10 @@ again. Completed steps are never repeated. What the run knows is one `CallState`
 one (a learning policy, ranks that agree, an observer at the start, an out-of-memory error): a plain call that
 fits builds none. Forms, trainers and integrations do not call this module: they enter through
 `toma.core.runner.Runner`.
+
+Errors other than out-of-memory pass through untouched; KeyboardInterrupt is never caught. An out-of-memory
+error at the smallest size the policy allows is re-raised with a note saying so. With an `agreement` the ranks
+of a process group start at the same size, and a step raising AgreedRetry is retried at the agreed size.
 """
 
 from typing import Optional, TypeVar
@@ -116,19 +120,6 @@ def _retry(state: CallState[S], observers: Observers) -> None:
         state.quick, state.device = False, state.step.device
 
 
-def _starting(
-    step: S, entry: Batchsize, policy: SizePolicy, initial_size: int, observers: Observers
-) -> Optional[CallState[S]]:
-    """Tell the observers that want it that a run starts; the run's state where one did (None: nothing built)."""
-    state: Optional[CallState[S]] = None
-    for observer in observers.starters:
-        if observer.wants_start(entry):
-            if state is None:
-                state = CallState(step, entry, policy, initial_size)
-            observer.starting(state)
-    return state
-
-
 def _first_failure(
     state: Optional[CallState[S]], step: S, entry: Batchsize, policy: SizePolicy, initial_size: int, size: int, ran: int
 ) -> CallState[S]:
@@ -150,12 +141,13 @@ def run(
 ) -> Optional[CallState[S]]:
     """Run `step` to completion from `entry`, shrinking its size on out-of-memory errors; returns the run's state,
     or None for a run that fit at once with nothing to learn, agree on or tell (the hot path builds no state).
-
-    Errors other than out-of-memory pass through untouched; KeyboardInterrupt is never caught. An out-of-memory
-    error at the smallest size the policy allows is re-raised with a note saying so. With an `agreement` the
-    ranks of a process group start at the same size, and a step raising AgreedRetry is retried at the agreed size.
-    """
-    state = _starting(step, entry, policy, initial_size, observers)
+    Other errors pass through untouched (KeyboardInterrupt is never caught); see the module's docstring."""
+    state: Optional[CallState[S]] = None
+    for observer in observers.starters:  # inline, not a helper: the hot path pays no call for it
+        if observer.wants_start(entry):
+            if state is None:
+                state = CallState(step, entry, policy, initial_size)
+            observer.starting(state)
     if not isinstance(policy, LearningPolicy):
         quick = agreement is None
     elif agreement is None:
