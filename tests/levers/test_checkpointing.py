@@ -1,0 +1,149 @@
+"""`toma.levers.checkpointing`: activation checkpointing applied to a model and removed again gives the plain
+gradients (dropout too), leaves the model as the user gave it, respects the user's own checkpointing, and under a
+real address-space cap trains a row that does not fit plain."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from toma.levers.checkpointing import ActivationCheckpointing, repeated_blocks
+
+from helpers import run_python
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, dropout: float) -> None:
+        super().__init__()
+        self.linear, self.dropout = nn.Linear(width, width), nn.Dropout(dropout)
+
+    def forward(self, x):
+        return x + self.dropout(torch.tanh(self.linear(x)))
+
+
+class Tower(nn.Module):
+    def __init__(self, width=16, depth=4, dropout=0.0):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(3, width)
+        self.blocks = nn.ModuleList(Block(width, dropout) for _ in range(depth))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def grads(model, x, seed=1):
+    model.zero_grad()
+    torch.manual_seed(seed)
+    model(x).pow(2).mean().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def assert_close(got, expected):
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_checkpointed_blocks_give_the_plain_gradients_and_the_model_is_as_given_after(dropout):
+    model, x = Tower(dropout=dropout), torch.randn(8, 3)
+    plain, keys = grads(model, x), list(model.state_dict())
+    lever = ActivationCheckpointing()
+    assert lever.applies_to(model) and repeated_blocks(model) == list(model.blocks)
+    remove = lever.apply(model)
+    assert not lever.applies_to(model), "on already: applying again changes nothing"
+    assert all("forward" in vars(block) for block in model.blocks)
+    assert_close(grads(model, x), plain)
+    assert list(model.state_dict()) == keys
+    remove()
+    assert all("forward" not in vars(block) for block in model.blocks)
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), Tower(dropout=dropout).eval()(x))
+
+
+def test_a_model_without_repeated_blocks_is_not_touched():
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+    assert not ActivationCheckpointing().applies_to(model)
+    with pytest.raises(ValueError, match="activation checkpointing does not apply"):
+        ActivationCheckpointing().apply(model)
+
+
+def test_an_instances_own_forward_is_put_back():
+    model = Tower()
+    own = model.blocks[1].forward
+    model.blocks[1].forward = lambda x: own(x) * 1.0
+    custom = model.blocks[1].forward
+    ActivationCheckpointing().apply(model)()
+    assert model.blocks[1].forward is custom
+
+
+def test_a_hugging_face_model_uses_its_own_switch_and_the_users_setting_is_respected():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50, n_positions=16)
+    config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 50, (4, 12))
+    model.zero_grad()
+    model(input_ids=ids, labels=ids).loss.backward()
+    plain = [p.grad.clone() for p in model.parameters()]
+    lever = ActivationCheckpointing()
+    remove = lever.apply(model)
+    assert model.is_activation_checkpointing
+    model.zero_grad()
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert_close([p.grad for p in model.parameters()], plain)
+    remove()
+    assert not model.is_activation_checkpointing
+    model.activation_checkpointing_enable()  # the user's own
+    assert not lever.applies_to(model)
+
+
+MEASURE = """
+import json, resource, torch, torch.nn as nn
+torch.set_num_threads(1)
+from toma.memory.cpu import predictable_heap, set_cpu_memory_headroom
+predictable_heap()
+from toma.levers.checkpointing import ActivationCheckpointing
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(256, 1024), nn.Linear(1024, 256)
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+torch.manual_seed(0)
+model = nn.Sequential(*[Block() for _ in range(12)])
+x = torch.randn(4096, 256)
+def step():
+    model.zero_grad(set_to_none=False)
+    model(x).pow(2).mean().backward()
+for p in model.parameters():
+    p.grad = torch.zeros_like(p)
+if LEVER:
+    ActivationCheckpointing().apply(model)
+set_cpu_memory_headroom(HEADROOM)
+try:
+    step()
+    print(json.dumps("fit"))
+except RuntimeError as error:
+    print(json.dumps("out of memory" if "alloc" in str(error) or "memory" in str(error) else repr(error)))
+"""
+
+
+@pytest.mark.slow
+def test_under_a_real_cap_a_row_that_does_not_fit_plain_trains_checkpointed():
+    """12 blocks whose activations (4096 x 1024 floats, 16 MiB each) need about 0.6 GiB plain, and about 0.12 GiB
+    checkpointed: under 0.35 GiB of headroom the plain step runs out of memory and the checkpointed one fits."""
+    outcomes = {}
+    for lever in (False, True):
+        out = run_python(MEASURE.replace("LEVER", str(lever)).replace("HEADROOM", "0.35"), fresh=True)
+        outcomes[lever] = json.loads(out.stdout.strip().splitlines()[-1])
+    assert outcomes == {False: "out of memory", True: "fit"}
