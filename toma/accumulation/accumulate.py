@@ -6,7 +6,7 @@ attempt back and the engine redoes the whole logical batch at a smaller micro-ba
 """
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, NamedTuple, Optional
+from typing import Any, Callable, Hashable, List, NamedTuple, Optional
 
 import torch
 
@@ -56,6 +56,8 @@ class AccumulationStats:
     packing: MicroBatchCost = field(default_factory=MicroBatchCost)
     # whether the loss is what its parts add up to: checked once, on the first split (`toma.accumulation.coupling`)
     split_check: SplitCheck = field(default_factory=SplitCheck)
+    # the memory levers the last call needed (`toma.levers`: activation checkpointing), on from the next call's start
+    levers: List[str] = field(default_factory=list)
 
     @property
     def model(self) -> Any:
@@ -106,12 +108,16 @@ def accumulate(
     )
     state = None
     try:
+        if stats is not None and stats.levers:
+            step.levers.turn_on(stats.levers)  # what the function's earlier calls needed
         initial = step.initial_size(sizing.initial, options.initial_tokens)
         state = runner.drive(step, initial, sizing.context, step.sync.agreement)
     finally:
+        step.levers.turn_off()  # the model as the user gave it
         if stats is not None:
             stats.calls += 1
             stats.oom_retries += max(0, step.attempts - 1)
+            stats.levers = list(step.levers.names)
     if stats is not None:
         stats.micro_batch = step.size
         stats.weight = step.total_weight

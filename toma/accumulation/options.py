@@ -116,6 +116,7 @@ class AccumulationSettings:
     gradient_sync: str = "auto"
     groups: Optional[Groups] = None
     split_for_padding: bool = True
+    levers: bool = True
 
     @classmethod
     def checked(
@@ -130,6 +131,7 @@ class AccumulationSettings:
         gradient_sync: Any = "auto",
         groups: Any = None,
         split_for_padding: Any = True,
+        levers: Any = True,
     ) -> "AccumulationSettings":
         """The settings, each checked with an error naming the argument as the user wrote it (`prefix` + its name:
         `toma_` for `explicit.accumulate` and `TomaTrainer`)."""
@@ -151,6 +153,7 @@ class AccumulationSettings:
             gradient_sync=check_gradient_sync(gradient_sync, f"{prefix}gradient_sync"),
             groups=checked_groups,
             split_for_padding=check_flag(split_for_padding, f"{prefix}split_for_padding"),
+            levers=check_flag(levers, f"{prefix}levers"),
         )
 
     def for_model(self, model: torch.nn.Module, **framework: Any) -> "AccumulationOptions":
@@ -209,6 +212,7 @@ class AccumulationOptions:
     check_split: bool = True
     rollback: Optional[Rollback] = None
     split_for_padding: bool = True
+    levers: bool = True
 
     def as_kwargs(self) -> Dict[str, Any]:
         """The options as `toma.accumulate`'s keywords."""
@@ -221,6 +225,8 @@ class AccumulationOptions:
             kwargs.update(groups=self.groups)
         if not self.split_for_padding:
             kwargs.update(split_for_padding=False)
+        if not self.levers:
+            kwargs.update(levers=False)
         return kwargs
 
     @classmethod

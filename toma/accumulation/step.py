@@ -17,6 +17,7 @@ from toma.accumulation.backward import backward_pass
 from toma.accumulation.coupling import SplitCheck, check_split_once
 from toma.accumulation.diagnostics import hint_whole, loss_error, warn_once_about_batchnorm
 from toma.accumulation.gradients import GradientStash
+from toma.accumulation.levers_in_use import LeversInUse
 from toma.accumulation.misuse import AccumulationMisuse, MisuseWatch
 from toma.accumulation.options import AccumulationOptions
 from toma.accumulation.plan import Arguments, MicroBatchPlan, Weighting
@@ -30,7 +31,7 @@ from toma.accumulation.rollback import (
     buffer_slots,
     is_pending_state,
 )
-from toma.accumulation.sync import GradientSync, model_device, sync_for
+from toma.accumulation.sync import GradientSync, LocalSync, model_device, sync_for
 from toma.batching import transfer
 from toma.batching.groups import GroupedBatch
 from toma.batching.logical import LogicalBatch
@@ -137,6 +138,8 @@ class AccumulateStep(Step):
         self.failing_units: Optional[int] = None  # the units of the micro-batch in flight when an attempt failed
         self.failing_piece: Any = None
         self.grouped = any(isinstance(piece, GroupedBatch) for piece in batch.pieces)
+        # below one unit: memory levers, on this process alone (ranks would have to agree on them)
+        self.levers = LeversInUse(model, options.levers and sync.agreement is None and isinstance(sync, LocalSync))
 
     @property
     def row_items(self) -> float:
@@ -161,7 +164,16 @@ class AccumulateStep(Step):
         own length, a group, a packed sequence), which no smaller size makes any smaller."""
         return (self.tokens is not None or self.grouped) and self.failing_units == 1
 
+    def lighten(self) -> str:
+        """The next memory lever, turned on for the rest of the call (see `toma.accumulation.levers_in_use`)."""
+        return self.levers.next()
+
     def smallest_reason(self) -> str:
+        """What the one unit that did not fit was, and the memory levers tried on it."""
+        reason, tried = self._unit_reason(), ", ".join(self.levers.names)
+        return f"{reason}{'; ' if reason and tried else ''}{tried + ' tried too' if tried else ''}"
+
+    def _unit_reason(self) -> str:
         """What the one unit that did not fit was (a row trimmed to its length, a group, a packed sequence)."""
         if self.failing_units != 1 or not (self.tokens is not None or self.grouped):
             return ""

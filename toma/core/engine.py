@@ -77,6 +77,12 @@ def _own_failure(state: CallState[S], exception: BaseException) -> bool:
     failed = state.step.effective(state.size)
     smaller = state.propose(state.size, failed, exception)
     if smaller is None:
+        lever = state.step.lighten()
+        if lever:  # the same size again, needing less memory: no failure of the size to remember
+            state.failures += 1
+            state.next_size, state.failed = state.size, None
+            state.reason = f"{_first_line(exception)}; the same {state.step.size_name} again with {lever}"
+            return True
         add_note(
             exception,
             f"toma: {state.label()} ran out of memory at the smallest {state.step.size_name} ({failed}); "

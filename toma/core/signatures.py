@@ -104,6 +104,7 @@ class AccumulateOptions(_CachedOptions, total=False):
     gradient_sync: str
     groups: Any
     split_for_padding: bool
+    levers: bool
 
 
 class _Wrapper(Protocol):

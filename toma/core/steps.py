@@ -64,6 +64,11 @@ class Step(ABC):
         gets there ("" where the size says it all)."""
         return ""
 
+    def lighten(self) -> str:
+        """After an out-of-memory error at the smallest size: turn on a way to need less memory at the same size
+        (a memory lever); its name, or "" where the step has none left (then the error is final)."""
+        return ""
+
     def mark(self) -> Any:
         return None
 

@@ -311,14 +311,15 @@ class toma(metaclass=SettingsNamespace):
         gradient_sync: str = "auto",
         groups: Any = None,
         split_for_padding: bool = True,
+        levers: bool = True,
     ) -> Any:
         """`@toma.accumulate(model=model, initial_micro_batch=256)` on a function returning a micro-batch's
-        loss: each call runs forward and backward over the logical batch in micro-batches that fit.
-        `weight(*args, **kwargs)` gives the number of items a micro-batch's mean loss averages over (label
-        tokens, say) when that is not its rows. `lengths=` (a 0/1 mask's name, such as "attention_mask", or a
-        function of the arguments giving each row's length) sorts the rows by length and packs them under a
-        token budget, each micro-batch trimmed to its longest row; the budget starts at `initial_tokens`, or at
-        `initial_micro_batch` rows of the batch's longest. `gradient_sync=` (FSDP2 models): "logical_batch" holds
+        loss: each call runs forward and backward over the logical batch in micro-batches that fit. `weight(*args,
+        **kwargs)` gives the number of items a micro-batch's mean loss averages over (label tokens, say) when that is
+        not its rows. `lengths=` (a 0/1 mask's name, such as "attention_mask", or a function of the arguments giving
+        each row's length) sorts the rows by length and packs them under a token budget, each micro-batch trimmed to
+        its longest row; the budget starts at `initial_tokens`, or at `initial_micro_batch` rows of the batch's
+        longest. `gradient_sync=` (FSDP2 models): "logical_batch" holds
         the unsharded gradients and reduce-scatters once per logical batch, "micro_batch" after every micro-batch
         (less memory, more communication), "auto" the first until even one row does not fit beside them.
         `lengths="position_ids"` (or "cu_seq_lens_q", "seq_idx"): a padding-free batch, cut between its packed
@@ -326,18 +327,12 @@ class toma(metaclass=SettingsNamespace):
         rejected rows; "batch": never split; a function giving each row's group; "rows": each on its own); by
         default each row is its own, which toma checks once, on the first batch it splits. With `lengths=`, a batch
         that fits may still run as several micro-batches where the padding that saves is worth more than a
-        micro-batch costs (measured); `split_for_padding=False` runs a batch that fits whole."""
+        micro-batch costs (measured); `split_for_padding=False` runs a batch that fits whole. A row that does not fit
+        runs with activation checkpointing for the rest of the call (`levers=False`: the error instead)."""
         accumulation = AccumulationOptions.checked(
-            model,
-            reduction=reduction,
-            weight=weight,
-            scaler=scaler,
-            lengths=lengths,
-            initial_tokens=initial_tokens,
-            gradient_sync=gradient_sync,
-            groups=groups,
-            split_for_padding=split_for_padding,
-        )
+            model, reduction=reduction, weight=weight, scaler=scaler, lengths=lengths, initial_tokens=initial_tokens,
+            gradient_sync=gradient_sync, groups=groups, split_for_padding=split_for_padding, levers=levers,
+        )  # fmt: skip
         default = _accumulation_start(initial_micro_batch, accumulation)
         runner = calls(cache_type, context, policy, False, default=ACCUMULATION)
         bind = _accumulation_binding(accumulation, default)

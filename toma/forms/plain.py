@@ -132,6 +132,7 @@ class explicit:
         toma_gradient_sync: str = "auto",
         toma_groups: Any = None,
         toma_split_for_padding: bool = True,
+        toma_levers: bool = True,
         **kwargs: Any,
     ) -> torch.Tensor:
         """Forward and backward `func(*args, **kwargs)` over the logical batch in micro-batches that fit,
@@ -149,6 +150,7 @@ class explicit:
             gradient_sync=toma_gradient_sync,
             groups=toma_groups,
             split_for_padding=toma_split_for_padding,
+            levers=toma_levers,
         )
         initial = check_size(initial_micro_batch, "initial_micro_batch")
         runner = calls(toma_cache_type, toma_context, toma_policy, False, "toma_", ACCUMULATION)
