@@ -113,11 +113,13 @@ def accumulate(
         initial = step.initial_size(sizing.initial, options.initial_tokens)
         state = runner.drive(step, initial, sizing.context, step.sync.agreement)
     finally:
-        step.levers.turn_off()  # the model as the user gave it
+        if step.levers.names:
+            step.levers.turn_off()  # the model as the user gave it
         if stats is not None:
             stats.calls += 1
             stats.oom_retries += max(0, step.attempts - 1)
-            stats.levers = list(step.levers.names)
+            if step.levers.names:
+                stats.levers = list(step.levers.names)
     if stats is not None:
         stats.micro_batch = step.size
         stats.weight = step.total_weight
