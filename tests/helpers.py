@@ -173,3 +173,23 @@ def run_ranks(code: str, world_size: int, timeout: float = 120, check: bool = Tr
 
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+# A 12-block residual MLP whose activations for 4096 tokens (16 MiB per 4096 x 1024 tensor) need about 0.6 GiB
+# in a plain step and about 0.12 GiB with activation checkpointing: the memory levers' real-cap tests.
+CHECKPOINT_TOWER = """
+import torch, torch.nn as nn
+torch.set_num_threads(1)
+from toma.memory.cpu import predictable_heap, set_cpu_memory_headroom
+predictable_heap()
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(256, 1024), nn.Linear(1024, 256)
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+torch.manual_seed(0)
+model = nn.Sequential(*[Block() for _ in range(12)])
+"""

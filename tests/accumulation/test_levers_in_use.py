@@ -12,7 +12,7 @@ from torch import nn
 
 from toma import Halving, NoBatchsizeCache, toma
 
-from helpers import raise_fake_oom, run_python
+from helpers import CHECKPOINT_TOWER, raise_fake_oom, run_python
 
 
 class Tower(nn.Module):
@@ -96,22 +96,11 @@ def test_an_error_that_is_not_out_of_memory_passes_through_and_the_lever_is_off_
     assert calls == [False, True] and not checkpointed(model)
 
 
-UNDER_A_CAP = """
-import json, torch, torch.nn as nn
-torch.set_num_threads(1)
-from toma.memory.cpu import predictable_heap, set_cpu_memory_headroom
-predictable_heap()
+UNDER_A_CAP = (
+    CHECKPOINT_TOWER
+    + """
+import json
 from toma import Halving, toma
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up, self.down = nn.Linear(256, 1024), nn.Linear(1024, 256)
-    def forward(self, x):
-        return x + self.down(torch.nn.functional.gelu(self.up(x)))
-
-torch.manual_seed(0)
-model = nn.Sequential(*[Block() for _ in range(12)])
 x = torch.randn(2, 4096, 256)  # two rows of 4096 tokens: one row's activations need about 0.6 GiB plain
 loss = lambda x: model(x).pow(2).mean()
 loss(x[:1]).backward(); loss(x[1:]).backward()  # the reference, uncapped: the mean of the rows' means
@@ -131,6 +120,7 @@ stats(x)
 worst = max(float((p.grad - e).norm() / e.norm()) for p, e in zip(model.parameters(), expected))
 print(json.dumps([plain, stats.stats.levers, worst, "forward" in vars(model[0])]))
 """
+)
 
 
 @pytest.mark.slow

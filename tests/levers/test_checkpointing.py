@@ -10,7 +10,7 @@ from torch import nn
 
 from toma.levers.checkpointing import ActivationCheckpointing, repeated_blocks
 
-from helpers import run_python
+from helpers import CHECKPOINT_TOWER, run_python
 
 
 class Block(nn.Module):
@@ -105,22 +105,11 @@ def test_a_hugging_face_model_uses_its_own_switch_and_the_users_setting_is_respe
     assert not lever.applies_to(model)
 
 
-MEASURE = """
-import json, resource, torch, torch.nn as nn
-torch.set_num_threads(1)
-from toma.memory.cpu import predictable_heap, set_cpu_memory_headroom
-predictable_heap()
+MEASURE = (
+    CHECKPOINT_TOWER
+    + """
+import json
 from toma.levers.checkpointing import ActivationCheckpointing
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up, self.down = nn.Linear(256, 1024), nn.Linear(1024, 256)
-    def forward(self, x):
-        return x + self.down(torch.nn.functional.gelu(self.up(x)))
-
-torch.manual_seed(0)
-model = nn.Sequential(*[Block() for _ in range(12)])
 x = torch.randn(4096, 256)
 def step():
     model.zero_grad(set_to_none=False)
@@ -136,6 +125,7 @@ try:
 except RuntimeError as error:
     print(json.dumps("out of memory" if "alloc" in str(error) or "memory" in str(error) else repr(error)))
 """
+)
 
 
 @pytest.mark.slow

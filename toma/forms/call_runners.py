@@ -41,5 +41,5 @@ def initial_size(default: Optional[int], override: Any, name: str, override_name
 
 def optional_initial_size(default: Optional[int], override: Any, name: str, override_name: str) -> Optional[int]:
     """The same for a form with a start of its own where neither is given (None: `toma.accumulate` starts at the
-    whole logical batch)."""
+    whole logical batch). `name` is unused: the signature is `initial_size`'s, so a decorator picks either once."""
     return check_size(override, override_name) if override is not None else default
