@@ -10,9 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from toma import Halving, NoBatchsizeCache, toma
+from toma import Halving, NoBatchsizeCache, remember_sizes, toma
+from toma.core.size_file import SizeStore
 
-from helpers import CHECKPOINT_TOWER, raise_fake_oom, run_python
+from helpers import CHECKPOINT_TOWER, raise_fake_oom, run_python, run_ranks
 
 
 class Tower(nn.Module):
@@ -55,16 +56,17 @@ def test_one_row_that_does_not_fit_trains_checkpointed_and_the_next_call_starts_
     model, seen = Tower(), []
     x, y = torch.randn(4, 6), torch.tensor([0, 1, 1, 0])
     compute_loss = toma.accumulate(model=model, initial_micro_batch=2, policy=Halving())(loss_fn(model, seen))
-    compute_loss(x, y)
-    assert seen == [(2, False), (1, False), (1, True), (1, True), (1, True), (1, True)]
-    for got, expected in zip([p.grad for p in model.parameters()], reference(x, y), strict=True):
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
-    assert not checkpointed(model), "the model as the user gave it after the call"
-    assert compute_loss.stats.levers == ["activation checkpointing"] and compute_loss.stats.oom_retries == 2
-    seen.clear()
-    compute_loss(x, y)
-    assert all(on for _, on in seen) and compute_loss.stats.oom_retries == 2, "on from the start: no failure"
-    assert not checkpointed(model)
+    calls = []
+    for _ in range(2):  # one call site: its cache entry remembers the lever with the size
+        seen.clear()
+        model.zero_grad(set_to_none=True)
+        compute_loss(x, y)
+        calls.append((list(seen), compute_loss.stats.oom_retries, checkpointed(model)))
+        for got, expected in zip([p.grad for p in model.parameters()], reference(x, y), strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
+    assert calls[0] == ([(2, False), (1, False), (1, True), (1, True), (1, True), (1, True)], 2, False)
+    assert calls[1] == ([(1, True)] * 4, 2, False), "on from the start: no failure; off after the call"
+    assert compute_loss.stats.levers == ["activation checkpointing"]
 
 
 def test_levers_false_re_raises_the_error_at_one_row():
@@ -129,3 +131,197 @@ def test_under_a_real_cap_a_row_that_fails_plain_trains_checkpointed_to_the_unca
     plain, levers, worst, still_on = json.loads(out.stdout.strip().splitlines()[-1])
     assert plain == "out of memory" and levers == ["activation checkpointing"]
     assert worst < 1e-5 and not still_on
+
+
+def train_once(model, seen, x, y):
+    """A training script's one call site (a new decorated function each time: a process starting again)."""
+    compute_loss = toma.accumulate(model=model, initial_micro_batch=2, policy=Halving())(loss_fn(model, seen))
+    compute_loss(x, y)
+    return compute_loss.stats
+
+
+def test_the_size_file_keeps_the_lever_with_the_size_and_a_restart_starts_with_both(tmp_path):
+    remember_sizes(tmp_path / "sizes.db")
+    try:
+        model, seen, x, y = Tower(), [], torch.randn(4, 6), torch.tensor([0, 1, 1, 0])
+        first = train_once(model, seen, x, y)
+        assert first.oom_retries == 2
+        seen.clear()
+        second = train_once(model, seen, x, y)
+        assert second.oom_retries == 0 and seen == [(1, True)] * 4, "the size and the lever from the file"
+        assert not checkpointed(model)
+    finally:
+        remember_sizes(None)
+
+
+def test_a_size_file_written_before_levers_were_kept_gets_their_column(tmp_path):
+    import sqlite3
+
+    path = tmp_path / "old.db"
+    with sqlite3.connect(path) as old:
+        old.execute(
+            "CREATE TABLE toma_sizes (key TEXT PRIMARY KEY, site TEXT NOT NULL, device TEXT NOT NULL, "
+            "size INTEGER NOT NULL, model TEXT, updated REAL NOT NULL)"
+        )
+        old.execute("INSERT INTO toma_sizes VALUES ('k', 's', 'd', 3, NULL, 0)")
+    store = SizeStore(str(path))
+    assert store.recall("k") == (3, None, ())
+    store.put("k", "s", "d", 2, None, ("activation checkpointing",))
+    assert store.recall("k") == (2, None, ("activation checkpointing",)) and not store.broken
+
+
+def test_under_the_lever_the_micro_batch_grows_above_one_row_again():
+    """Turning a lever on resets what the entry learned without it; FitToMemory then sizes under the lever and,
+    with room measured, grows past the one row at which the lever turned on (up to what the call asks)."""
+    model, seen = Tower(), []
+    x, y = torch.randn(16, 6), torch.randint(0, 2, (16,))
+    compute_loss = toma.accumulate(model=model, initial_micro_batch=8)(loss_fn(model, seen))
+    sizes = []
+    for _ in range(4):
+        seen.clear()
+        compute_loss(x, y)
+        sizes.append(compute_loss.stats.micro_batch)
+    assert sizes[0] == 1 and compute_loss.stats.levers == ["activation checkpointing"]
+    assert sizes[-1] == 8 and all(on for _, on in seen), "grown back to the asked size, the lever on"
+
+
+def test_the_levers_cost_is_measured_against_plain_calls_and_said_once(caplog):
+    model, seen, tight = Tower(), [], []
+
+    def compute_loss(x, y):
+        if torch.is_grad_enabled() and tight and not checkpointed(model):
+            raise_fake_oom()
+        seen.append(checkpointed(model))
+        return F.cross_entropy(model(x), y)
+
+    step = toma.accumulate(model=model, initial_micro_batch=1, policy=Halving())(compute_loss)
+    x, y = torch.randn(4, 6), torch.tensor([0, 1, 1, 0])
+    with caplog.at_level("INFO", logger="toma"):
+        for call in range(4):
+            tight.extend([True] if call == 1 else [])
+            step(x, y)
+    cost = step.stats.lever_cost
+    assert cost.plain_items == 4 and cost.lever_items == 8, "the call that failed first is not timed"
+    assert cost.ratio is not None and cost.ratio > 0
+    said = [r.getMessage() for r in caplog.records if "the time per item" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("toma: with activation checkpointing a step takes")
+
+
+DDP_LEVERS = """
+import json, os
+import torch, torch.distributed as dist, torch.nn as nn, torch.nn.functional as F
+from toma import toma, Halving, StacktraceMemoryBatchsizeCache
+torch.set_num_threads(1)
+StacktraceMemoryBatchsizeCache.TRACK_RAM = False
+dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=60))
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(6, 6), nn.Sequential(*[nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(3)]))
+ddp = nn.parallel.DistributedDataParallel(model)
+x, y = torch.randn(8, 6), torch.randint(0, 6, (8,))
+mine = slice(4 * rank, 4 * rank + 4)
+def checkpointed():
+    return all("forward" in vars(block) for block in model[1])
+seen = []
+@toma.accumulate(model=ddp, initial_micro_batch=2, policy=Halving())
+def compute_loss(x, y):
+    if torch.is_grad_enabled():
+        seen.append([len(x), checkpointed()])
+        if rank == 1 and not checkpointed():  # this rank's one row fits only checkpointed
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+    return F.cross_entropy(ddp(x), y)
+calls = []
+for _ in range(2):
+    ddp.zero_grad(set_to_none=True); seen.clear()
+    compute_loss(x[mine], y[mine])
+    calls.append(dict(seen=list(seen), levers=compute_loss.stats.levers, after=checkpointed()))
+print(json.dumps(dict(calls=calls, grads=[p.grad.tolist() for p in model.parameters()])), flush=True)
+dist.barrier(); dist.destroy_process_group(); os._exit(0)
+"""
+
+
+@pytest.mark.multiprocess
+def test_ddp_ranks_agree_on_the_lever_and_train_the_full_batch():
+    """2 gloo ranks: rank 1's one row does not fit plain; every rank turns checkpointing on together (one agreed
+    retry, `AgreedRetry.lighter`), trains to the full batch's gradients, and the next call starts with it."""
+    outputs = run_ranks(DDP_LEVERS, 2, timeout=120)
+    results = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(6, 6), nn.Sequential(*[nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(3)])
+    )
+    x, y = torch.randn(8, 6), torch.randint(0, 6, (8,))
+    F.cross_entropy(model(x), y).backward()
+    for rank, result in enumerate(results):
+        first, second = result["calls"]
+        assert first["levers"] == ["activation checkpointing"] and not first["after"] and not second["after"]
+        assert first["seen"][-4:] == [[1, True]] * 4 and second["seen"] == [[1, True]] * 4, rank
+        for got, expected in zip(result["grads"], [p.grad for p in model.parameters()], strict=True):
+            torch.testing.assert_close(torch.tensor(got), expected, rtol=1e-5, atol=1e-7)
+
+
+FSDP2_LEVERS = """
+import datetime, json, os
+import torch, torch.distributed as dist, torch.nn as nn, torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
+from toma import Halving, toma, StacktraceMemoryBatchsizeCache
+torch.set_num_threads(1)
+StacktraceMemoryBatchsizeCache.TRACK_RAM = False
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+rank = dist.get_rank()
+def make():
+    torch.manual_seed(0)
+    blocks = nn.Sequential(*[nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True) for _ in range(3)])
+    model = nn.Sequential(nn.Embedding(50, 16), blocks, nn.Linear(16, 50))
+    for block in blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+def loss_of(model, x):
+    return F.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
+generator = torch.Generator().manual_seed(100 + rank)
+steps = [torch.randint(0, 50, (4, 10), generator=generator) for _ in range(2)]
+reference = make()
+optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+for x in steps:
+    optimizer.zero_grad()
+    loss_of(reference, x).backward()
+    optimizer.step()
+expected = [p.full_tensor() for p in reference.parameters()]
+model = make()
+def checkpointed():
+    return all("forward" in vars(block) for block in model[1])
+seen = []
+@toma.accumulate(model=model, initial_micro_batch=2, policy=Halving())
+def compute_loss(x):
+    if torch.is_grad_enabled():
+        seen.append([len(x), checkpointed()])
+        if rank == 1 and not checkpointed():
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+    return loss_of(model, x)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+calls = []
+for x in steps:
+    optimizer.zero_grad(); seen.clear()
+    compute_loss(x)
+    optimizer.step()
+    calls.append(dict(seen=list(seen), levers=compute_loss.stats.levers, after=checkpointed()))
+worst = max(float((p.full_tensor() - e).norm() / e.norm()) for p, e in zip(model.parameters(), expected))
+print(json.dumps(dict(calls=calls, worst=worst)), flush=True)
+dist.barrier(); dist.destroy_process_group(); os._exit(0)
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_fsdp2_ranks_reduce_after_every_micro_batch_then_turn_the_lever_on_together():
+    """2 gloo ranks, `fully_shard` blocks: rank 1's one row does not fit plain. The ranks first agree on the
+    lighter gradient sync (reduce-scatter after every micro-batch), then on checkpointing (composed with
+    `fully_shard`); 2 steps train to the unsplit FSDP2 steps' parameters."""
+    outputs = run_ranks(FSDP2_LEVERS, 2, timeout=180)
+    for rank, out in enumerate(outputs):
+        result = json.loads(out.strip().splitlines()[-1])
+        first, second = result["calls"]
+        assert first["levers"] == ["activation checkpointing"] and not first["after"] and not second["after"]
+        assert second["seen"] == [[1, True]] * 4, rank
+        assert result["worst"] < 1e-5, rank

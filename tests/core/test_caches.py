@@ -317,3 +317,29 @@ def test_a_cache_and_its_entries_pickle_and_copy_with_what_they_learned_and_a_lo
         assert twin.batchsize._lock is not entry._lock and twin._lock is not cache._lock
         twin.get_batchsize(16).shrink_to(2)
         assert entry.value == 4, "the copy learns on its own"
+
+
+def test_a_new_level_keeps_the_levers_with_less_memory_free_and_starts_without_them_with_more(fresh_toma_state):
+    """Memory levers (`toma.levers`) go with the size they were learned with: a level with no more memory free
+    than the nearest one starts with them (and that size); one with more starts without them (the cheaper state
+    first) from the sizes learned without them."""
+    bucket = StacktraceMemoryBatchsizeCache.MEMORY_GRANULARITY
+    cache = StacktraceMemoryBatchsizeCache()
+    cache.STACK_DEPTH = 1
+    gauge = fresh_toma_state
+
+    def lookup(level):
+        gauge.cpu = level * bucket
+        return cache.get_batchsize(64)
+
+    plain = lookup(10)
+    plain.start(64)
+    plain.shrink_to(6)
+    tight = lookup(5)
+    assert tight.start(64) == 6 and tight.levers == ()
+    tight.shrink_to(2)
+    tight.levers = ("activation checkpointing",)  # as the engine leaves it once a lever turned on
+    tighter = lookup(4)
+    assert tighter.levers == ("activation checkpointing",) and tighter.start(64) == 2
+    freer = lookup(7)  # more memory free than the nearest level (5): without levers, seeded from level 10's 6
+    assert freer.levers == () and freer.start(64) == 6

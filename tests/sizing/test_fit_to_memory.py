@@ -941,3 +941,12 @@ def test_a_narrow_margin_lands_with_five_percent_to_spare_far_above_the_measurem
     landing = next(i for i, size in enumerate(sizes) if size >= 0.9 * best)
     assert abs(sizes[landing] - math.floor(0.95 * best)) <= 1, (sizes, best)
     assert abs(sizes[-1] - math.floor(0.98 * best)) <= 1 and sum(o for _, o in results) == 1, (results, best)
+
+
+def test_a_need_per_item_measured_as_nothing_sets_no_bound_instead_of_overflowing():
+    """A tiny model on a heap with room measures 0 bytes per row: the largest size within any budget is
+    infinite, which used to raise OverflowError converting it to rows."""
+    from toma.sizing.settings import UNBOUNDED_ROWS, FitSettings
+
+    assert FitSettings().rows(float("inf"), 4.0) == UNBOUNDED_ROWS
+    assert FitSettings().rows(8.0, 4.0) == 2

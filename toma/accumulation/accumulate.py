@@ -6,6 +6,7 @@ attempt back and the engine redoes the whole logical batch at a smaller micro-ba
 """
 
 from dataclasses import dataclass, field
+from time import perf_counter
 from typing import Any, Callable, Hashable, List, NamedTuple, Optional
 
 import torch
@@ -25,7 +26,9 @@ from toma.accumulation.step import AccumulateStep
 from toma.batching.logical import LogicalBatch
 from toma.batching.micro_batch_cost import MicroBatchCost
 from toma.core.caches import LearnedState
+from toma.core.policy import CallState
 from toma.core.runner import Runner
+from toma.levers.cost import TIMED_CALLS, LeverCost
 
 __all__ = [
     "accumulate",
@@ -56,8 +59,11 @@ class AccumulationStats:
     packing: MicroBatchCost = field(default_factory=MicroBatchCost)
     # whether the loss is what its parts add up to: checked once, on the first split (`toma.accumulation.coupling`)
     split_check: SplitCheck = field(default_factory=SplitCheck)
-    # the memory levers the last call needed (`toma.levers`: activation checkpointing), on from the next call's start
+    # the memory levers the last call ran with (`toma.levers`: activation checkpointing); the cache entry remembers
+    # them with its size, so calls that use it start with them on
     levers: List[str] = field(default_factory=list)
+    # the time per item (row, or token with `lengths=`) with the levers on and without (`toma.levers.cost`)
+    lever_cost: LeverCost = field(default_factory=LeverCost)
 
     @property
     def model(self) -> Any:
@@ -107,22 +113,31 @@ def accumulate(
         SplitCheck() if stats is None else stats.split_check,
     )
     state = None
+    started = perf_counter()
     try:
-        if stats is not None and stats.levers:
-            step.levers.turn_on(stats.levers)  # what the function's earlier calls needed
         initial = step.initial_size(sizing.initial, options.initial_tokens)
         state = runner.drive(step, initial, sizing.context, step.sync.agreement)
     finally:
-        if step.levers.names:
-            step.levers.turn_off()  # the model as the user gave it
+        levers = step.memory_levers.names
+        if levers:
+            step.memory_levers.turn_off()  # the model as the user gave it
         if stats is not None:
             stats.calls += 1
             stats.oom_retries += max(0, step.attempts - 1)
-            if step.levers.names:
-                stats.levers = list(step.levers.names)
+            if levers or stats.levers:
+                stats.levers = list(levers)
     if stats is not None:
-        stats.micro_batch = step.size
-        stats.weight = step.total_weight
-        stats.learned = state.entry.learned if state is not None else None
+        _finished(stats, step, state, perf_counter() - started)
     assert step.result is not None
     return step.result
+
+
+def _finished(stats: AccumulationStats, step: AccumulateStep, state: Optional[CallState[Any]], seconds: float) -> None:
+    """What a call that finished tells its stats; its time where it is among the first that ran once (a failed
+    attempt's time is not the work's) with its levers, or without."""
+    stats.micro_batch = step.size
+    stats.weight = step.total_weight
+    stats.learned = state.entry.learned if state is not None else None
+    cost, levers = stats.lever_cost, step.memory_levers.names
+    if step.attempts == 1 and (cost.lever_calls if levers else cost.plain_calls) < TIMED_CALLS:
+        cost.timed(levers, seconds, step.items)

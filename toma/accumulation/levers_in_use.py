@@ -6,6 +6,8 @@ import logging
 from typing import List, Sequence, Tuple
 
 import torch
+from torch.nn import DataParallel
+from torch.nn.parallel import DistributedDataParallel
 
 from toma.levers.checkpointing import ActivationCheckpointing
 from toma.levers.lever import MemoryLever, Removal
@@ -17,15 +19,29 @@ log = logging.getLogger("toma")
 LEVERS: Tuple[MemoryLever, ...] = (ActivationCheckpointing(),)  # in order of their cost
 
 
+_WRAPPERS = (DistributedDataParallel, DataParallel)
+
+
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside DDP's (or DataParallel's) wrapper: a Hugging Face model's own switch is on it."""
+    while isinstance(model, _WRAPPERS):
+        model = model.module
+    return model
+
+
 class LeversInUse:
     """The levers a call turned on (`names`), with what turns each off."""
 
     __slots__ = ("model", "enabled", "names", "_removals")
 
     def __init__(self, model: torch.nn.Module, enabled: bool) -> None:
-        self.model, self.enabled = model, enabled
+        self.model, self.enabled = _unwrapped(model), enabled
         self.names: List[str] = []
         self._removals: List[Removal] = []
+
+    def has_next(self) -> bool:
+        """Whether a lever not on yet applies to the model (ranks ask before they agree to retry lighter)."""
+        return self.enabled and any(lever.name not in self.names and lever.applies_to(self.model) for lever in LEVERS)
 
     def next(self) -> str:
         """Turn on the cheapest lever not on yet that applies to the model; its name, or "" where none is left."""

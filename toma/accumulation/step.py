@@ -138,8 +138,9 @@ class AccumulateStep(Step):
         self.failing_units: Optional[int] = None  # the units of the micro-batch in flight when an attempt failed
         self.failing_piece: Any = None
         self.grouped = any(isinstance(piece, GroupedBatch) for piece in batch.pieces)
-        # below one unit: memory levers, on this process alone (ranks would have to agree on them)
-        self.levers = LeversInUse(model, options.levers and sync.agreement is None and isinstance(sync, LocalSync))
+        # below one unit: memory levers, on this process alone or on every rank together (by agreement)
+        enabled = options.levers and (sync.agreement is not None or isinstance(sync, LocalSync))
+        self.memory_levers = LeversInUse(model, enabled)
 
     @property
     def row_items(self) -> float:
@@ -148,6 +149,13 @@ class AccumulateStep(Step):
         if self.tokens is not None:
             return float(max(sum(t.numel() for _, t in s.batch.tensors) / s.area for s in self.tokens))
         return float(max(sum(t.numel() for _, t in piece.tensors) / piece.size for piece in self.batch.pieces))
+
+    @property
+    def items(self) -> int:
+        """What the logical batch holds, as the size counts it: rows, or with a token budget its padded area."""
+        if self.tokens is not None:
+            return sum(piece.area for piece in self.tokens)
+        return sum(piece.size for piece in self.batch.pieces)
 
     def initial_size(self, rows: Optional[int], tokens: Optional[int]) -> int:
         """The size a call starts from: `rows` (None: the whole logical batch, its largest piece); with a token
@@ -165,12 +173,20 @@ class AccumulateStep(Step):
         return (self.tokens is not None or self.grouped) and self.failing_units == 1
 
     def lighten(self) -> str:
-        """The next memory lever, turned on for the rest of the call (see `toma.accumulation.levers_in_use`)."""
-        return self.levers.next()
+        """The next memory lever, turned on for the rest of the call (see `toma.accumulation.levers_in_use`);
+        ranks that agree turn levers on together instead, when they agree to retry lighter (`__call__`)."""
+        return self.memory_levers.next() if self.sync.agreement is None else ""
+
+    @property
+    def levers(self) -> Tuple[str, ...]:
+        return tuple(self.memory_levers.names)
+
+    def use_levers(self, names: Tuple[str, ...]) -> None:
+        self.memory_levers.turn_on(names)
 
     def smallest_reason(self) -> str:
         """What the one unit that did not fit was, and the memory levers tried on it."""
-        reason, tried = self._unit_reason(), ", ".join(self.levers.names)
+        reason, tried = self._unit_reason(), ", ".join(self.memory_levers.names)
         return f"{reason}{'; ' if reason and tried else ''}{tried + ' tried too' if tried else ''}"
 
     def _unit_reason(self) -> str:
@@ -212,11 +228,19 @@ class AccumulateStep(Step):
             self.rollbacks.undo()
             self.sync.reset()
             if isinstance(error, AgreedRetry) and error.lighter:
-                self.sync = self.sync.lightened()
+                self._lightened()
             raise
         self.rollbacks.keep()
         self.result = result
         return True
+
+    def _lightened(self) -> None:
+        """Every rank agreed to retry at the smallest size in a way that needs less memory: FSDP2's gradients
+        reduce-scattered after every micro-batch where the sync has that, else the next memory lever."""
+        if self.sync.lighter:
+            self.sync = self.sync.lightened()
+        else:
+            self.memory_levers.next()
 
     def _agreed(self, asked: int, size: int) -> torch.Tensor:
         """The attempt, then, with other ranks, their agreement and the gradients' reduction (this call's only:
@@ -226,7 +250,7 @@ class AccumulateStep(Step):
             result = self._attempt(asked, size)
         else:  # the other ranks told this rank's outcome (the retry restores all); agreements within pass
             attempt = functools.partial(self._attempt, asked, size)
-            lighter = self.sync.lighter
+            lighter = self.sync.lighter or self.memory_levers.has_next()
             result = agreement.reported(attempt, asked, self.policy, lambda: size, lighter=lighter, met_within=True)
         self.sync.reduce(self.params, self.total_weight if self.rank_weighted else None)
         return result

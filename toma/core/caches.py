@@ -72,6 +72,8 @@ class Batchsize(_Unlocked):
     fitted: Optional[int] = field(default=None, init=False, compare=False)
     failed: Optional[int] = field(default=None, init=False, compare=False)
     learned: Optional[LearnedState] = field(default=None, init=False, repr=False, compare=False)
+    # The memory levers (`toma.levers`) the size needs, on from a call's start: what the value was learned with
+    levers: Tuple[str, ...] = field(default=(), init=False, compare=False)
     # Where the size is remembered across runs (toma.core.size_file): None until first used; "" for never.
     store_key: Optional[str] = field(default=None, init=False, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
@@ -228,9 +230,15 @@ class StacktraceMemoryBatchsizeCache(BatchsizeCache):
     def _new_level(self, site: Hashable, level: Tuple[int, int]) -> Batchsize:
         """An entry for a free-memory level the call site has not met, seeded from the levels it has."""
         levels: Dict[Tuple[int, int], Batchsize] = self._levels.get_or_create(site, dict)
-        entry = Batchsize(_seed(levels, level))
-        # A learning policy's state goes with it: its model predicts the size for this level's memory.
-        learned = [e.learned for _, e in sorted(levels.items(), key=lambda item: _distance(item[0], level))]
+        levers = _levers_for(levels, level)
+        if levers:
+            levels_alike = {other: e for other, e in levels.items() if e.levers == levers}
+        else:
+            levels_alike = {other: e for other, e in levels.items() if not e.levers}
+        entry = Batchsize(_seed(levels_alike, level))
+        entry.levers = levers
+        # A learning policy's state goes with it: its model predicts the size for this level's memory (and levers).
+        learned = [e.learned for _, e in sorted(levels_alike.items(), key=lambda item: _distance(item[0], level))]
         state = next((state for state in learned if state is not None), None)
         if state is not None:
             entry.learned = state.fork()
@@ -238,6 +246,15 @@ class StacktraceMemoryBatchsizeCache(BatchsizeCache):
         while len(levels) > self.LEVELS_PER_SITE:
             levels.pop(next(iter(levels)), None)
         return entry
+
+
+def _levers_for(levels: Dict[Tuple[int, int], Batchsize], level: Tuple[int, int]) -> Tuple[str, ...]:
+    """The memory levers a new level starts with: the nearest known level's where this one has no more memory
+    free; none where it has more (memory freed: the cheaper state first, the levers turn on again if needed)."""
+    if not levels:
+        return ()
+    nearest, entry = min(levels.items(), key=lambda item: _distance(item[0], level))
+    return entry.levers if _at_most(level, nearest) else ()
 
 
 def _at_most(a: Tuple[int, int], b: Tuple[int, int]) -> bool:

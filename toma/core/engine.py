@@ -14,7 +14,7 @@ error at the smallest size the policy allows is re-raised with a note saying so.
 of a process group start at the same size, and a step raising AgreedRetry is retried at the agreed size.
 """
 
-from typing import Optional, TypeVar
+from typing import Optional, Tuple, TypeVar
 
 from toma.core import call_sites
 from toma.core.agreement import AgreedRetry, Agreement
@@ -110,11 +110,22 @@ def _agreed(state: CallState[S], retry: AgreedRetry) -> None:
         learner.observed(state)
 
 
+def _levers_changed(state: CallState[S], levers: Tuple[str, ...]) -> None:
+    """A memory lever turned on: the entry remembers it with its size, and what was learned without it (the
+    sizes that fit, failed, a policy's memory model) no longer holds, so sizing starts again under it."""
+    entry = state.entry
+    entry.levers = levers
+    entry.fitted = entry.failed = entry.learned = None
+
+
 def _retry(state: CallState[S], observers: Observers) -> None:
     """After a failed attempt, its traceback gone: the entry's new size and failure, the observers, and the
     memory the attempt left; the next attempt runs at `state.next_size`."""
     next_size = state.next_size
     assert next_size is not None
+    levers = state.step.levers
+    if levers != state.entry.levers:
+        _levers_changed(state, levers)
     state.entry.shrink_to(next_size)
     if state.failed is not None:
         state.entry.record_failure(state.failed)
@@ -145,15 +156,16 @@ def run(
     agreement: Optional[Agreement] = None,
     observers: Observers = OBSERVERS,
 ) -> Optional[CallState[S]]:
-    """Run `step` to completion from `entry`, shrinking its size on out-of-memory errors; returns the run's state,
-    or None for a run that fit at once with nothing to learn, agree on or tell (the hot path builds no state).
-    Other errors pass through untouched (KeyboardInterrupt is never caught); see the module's docstring."""
+    """Run `step` to completion from `entry`, shrinking its size on out-of-memory errors (see the module's docstring);
+    the run's state, or None for a run that fit at once with nothing to learn, agree on or tell (no state built)."""
     state: Optional[CallState[S]] = None
     for observer in observers.starters:  # inline, not a helper: the hot path pays no call for it
         if observer.wants_start(entry):
             if state is None:
                 state = CallState(step, entry, policy, initial_size)
             observer.starting(state)
+    if entry.levers:  # the size was learned with memory levers on: they are on from the start
+        step.use_levers(entry.levers)
     if not isinstance(policy, LearningPolicy):
         quick = agreement is None
     elif agreement is None:

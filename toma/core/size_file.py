@@ -34,9 +34,11 @@ CREATE TABLE IF NOT EXISTS toma_sizes (
     device TEXT NOT NULL,
     size INTEGER NOT NULL,
     model TEXT,
-    updated REAL NOT NULL
+    updated REAL NOT NULL,
+    levers TEXT
 )
 """
+_LEVERS_SEPARATOR = ", "  # between the names of the memory levers a size was learned with
 
 
 class SizeStore:
@@ -55,6 +57,9 @@ class SizeStore:
             connection = sqlite3.connect(self.path, timeout=30, check_same_thread=False, isolation_level=None)
             connection.execute("PRAGMA journal_mode=WAL")
             connection.execute(_SCHEMA)
+            columns = {row[1] for row in connection.execute("PRAGMA table_info(toma_sizes)")}
+            if "levers" not in columns:  # a file written before the levers were kept
+                connection.execute("ALTER TABLE toma_sizes ADD COLUMN levers TEXT")
             self._connection = connection
         return self._connection
 
@@ -63,30 +68,38 @@ class SizeStore:
             self.broken = True
             log.warning("toma: cannot use the size file %s (%s); going on without remembered sizes", self.path, error)
 
-    def recall(self, key: str) -> Optional[Tuple[int, Optional[str]]]:
-        """(size, the policy's model as JSON text or None) remembered under `key` (None: nothing usable)."""
+    def recall(self, key: str) -> Optional[Tuple[int, Optional[str], Tuple[str, ...]]]:
+        """(size, the policy's model as JSON text or None, the memory levers it needs) remembered under `key`
+        (None: nothing usable)."""
         if self.broken:
             return None
         try:
             with self._lock:
-                row = self._connect().execute("SELECT size, model FROM toma_sizes WHERE key = ?", (key,)).fetchone()
+                row = (
+                    self._connect()
+                    .execute("SELECT size, model, levers FROM toma_sizes WHERE key = ?", (key,))
+                    .fetchone()
+                )
         except (sqlite3.Error, OSError) as error:
             self._fail(error)
             return None
         if row is None or not isinstance(row[0], int) or row[0] < 1:
             return None
-        return int(row[0]), row[1] if isinstance(row[1], str) else None
+        levers = tuple(row[2].split(_LEVERS_SEPARATOR)) if isinstance(row[2], str) and row[2] else ()
+        return int(row[0]), row[1] if isinstance(row[1], str) else None, levers
 
-    def put(self, key: str, site: str, device: str, size: int, model: Optional[str] = None) -> None:
+    def put(
+        self, key: str, site: str, device: str, size: int, model: Optional[str] = None, levers: Tuple[str, ...] = ()
+    ) -> None:
         if self.broken:
             return
         try:
             with self._lock:
                 self._connect().execute(
-                    "INSERT INTO toma_sizes (key, site, device, size, model, updated) VALUES (?, ?, ?, ?, ?, ?) "
+                    "INSERT INTO toma_sizes (key, site, device, size, model, updated, levers) VALUES (?, ?, ?, ?, ?, ?, ?) "
                     "ON CONFLICT(key) DO UPDATE SET size = excluded.size, model = excluded.model, "
-                    "updated = excluded.updated",
-                    (key, site, device, int(size), model, time.time()),
+                    "updated = excluded.updated, levers = excluded.levers",
+                    (key, site, device, int(size), model, time.time(), _LEVERS_SEPARATOR.join(levers)),
                 )
         except (sqlite3.Error, OSError) as error:
             self._fail(error)

@@ -45,11 +45,19 @@ class SizeFileObserver(Observer):
         remembered = store.recall(entry.store_key)
         if remembered is None:
             return
-        size, model = remembered
+        size, model, levers = remembered
         entry.set(size)
+        entry.levers = levers
         if model is not None and state.learner is not None:
             state.learner.restore(entry, model)
-        log.info("%s starts at %s %d, remembered in %s", state.label(), state.step.size_name, size, store.path)
+        log.info(
+            "%s starts at %s %d%s, remembered in %s",
+            state.label(),
+            state.step.size_name,
+            size,
+            f" with {', '.join(levers)}" if levers else "",
+            store.path,
+        )
 
     def changed(self, state: CallState[Any], change: str) -> None:
         self._remember(state)
@@ -64,4 +72,4 @@ class SizeFileObserver(Observer):
         key, size = entry.store_key, entry.value
         if store is not None and key and size:
             site, device = key.split(" | ", 1)
-            store.put(key, site, device, size, describe_model(entry.learned))
+            store.put(key, site, device, size, describe_model(entry.learned), entry.levers)

@@ -69,6 +69,14 @@ class Step(ABC):
         (a memory lever); its name, or "" where the step has none left (then the error is final)."""
         return ""
 
+    @property
+    def levers(self) -> Tuple[str, ...]:
+        """The memory levers on for this step (see `lighten`), which the cache entry remembers with its size."""
+        return ()
+
+    def use_levers(self, names: Tuple[str, ...]) -> None:
+        """Turn on, from the start, the levers the cache entry's size was learned with (those the step has)."""
+
     def mark(self) -> Any:
         return None
 

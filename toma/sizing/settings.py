@@ -10,7 +10,9 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["FitSettings", "check_margin"]
+__all__ = ["FitSettings", "check_margin", "UNBOUNDED_ROWS"]
+
+UNBOUNDED_ROWS = 2**30  # the size where measurements set no bound (a call still never runs above what it asks)
 
 
 def check_margin(margin: Any) -> float:
@@ -41,7 +43,10 @@ class FitSettings:
 
     def rows(self, items: float, scale: float) -> int:
         """The rows of `scale` items each that `items` make, at least `minimum`."""
-        return max(self.minimum, int(math.floor(items / scale + 1e-9)))
+        rows = items / scale
+        if not math.isfinite(rows):  # a need per item measured as nothing (the heap had room): no bound from it
+            return UNBOUNDED_ROWS
+        return max(self.minimum, int(math.floor(rows + 1e-9)))
 
     def slower(self, every: int) -> int:
         """The measurement period after a settled size was measured again and kept: twice `every` (0: the
