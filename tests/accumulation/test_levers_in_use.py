@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from toma import Halving, NoBatchsizeCache, remember_sizes, toma
+from toma import Halving, NoBatchsizeCache, toma
 from toma.core.size_file import SizeStore
 
 from helpers import CHECKPOINT_TOWER, raise_fake_oom, run_python, run_ranks
@@ -133,25 +133,26 @@ def test_under_a_real_cap_a_row_that_fails_plain_trains_checkpointed_to_the_unca
     assert worst < 1e-5 and not still_on
 
 
-def train_once(model, seen, x, y):
-    """A training script's one call site (a new decorated function each time: a process starting again)."""
-    compute_loss = toma.accumulate(model=model, initial_micro_batch=2, policy=Halving())(loss_fn(model, seen))
-    compute_loss(x, y)
-    return compute_loss.stats
+RESTARTED = """
+import json, sys
+import torch
+sys.path[:0] = ["tests", "tests/accumulation"]
+from test_levers_in_use import Tower, checkpointed, loss_fn
+from toma import Halving, remember_sizes, toma
+remember_sizes(PATH)
+model, seen = Tower(), []
+compute_loss = toma.accumulate(model=model, initial_micro_batch=2, policy=Halving())(loss_fn(model, seen))
+compute_loss(torch.randn(4, 6), torch.tensor([0, 1, 1, 0]))
+print(json.dumps([compute_loss.stats.oom_retries, seen, checkpointed(model)]))
+"""
 
 
 def test_the_size_file_keeps_the_lever_with_the_size_and_a_restart_starts_with_both(tmp_path):
-    remember_sizes(tmp_path / "sizes.db")
-    try:
-        model, seen, x, y = Tower(), [], torch.randn(4, 6), torch.tensor([0, 1, 1, 0])
-        first = train_once(model, seen, x, y)
-        assert first.oom_retries == 2
-        seen.clear()
-        second = train_once(model, seen, x, y)
-        assert second.oom_retries == 0 and seen == [(1, True)] * 4, "the size and the lever from the file"
-        assert not checkpointed(model)
-    finally:
-        remember_sizes(None)
+    code = RESTARTED.replace("PATH", repr(str(tmp_path / "sizes.db")))
+    first, second = (json.loads(run_python(code).stdout.strip().splitlines()[-1]) for _ in range(2))
+    assert first[0] == 2 and first[1][-4:] == [[1, True]] * 4
+    assert second == [0, [[1, True]] * 4, False], "the size and the lever from the file; off after the call"
+    assert SizeStore(str(tmp_path / "sizes.db")).rows()[0][2] == 1
 
 
 def test_a_size_file_written_before_levers_were_kept_gets_their_column(tmp_path):
