@@ -7,6 +7,7 @@ the user's own `args.activation_checkpointing=True` alone; MicroBatching finds t
 LightningModule."""
 
 import gc
+import json
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import toma
 from toma import Halving
 
-from helpers import raise_fake_oom
+from helpers import CHECKPOINT_TOWER, raise_fake_oom, run_python
 
 RTOL, ATOL = 1e-5, 1e-7
 LEVER = "activation checkpointing"
@@ -269,3 +270,123 @@ def test_micro_batching_throws_the_switch_of_the_hugging_face_model_inside_the_l
     assert [(n, on) for n, on, _ in module.net.seen] == [(1, False)] + [(1, True)] * 16
     assert callback.stats.levers == [LEVER] and not module.net.is_activation_checkpointing
     assert not any("forward" in vars(block) for block in module.net.transformer.h), "its own switch, not blocks"
+
+
+# --- under a real address-space cap (subprocesses) --------------------------------------------------------------
+
+TRAINER_ON_THE_TOWER = (
+    CHECKPOINT_TOWER
+    + """
+import copy, json
+import toma
+x = torch.randn(3, 4096, 256)  # rows of 4096 tokens: one row's activations need about 0.6 GiB plain
+y = torch.zeros(3, 4096, 256)
+reference = copy.deepcopy(model)
+optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+for rows in (slice(0, 2), slice(2, 3)):  # the uncapped reference: two steps, of 2 rows and of 1
+    optimizer.zero_grad()
+    nn.functional.mse_loss(reference(x[rows]), y[rows]).backward()
+    optimizer.step()
+reference.eval()
+with torch.no_grad():
+    expected = reference(x[:1])
+set_cpu_memory_headroom(0.35)
+plain = "fit"
+try:
+    nn.functional.mse_loss(model(x[:1]), y[:1]).backward()
+except RuntimeError:
+    plain = "out of memory"
+model.zero_grad(set_to_none=True)
+trainer = toma.Trainer(
+    model, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss(), [(x, y)], batch_size=2, policy=toma.Halving(),
+    verbose=0, groups="rows",
+)
+trainer.fit(1)
+worst = max(float((p - q).norm() / q.norm()) for p, q in zip(model.parameters(), reference.parameters()))
+model.eval()
+with torch.no_grad():
+    answer = float((model(x[:1]) - expected).norm() / expected.norm())
+on = any("forward" in vars(block) for block in model)
+print(json.dumps([plain, trainer.stats.levers, trainer.oom_retries, worst, answer, on]))
+"""
+)
+
+
+@pytest.mark.slow
+def test_under_a_real_cap_the_trainer_trains_the_tower_checkpointed_to_the_uncapped_reference():
+    """`toma.Trainer` on a ModuleList-like tower (12 blocks, rows of 4096 tokens of width 256): under 0.35 GiB of
+    headroom one row fails plain (it needs about 0.6 GiB) and fits checkpointed; two steps (2 rows, then 1: the
+    second starts with the lever on, so only the first step's two failed attempts count) train to the uncapped
+    reference, and afterwards the model answers a plain forward as the reference does, its blocks as given."""
+    out = run_python(TRAINER_ON_THE_TOWER, fresh=True, timeout=300)
+    plain, levers, retries, worst, answer, on = json.loads(out.stdout.strip().splitlines()[-1])
+    assert plain == "out of memory" and levers == [LEVER] and retries == 2
+    assert worst < 1e-5 and answer < 1e-5 and not on
+
+
+TOMA_TRAINER_ON_GPT2 = """
+import json, tempfile, torch
+torch.set_num_threads(1)
+from toma.memory.cpu import predictable_heap, set_cpu_memory_headroom
+predictable_heap()
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from toma import Halving
+from toma.integrations.transformers import TomaTrainer
+
+SEQUENCE = 1536
+def gpt2():
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=100, n_positions=SEQUENCE, n_embd=128, n_layer=8, n_head=4, bos_token_id=0, eos_token_id=0,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager", use_cache=False,
+    )
+    return GPT2LMHeadModel(config)
+ids = torch.randint(1, 100, (2, SEQUENCE), generator=torch.Generator().manual_seed(1))
+rows = [{"input_ids": row} for row in ids]
+def collate(batch):
+    stacked = torch.stack([row["input_ids"] for row in batch])
+    return {"input_ids": stacked, "attention_mask": torch.ones_like(stacked), "labels": stacked.clone()}
+def run(cls, model, output, **options):
+    args = TrainingArguments(
+        output_dir=output, max_grad_norm=0.0, per_device_train_batch_size=2, max_steps=1, learning_rate=0.5,
+        optim="sgd", report_to=[], use_cpu=True, bf16=False, save_strategy="no", seed=0, disable_tqdm=True,
+    )
+    trainer = cls(model=model, args=args, train_dataset=rows, data_collator=collate, **options)
+    return trainer
+with tempfile.TemporaryDirectory() as output:
+    reference = gpt2()
+    run(Trainer, reference, output).train()  # uncapped
+    reference.eval()
+    with torch.no_grad():
+        expected = reference(input_ids=ids[:1]).logits
+    model = gpt2()
+    trainer = run(TomaTrainer, model, output, toma_policy=Halving(), toma_pack_tokens=False)
+    set_cpu_memory_headroom(0.35)
+    plain = "fit"
+    try:
+        model(input_ids=ids[:1], labels=ids[:1]).loss.backward()
+    except RuntimeError:
+        plain = "out of memory"
+    model.zero_grad(set_to_none=True)
+    trainer.train()
+worst = max(float((p - q).norm() / q.norm()) for p, q in zip(model.parameters(), reference.parameters()))
+model.eval()
+with torch.no_grad():
+    answer = float((model(input_ids=ids[:1]).logits - expected).norm() / expected.norm())
+stats = trainer.toma_stats
+print(json.dumps([plain, stats.levers, stats.oom_retries, worst, answer, model.is_activation_checkpointing]))
+"""
+
+
+@pytest.mark.slow
+def test_under_a_real_cap_toma_trainer_trains_gpt2_checkpointed_to_the_uncapped_reference():
+    """`TomaTrainer` on GPT-2 from a config (8 layers, width 128, 4 heads, eager attention, dropout 0) with rows of
+    1536 tokens: one row needs between 0.5 and 0.6 GiB plain (the attention weights of every layer kept for the
+    backward pass) and between 0.15 and 0.2 GiB checkpointed (measured by capping a single row's step), so under
+    0.35 GiB of headroom one row fails plain and fits with the model's own switch. One step of 2 rows trains to
+    the plain Trainer's uncapped parameters; afterwards the switch is off and a plain forward answers as the
+    reference does."""
+    out = run_python(TOMA_TRAINER_ON_GPT2, fresh=True, timeout=300)
+    plain, levers, retries, worst, answer, on = json.loads(out.stdout.strip().splitlines()[-1])
+    assert plain == "out of memory" and levers == [LEVER] and retries == 2
+    assert worst < 1e-5 and answer < 1e-5 and not on
