@@ -390,3 +390,64 @@ def test_under_a_real_cap_toma_trainer_trains_gpt2_checkpointed_to_the_uncapped_
     plain, levers, retries, worst, answer, on = json.loads(out.stdout.strip().splitlines()[-1])
     assert plain == "out of memory" and levers == [LEVER] and retries == 2
     assert worst < 1e-5 and answer < 1e-5 and not on
+
+
+MICRO_BATCHING_ON_THE_TOWER = (
+    CHECKPOINT_TOWER
+    + """
+import copy, json
+import lightning.pytorch as pl
+from toma import Halving
+from toma.integrations.lightning import MicroBatching
+x = torch.randn(2, 4096, 256)  # rows of 4096 tokens: one row's activations need about 0.6 GiB plain
+reference = copy.deepcopy(model)
+reference(x).pow(2).mean().backward()  # the uncapped reference: one step of SGD
+with torch.no_grad():
+    for p in reference.parameters():
+        p -= 0.1 * p.grad
+reference.eval()
+with torch.no_grad():
+    expected = reference(x[:1])
+
+class Module(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.tower = model
+    def training_step(self, batch, batch_idx):
+        return self.tower(batch[0]).pow(2).mean()
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+module, callback = Module(), MicroBatching(policy=Halving(), groups="rows")
+trainer = pl.Trainer(
+    max_steps=1, callbacks=[callback], accelerator="cpu", logger=False, enable_progress_bar=False,
+    enable_model_summary=False, enable_checkpointing=False,
+)
+loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=2)
+set_cpu_memory_headroom(0.35)
+plain = "fit"
+try:
+    model(x[:1]).pow(2).mean().backward()
+except RuntimeError:
+    plain = "out of memory"
+model.zero_grad(set_to_none=True)
+trainer.fit(module, loader)
+worst = max(float((p - q).norm() / q.norm()) for p, q in zip(model.parameters(), reference.parameters()))
+model.eval()
+with torch.no_grad():
+    answer = float((model(x[:1]) - expected).norm() / expected.norm())
+on = any("forward" in vars(block) for block in model)
+print(json.dumps([plain, callback.stats.levers, callback.stats.oom_retries, worst, answer, on]))
+"""
+)
+
+
+@pytest.mark.slow
+def test_under_a_real_cap_micro_batching_trains_the_tower_inside_a_lightning_module_to_the_uncapped_reference():
+    """`MicroBatching` on a LightningModule holding the tower: under 0.35 GiB of headroom (set after Lightning's
+    Trainer is made; its fit adds little beside the rows) one row fails plain and the step trains checkpointed to
+    the uncapped reference; afterwards the blocks are as given and a plain forward answers as the reference's."""
+    out = run_python(MICRO_BATCHING_ON_THE_TOWER, fresh=True, timeout=300)
+    plain, levers, retries, worst, answer, on = json.loads(out.stdout.strip().splitlines()[-1])
+    assert plain == "out of memory" and levers == [LEVER] and retries == 2
+    assert worst < 1e-5 and answer < 1e-5 and not on
