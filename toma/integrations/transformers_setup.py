@@ -8,7 +8,7 @@ import transformers
 from transformers.training_args import OptimizerNames
 
 from toma.batching.groups import Groups
-from toma.levers.checkpointing import checkpoint_with, hugging_face_model
+from toma.levers.checkpointing import checkpoint_with
 
 __all__ = [
     "OPTIONS",
@@ -68,9 +68,8 @@ def checkpoint_as_the_trainer(trainer: transformers.Trainer) -> None:
     kwargs = getattr(args, "activation_checkpointing_kwargs", None) or getattr(
         args, "gradient_checkpointing_kwargs", None
     )
-    model = None if trainer.model is None else hugging_face_model(trainer.model)  # the one the lever finds
-    if model is not None:
-        checkpoint_with(model, kwargs if isinstance(kwargs, dict) else None)
+    if trainer.model is not None:
+        checkpoint_with(trainer.model, kwargs if isinstance(kwargs, dict) else None)
 
 
 def fsdp2_on(trainer: transformers.Trainer) -> bool:

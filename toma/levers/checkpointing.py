@@ -45,13 +45,16 @@ def hugging_face_model(model: torch.nn.Module) -> Optional[torch.nn.Module]:
 
 
 def checkpoint_with(model: torch.nn.Module, kwargs: Optional[Mapping[str, Any]]) -> None:
-    """How the lever throws Hugging Face `model`'s switch: with `kwargs` as a Trainer's
-    `activation_checkpointing_kwargs` name them (`every_n_layers`, `offload`; the rest reach
+    """How the lever throws the switch of `model`'s Hugging Face model (`hugging_face_model`): with `kwargs` as a
+    Trainer's `activation_checkpointing_kwargs` name them (`every_n_layers`, `offload`; the rest reach
     `torch.utils.checkpoint`, `use_reentrant=False` unless they say otherwise); None: the default."""
-    if kwargs:
-        _SWITCH_KWARGS[model] = dict(kwargs)
-    else:
-        _SWITCH_KWARGS.pop(model, None)
+    if not kwargs and not _SWITCH_KWARGS:
+        return  # nothing to say, nothing said before: no walk over the modules
+    hugging_face = hugging_face_model(model)
+    if hugging_face is not None and kwargs:
+        _SWITCH_KWARGS[hugging_face] = dict(kwargs)
+    elif hugging_face is not None:
+        _SWITCH_KWARGS.pop(hugging_face, None)
 
 
 def _switch(model: torch.nn.Module) -> str:
