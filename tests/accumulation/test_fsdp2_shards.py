@@ -60,7 +60,7 @@ def test_an_oom_at_the_smallest_size_with_a_lighter_way_makes_every_rank_retry_a
     oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
     agreement, proposed = _agreement(LIGHTER)
     with pytest.raises(AgreedRetry) as retry:
-        agreement.after_attempt(1, oom, Halving(), lighter=True)
+        agreement.after_attempt(1, oom, Halving(), lighter=lambda: True)
     assert proposed == [LIGHTER] and retry.value.size == 1 and retry.value.lighter
     # the other rank, which finished, retries with it
     other, _ = _agreement(LIGHTER, rank=1)
@@ -80,11 +80,11 @@ def test_an_oom_above_the_smallest_size_shrinks_first_and_another_ranks_bug_beat
     oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
     agreement, proposed = _agreement(2)
     with pytest.raises(AgreedRetry) as retry:
-        agreement.after_attempt(4, oom, Halving(), lighter=True)
+        agreement.after_attempt(4, oom, Halving(), lighter=lambda: True)
     assert proposed == [2] and not retry.value.lighter
     agreement, _ = _agreement(-(1 + 1))  # rank 1 failed with an error that is not out of memory
     with pytest.raises(RankFailed, match="rank 1 failed with an error that is not out of memory"):
-        agreement.after_attempt(1, oom, Halving(), lighter=True)
+        agreement.after_attempt(1, oom, Halving(), lighter=lambda: True)
 
 
 def test_before_an_attempt_the_ranks_agree_on_the_most_micro_batches_or_follow_a_rank_that_failed():

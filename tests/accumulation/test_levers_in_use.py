@@ -326,3 +326,42 @@ def test_fsdp2_ranks_reduce_after_every_micro_batch_then_turn_the_lever_on_toget
         assert first["levers"] == ["activation checkpointing"] and not first["after"] and not second["after"]
         assert second["seen"] == [[1, True]] * 4, rank
         assert result["worst"] < 1e-5, rank
+
+
+class DropoutTower(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(6, 6), nn.Dropout(0.3), nn.Tanh()) for _ in range(3))
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_with_dropout_the_levered_batch_draws_what_the_plain_one_draws():
+    """The reference runs the same micro-batches plain from the same seed: the failed plain attempt's draws are
+    rolled back, and checkpointing recomputes with the random state it saved, so the gradients are equal."""
+    x, y = torch.randn(4, 6), torch.tensor([0, 1, 1, 0])
+    results = []
+    for tight in (False, True):
+        model = DropoutTower()
+
+        def compute_loss(x, y, model=model, tight=tight):
+            out = model(x)  # the failed attempt draws its dropout masks before it runs out of memory
+            if tight and torch.is_grad_enabled() and not checkpointed(model):
+                raise_fake_oom()
+            return F.cross_entropy(out, y)
+
+        decorated = toma.accumulate(model=model, initial_micro_batch=1, cache_type=NoBatchsizeCache, groups="rows")(
+            compute_loss
+        )
+        torch.manual_seed(7)
+        decorated(x, y)
+        results.append(([p.grad.clone() for p in model.parameters()], decorated.stats.levers))
+    (plain, none), (levered, levers) = results
+    assert none == [] and levers == ["activation checkpointing"]
+    for got, expected in zip(levered, plain, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)

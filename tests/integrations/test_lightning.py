@@ -951,7 +951,7 @@ def test_every_option_given_to_micro_batching_reaches_each_steps_accumulation(mo
     policy = Halving()
     callback = MicroBatching(
         initial_micro_batch=8, policy=policy, reduction="sum", distributed=False, pack_tokens=False,
-        gradient_sync="logical_batch", groups="pairs", split_for_padding=False,
+        gradient_sync="logical_batch", groups="pairs", split_for_padding=False, levers=False,
     )  # fmt: skip
     fit(Classifier(), [callback], steps=2)
     weighted = MicroBatching(weight=lambda batch: len(batch[1]))
@@ -959,7 +959,10 @@ def test_every_option_given_to_micro_batching_reaches_each_steps_accumulation(mo
     assert len(seen) == 3
     for options, sizing in seen[:2]:
         assert options.reduction == "sum" and options.groups == "pairs" and options.split_for_padding is False
-        assert options.lengths is None and options.check_split is False
+        assert options.lengths is None and options.check_split is False and options.levers is False
         assert sizing.initial == 8 and sizing.runner.policy is policy
     assert callback.gradient_sync == "logical_batch" and callback.settings.gradient_sync == "logical_batch"
     assert seen[2][0].weight is weighted.weight and seen[2][0].reduction == "mean" and seen[2][0].check_split
+    assert seen[2][0].levers is True and callback.levers is False
+    with pytest.raises(TypeError, match="levers must be True or False"):
+        callback.levers = 1

@@ -1049,17 +1049,19 @@ def test_every_toma_option_given_to_the_trainer_reaches_each_steps_accumulation(
     policy = Halving()
     options = dict(
         toma_policy=policy, toma_initial_micro_batch=4, toma_gradient_sync="logical_batch", toma_groups="rows",
-        toma_split_for_padding=False, toma_pack_tokens=True,
+        toma_split_for_padding=False, toma_pack_tokens=True, toma_levers=False,
     )  # fmt: skip
     _, trainer, _ = train(TomaTrainer, tmp_path, options=options, rows=False, max_steps=2)
-    assert len(seen) == 2
+    assert len(seen) == 2 and trainer.toma_levers is False
     for accumulation, sizing in seen:
         assert accumulation.gradient_sync == "logical_batch" and accumulation.groups == "rows"
+        assert accumulation.levers is False
         assert accumulation.split_for_padding is False and accumulation.lengths == "attention_mask"
         assert sizing.initial == 4 and sizing.runner.policy is policy
     for name, value, error in [
         ("toma_groups", "triples", "toma_groups must be"),
         ("toma_split_for_padding", 1, "toma_split_for_padding must be True or False"),
+        ("toma_levers", "off", "toma_levers must be True or False"),
         ("toma_pack_tokens", "yes", "toma_pack_tokens must be True or False"),
     ]:
         with pytest.raises((TypeError, ValueError), match=error):

@@ -101,8 +101,41 @@ def test_a_hugging_face_model_uses_its_own_switch_and_the_users_setting_is_respe
     assert_close([p.grad for p in model.parameters()], plain)
     remove()
     assert not model.is_activation_checkpointing
+    assert not getattr(model, "_require_grads_hooks", None), "the input embeddings' hook removed with it"
     model.activation_checkpointing_enable()  # the user's own
     assert not lever.applies_to(model)
+
+
+def gpt2_layers(layers=4):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=layers, n_embd=32, n_head=2, vocab_size=50, n_positions=16)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def test_a_hugging_face_model_inside_a_module_is_switched_with_the_keywords_given_for_it():
+    """A LightningModule's (or a wrapper's) Hugging Face model: its own switch, not its blocks; thrown with the
+    keywords a trainer's `activation_checkpointing_kwargs` name (`checkpoint_with`), `use_reentrant=False` kept."""
+    from toma.levers.checkpointing import checkpoint_with, hugging_face_model
+
+    model = gpt2_layers()
+    holder = nn.ModuleDict({"net": model, "extra": nn.Linear(2, 2)})
+    assert hugging_face_model(holder) is model and hugging_face_model(Tower()) is None
+    checkpoint_with(model, {"every_n_layers": 2, "preserve_rng_state": False})
+    lever = ActivationCheckpointing()
+    assert lever.applies_to(holder)
+    remove = lever.apply(holder)
+    on = [layer.gradient_checkpointing for layer in model.transformer.h]
+    assert on == [True, False, True, False], "every second layer, as every_n_layers=2 says"
+    func = model.transformer.h[0]._gradient_checkpointing_func
+    assert func.keywords == {"use_reentrant": False, "preserve_rng_state": False}
+    assert not any("forward" in vars(block) for block in model.transformer.h), "no block lever beside it"
+    remove()
+    assert not model.is_activation_checkpointing
+    checkpoint_with(model, None)
+    remove = lever.apply(holder)
+    assert model.transformer.h[0]._gradient_checkpointing_func.keywords == {"use_reentrant": False}
+    remove()
 
 
 MEASURE = (

@@ -835,12 +835,12 @@ def test_every_option_given_to_the_trainer_reaches_each_steps_accumulation(monke
     trainer = Trainer(
         model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), data, batch_size=8,
         initial_micro_batch=4, verbose=0, policy=policy, weight=counted, scaler=scaler,
-        gradient_sync="logical_batch", groups="pairs", split_for_padding=False,
+        gradient_sync="logical_batch", groups="pairs", split_for_padding=False, levers=False,
     )  # fmt: skip
     trainer.fit(1)
     assert len(seen) == 2
     for options, sizing in seen:
         assert options.model is model and options.reduction == "mean" and options.weight is counted
         assert options.scaler is scaler and options.gradient_sync == "logical_batch" and options.groups == "pairs"
-        assert options.split_for_padding is False and options.check_split is False
+        assert options.split_for_padding is False and options.check_split is False and options.levers is False
         assert sizing.initial == 4 and sizing.runner.policy is policy

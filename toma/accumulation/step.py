@@ -234,6 +234,10 @@ class AccumulateStep(Step):
         self.result = result
         return True
 
+    def _has_lighter(self) -> bool:
+        """Whether the ranks may retry at the smallest size in a way that needs less memory (see `_lightened`)."""
+        return self.sync.lighter or self.memory_levers.has_next()
+
     def _lightened(self) -> None:
         """Every rank agreed to retry at the smallest size in a way that needs less memory: FSDP2's gradients
         reduce-scattered after every micro-batch where the sync has that, else the next memory lever."""
@@ -250,8 +254,9 @@ class AccumulateStep(Step):
             result = self._attempt(asked, size)
         else:  # the other ranks told this rank's outcome (the retry restores all); agreements within pass
             attempt = functools.partial(self._attempt, asked, size)
-            lighter = self.sync.lighter or self.memory_levers.has_next()
-            result = agreement.reported(attempt, asked, self.policy, lambda: size, lighter=lighter, met_within=True)
+            result = agreement.reported(
+                attempt, asked, self.policy, lambda: size, lighter=self._has_lighter, met_within=True
+            )
         self.sync.reduce(self.params, self.total_weight if self.rank_weighted else None)
         return result
 

@@ -48,6 +48,10 @@ _COUNTS = 2**40  # FINISHED - n, for a count n below this, also means every rank
 LIGHTER = 0  # below every size, above every stop: all retry at the same size in the lighter way
 
 
+def _NO_LIGHTER() -> bool:
+    return False
+
+
 class RankFailed(ControlException):
     """Raised on the ranks that did not fail when another rank stopped the logical batch. Deliberately not a
     RuntimeError, and a control exception: its message and cause may be an out-of-memory error, and it must
@@ -126,14 +130,15 @@ class Agreement:
         error: Optional[BaseException],
         policy: SizePolicy,
         failed: Optional[int] = None,
-        lighter: bool = False,
+        lighter: Callable[[], bool] = _NO_LIGHTER,
     ) -> None:
         """Called on every rank after every attempt at `size`, inside the `except` block that caught `error`
         (None when the attempt finished; `failed`: the work that ran out of memory, when less than `size`).
         Returns when all finished, or when this rank's own `error` is the one to re-raise; raises AgreedRetry
         when all must redo the attempt, RankFailed when another rank failed. `lighter`: the step has a way to
         need less memory at the same size; an out-of-memory error at the smallest size then makes every rank
-        retry at `size` that way (`AgreedRetry.lighter`) instead of stopping."""
+        retry at `size` that way (`AgreedRetry.lighter`) instead of stopping (asked only then: it may cost a walk over
+        the model)."""
         oom = error is not None and should_reduce_batch_size(error)
         if error is None:
             proposal = FINISHED
@@ -146,7 +151,7 @@ class Agreement:
                 smaller = None
             if smaller is not None:
                 proposal = smaller
-            elif lighter:
+            elif lighter():
                 proposal = LIGHTER
             else:  # out of memory at the smallest size: every rank stops (the most negative codes win the MIN)
                 proposal = -(1 + self.world_size + self.rank)
@@ -161,7 +166,7 @@ class Agreement:
         policy: SizePolicy,
         failed: Callable[[], Optional[int]],
         *,
-        lighter: bool = False,
+        lighter: Callable[[], bool] = _NO_LIGHTER,
         met_within: bool = False,
         undo: Optional[Callable[[], None]] = None,
     ) -> R:

@@ -148,6 +148,9 @@ class MicroBatching(Callback):
             on the first batch it splits (the step runs then a few more times without gradients, in eval mode).
         split_for_padding: with `pack_tokens`, a batch that fits may still run as several micro-batches where the
             padding saved is worth more than a micro-batch costs (measured); False runs a batch that fits whole.
+        levers: where even one row does not fit, activation checkpointing for that batch (the module's Hugging
+            Face model's own switch, else its largest run of same-type blocks), as `toma.accumulate`'s `levers=`;
+            default True (False: the error).
 
     A padding-free batch (a dict with `position_ids` or `cu_seq_lens_*` and no attention mask) is cut between its
     packed sequences, each micro-batch a padding-free row of its own, as `toma.accumulate(lengths="position_ids")`.
@@ -170,6 +173,7 @@ class MicroBatching(Callback):
         gradient_sync: str = "auto",
         groups: Any = None,
         split_for_padding: bool = True,
+        levers: bool = True,
     ) -> None:
         self.initial_micro_batch = (
             None if initial_micro_batch is None else check_size(initial_micro_batch, "initial_micro_batch")
@@ -180,6 +184,7 @@ class MicroBatching(Callback):
             gradient_sync=gradient_sync,
             groups=groups,
             split_for_padding=split_for_padding,
+            levers=levers,
         )
         self.distributed, self.log_micro_batch = bool(distributed), bool(log_micro_batch)
         self.pack_tokens = check_flag(pack_tokens, "pack_tokens")
@@ -195,6 +200,7 @@ class MicroBatching(Callback):
     gradient_sync = SettingAttribute("settings", "gradient_sync")
     groups = SettingAttribute("settings", "groups")
     split_for_padding = SettingAttribute("settings", "split_for_padding")
+    levers = SettingAttribute("settings", "levers")
 
     @property
     def policy(self) -> Optional[SizePolicy]:

@@ -49,6 +49,7 @@ from toma.integrations.transformers_setup import OPTIONS as OPTIONS  # the toma_
 from toma.integrations.transformers_setup import (
     check_options,
     check_setup,
+    checkpoint_as_the_trainer,
     fsdp2_on,
     groups_for,
     say_once,
@@ -101,7 +102,9 @@ class TomaTrainerMixin(_Trainer):
     micro-batches of rows in the loader's order, at the batch's padded width), `toma_split_for_padding=` (True by
     default: packing may split a batch that fits where the padding saved pays for another micro-batch; False keeps
     it whole, bit for bit), `toma_groups=` (how rows belong together: "pairs", "batch", a function of a batch,
-    "rows"; by default what toma knows of TRL's trainers, `toma.integrations.trl`), `toma_gradient_sync=` (FSDP2).
+    "rows"; by default what toma knows of TRL's trainers, `toma.integrations.trl`), `toma_gradient_sync=` (FSDP2),
+    `toma_levers=` (True by default: where one row does not fit, the model's activation checkpointing, thrown with
+    `args.activation_checkpointing_kwargs`, for that step; False: the error).
     A padding-free batch (TRL's `padding_free`, its packing) is cut between its packed sequences.
     `trainer.toma_stats` holds the micro-batch size (or token budget) and the out-of-memory retries.
     """
@@ -127,6 +130,7 @@ class TomaTrainerMixin(_Trainer):
         toma_gradient_sync: str = "auto",
         toma_groups: Any = None,
         toma_split_for_padding: bool = True,
+        toma_levers: bool = True,
         **kwargs: Any,
     ) -> None:
         check_options(self, kwargs)
@@ -146,6 +150,7 @@ class TomaTrainerMixin(_Trainer):
             gradient_sync=toma_gradient_sync,
             groups=toma_groups,
             split_for_padding=toma_split_for_padding,
+            levers=toma_levers,
         )
         self.toma_stats = AccumulationStats()
         # One size per trainer, for training and for evaluation: set once found, whatever the batch's length.
@@ -178,6 +183,7 @@ class TomaTrainerMixin(_Trainer):
     toma_gradient_sync = SettingAttribute("toma_settings", "gradient_sync", "toma_")
     toma_groups = SettingAttribute("toma_settings", "groups", "toma_")
     toma_split_for_padding = SettingAttribute("toma_settings", "split_for_padding", "toma_")
+    toma_levers = SettingAttribute("toma_settings", "levers", "toma_")
 
     @property
     def _toma_fsdp2(self) -> bool:
@@ -329,6 +335,7 @@ class TomaTrainerMixin(_Trainer):
             split_for_padding=self.toma_split_for_padding and not getattr(self, "aux_loss_enabled", False),
         )
         sizing = MicroBatchSizing(self.toma_initial_micro_batch, self._toma_training, stats=self.toma_stats)
+        checkpoint_as_the_trainer(self)  # where one row does not fit: the switch as the Trainer would throw it
         with local_collectives(self.accelerator) if ranks else contextlib.nullcontext():
             loss = accumulate(micro_loss, batch, options, sizing, total=shares.total)
         records.merge()

@@ -8,8 +8,18 @@ import transformers
 from transformers.training_args import OptimizerNames
 
 from toma.batching.groups import Groups
+from toma.levers.checkpointing import checkpoint_with
 
-__all__ = ["OPTIONS", "check_options", "check_setup", "fsdp2_on", "trainer_groups", "groups_for", "say_once"]
+__all__ = [
+    "OPTIONS",
+    "check_options",
+    "checkpoint_as_the_trainer",
+    "check_setup",
+    "fsdp2_on",
+    "trainer_groups",
+    "groups_for",
+    "say_once",
+]
 
 log = logging.getLogger("toma")
 _said: set = set()
@@ -31,6 +41,7 @@ OPTIONS = (
     "toma_gradient_sync",
     "toma_groups",
     "toma_split_for_padding",
+    "toma_levers",
 )
 
 
@@ -47,6 +58,18 @@ def check_options(trainer: object, kwargs: Dict[str, Any]) -> None:
             f"{type(trainer).__name__} uses TomaTrainerMixin without transformers.Trainer: "
             "class MyTrainer(TomaTrainerMixin, transformers.Trainer)"
         )
+
+
+def checkpoint_as_the_trainer(trainer: transformers.Trainer) -> None:
+    """The memory lever throws the model's activation-checkpointing switch as the Trainer's own
+    `args.activation_checkpointing` would: with `args.activation_checkpointing_kwargs` (`use_reentrant=False` unless
+    they say otherwise). Where the user turned it on, the lever leaves it as it is."""
+    args = trainer.args
+    kwargs = getattr(args, "activation_checkpointing_kwargs", None) or getattr(
+        args, "gradient_checkpointing_kwargs", None
+    )
+    if trainer.model is not None:
+        checkpoint_with(trainer.model, kwargs if isinstance(kwargs, dict) else None)
 
 
 def fsdp2_on(trainer: transformers.Trainer) -> bool:

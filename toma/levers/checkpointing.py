@@ -1,19 +1,23 @@
-"""Activation checkpointing as a memory lever: a Hugging Face model's own switch, else the blocks of the model's
-largest `nn.ModuleList`/`nn.Sequential` of same-type modules run under `torch.utils.checkpoint` (non-reentrant,
-random state preserved, so dropout draws as it would). A model whose checkpointing the user turned on is left
-alone, and never turned off."""
+"""Activation checkpointing as a memory lever: a Hugging Face model's own switch (the model's, or else that of the
+outermost Hugging Face model inside it: a LightningModule's, a wrapper's), else the blocks of the model's largest
+`nn.ModuleList`/`nn.Sequential` of same-type modules run under `torch.utils.checkpoint` (non-reentrant, random
+state preserved, so dropout draws as it would). A model whose checkpointing the user turned on is left alone, and
+never turned off. `checkpoint_with` gives a Hugging Face model's switch the keywords a trainer's arguments name."""
 
 import functools
-from typing import Any, Callable, List, Optional
+import weakref
+from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from toma.levers.lever import MemoryLever, Removal
 
-__all__ = ["ActivationCheckpointing", "repeated_blocks"]
+__all__ = ["ActivationCheckpointing", "checkpoint_with", "hugging_face_model", "repeated_blocks"]
 
 _CHECKPOINTED = "_toma_checkpointed"  # marks a block's forward that this lever set
+# per Hugging Face model: the keywords its switch is thrown with (`checkpoint_with`)
+_SWITCH_KWARGS: "weakref.WeakKeyDictionary[torch.nn.Module, Dict[str, Any]]" = weakref.WeakKeyDictionary()
 
 
 def repeated_blocks(model: torch.nn.Module) -> Optional[List[torch.nn.Module]]:
@@ -32,6 +36,25 @@ def _is_hugging_face(model: torch.nn.Module) -> bool:
     return callable(getattr(model, "gradient_checkpointing_enable", None)) and bool(
         getattr(model, "supports_gradient_checkpointing", False)
     )
+
+
+def hugging_face_model(model: torch.nn.Module) -> Optional[torch.nn.Module]:
+    """`model` where it is a Hugging Face model with a checkpointing switch, else the outermost one inside it (a
+    LightningModule's, an accelerate or `torch.compile` wrapper's); None where there is none."""
+    return next((module for module in model.modules() if _is_hugging_face(module)), None)
+
+
+def checkpoint_with(model: torch.nn.Module, kwargs: Optional[Mapping[str, Any]]) -> None:
+    """How the lever throws the switch of `model`'s Hugging Face model (`hugging_face_model`): with `kwargs` as a
+    Trainer's `activation_checkpointing_kwargs` name them (`every_n_layers`, `offload`; the rest reach
+    `torch.utils.checkpoint`, `use_reentrant=False` unless they say otherwise); None: the default."""
+    if not kwargs and not _SWITCH_KWARGS:
+        return  # nothing to say, nothing said before: no walk over the modules
+    hugging_face = hugging_face_model(model)
+    if hugging_face is not None and kwargs:
+        _SWITCH_KWARGS[hugging_face] = dict(kwargs)
+    elif hugging_face is not None:
+        _SWITCH_KWARGS.pop(hugging_face, None)
 
 
 def _switch(model: torch.nn.Module) -> str:
@@ -53,19 +76,18 @@ class ActivationCheckpointing(MemoryLever):
     cost = "one more forward pass of the checkpointed blocks in the backward pass (about 20-30% more time a step)"
 
     def applies_to(self, model: torch.nn.Module) -> bool:
-        if _is_hugging_face(model):
-            return not getattr(model, f"is_{_switch(model)}", False)
+        hugging_face = hugging_face_model(model)
+        if hugging_face is not None:
+            return not getattr(hugging_face, f"is_{_switch(hugging_face)}", False)
         blocks = repeated_blocks(model)
         return blocks is not None and not any(_CHECKPOINTED in vars(block) for block in blocks)
 
     def apply(self, model: torch.nn.Module) -> Removal:
         if not self.applies_to(model):
             raise ValueError(f"{self.name} does not apply to {type(model).__name__} (no repeated blocks, or on)")
-        if _is_hugging_face(model):
-            switch = _switch(model)
-            getattr(model, f"{switch}_enable")(**{f"{switch}_kwargs": {"use_reentrant": False}})
-            removal: Removal = getattr(model, f"{switch}_disable")
-            return removal
+        hugging_face = hugging_face_model(model)
+        if hugging_face is not None:
+            return _switch_on(hugging_face)
         blocks = repeated_blocks(model)
         assert blocks is not None
         for block in blocks:
@@ -75,6 +97,23 @@ class ActivationCheckpointing(MemoryLever):
             )
             vars(block)[_CHECKPOINTED] = own
         return functools.partial(_remove, blocks)
+
+
+def _switch_on(model: torch.nn.Module) -> Removal:
+    """A Hugging Face model's own switch, thrown with `checkpoint_with`'s keywords; what turns it off again (with
+    the input embeddings' hook that turning it on may add)."""
+    switch, given = _switch(model), dict(_SWITCH_KWARGS.get(model, {}))
+    extra = {name: given.pop(name) for name in ("every_n_layers", "offload") if name in given}
+    hooked = bool(getattr(model, "_require_grads_hooks", None))  # the user's own hook on the input embeddings
+    getattr(model, f"{switch}_enable")(**{f"{switch}_kwargs": {"use_reentrant": False, **given}}, **extra)
+    return functools.partial(_switch_off, model, switch, hooked)
+
+
+def _switch_off(model: torch.nn.Module, switch: str, hooked: bool) -> None:
+    getattr(model, f"{switch}_disable")()
+    unhook = getattr(model, "disable_input_require_grads", None)
+    if not hooked and callable(unhook):
+        unhook()
 
 
 def _remove(blocks: List[torch.nn.Module]) -> None:

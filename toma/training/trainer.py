@@ -76,6 +76,7 @@ class Trainer:
     the criterion's own; with `forward=` they are checked once, unless `groups=` says how they belong together).
     `gradient_sync=`: as `toma.accumulate`'s, for an FSDP2 model. `split_for_padding=False`: with `lengths=`, a
     batch that fits runs whole (else it may be split where that saves padding, as `toma.accumulate`'s).
+    `levers=False`: where one row does not fit, the error (else activation checkpointing, as `toma.accumulate`'s).
     """
 
     def __init__(
@@ -101,17 +102,12 @@ class Trainer:
         gradient_sync: str = "auto",
         groups: Any = None,
         split_for_padding: bool = True,
+        levers: bool = True,
     ) -> None:
         self.accumulation = AccumulationOptions.checked(
-            model,
-            reduction=reduction,
-            weight=weight,
-            scaler=scaler,
-            lengths=lengths,
-            gradient_sync=gradient_sync,
-            groups=groups,
-            split_for_padding=split_for_padding,
-        )
+            model, reduction=reduction, weight=weight, scaler=scaler, lengths=lengths, gradient_sync=gradient_sync,
+            groups=groups, split_for_padding=split_for_padding, levers=levers,
+        )  # fmt: skip
         self.model = self.accumulation.model
         given = check_policy(policy, "policy")
         check_functions(optimizer, loss_fn, forward, targets)
