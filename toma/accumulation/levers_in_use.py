@@ -9,12 +9,13 @@ import torch
 
 from toma.levers.checkpointing import ActivationCheckpointing
 from toma.levers.lever import MemoryLever, Removal
+from toma.levers.offload import ActivationOffload
 
 __all__ = ["LeversInUse", "LEVERS"]
 
 log = logging.getLogger("toma")
 
-LEVERS: Tuple[MemoryLever, ...] = (ActivationCheckpointing(),)  # in order of their cost
+LEVERS: Tuple[MemoryLever, ...] = (ActivationCheckpointing(), ActivationOffload())  # in order of their cost
 
 
 class LeversInUse:
