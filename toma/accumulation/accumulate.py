@@ -59,7 +59,7 @@ class AccumulationStats:
     packing: MicroBatchCost = field(default_factory=MicroBatchCost)
     # whether the loss is what its parts add up to: checked once, on the first split (`toma.accumulation.coupling`)
     split_check: SplitCheck = field(default_factory=SplitCheck)
-    # the memory levers the last call ran with (`toma.levers`: activation checkpointing); the cache entry remembers
+    # the memory levers the last call ran with (`toma.levers`: checkpointing, offload); the cache entry remembers
     # them with its size, so calls that use it start with them on
     levers: List[str] = field(default_factory=list)
     # the time per item (row, or token with `lengths=`) with the levers on and without (`toma.levers.cost`)
