@@ -16,44 +16,9 @@ from toma.levers.checkpointing import ActivationCheckpointing
 from toma.levers.offload import ActivationOffload
 
 from helpers import raise_fake_oom, requires_cuda, run_python
+from towers import Tower, assert_close, grads
 
 ON_THE_CPU = ("cpu", "cuda")  # the device test widened, so that the CPU checks what a GPU would do
-
-
-class Block(nn.Module):
-    def __init__(self, width: int, dropout: float) -> None:
-        super().__init__()
-        self.linear, self.dropout = nn.Linear(width, width), nn.Dropout(dropout)
-
-    def forward(self, x):
-        return x + self.dropout(torch.tanh(self.linear(x)))
-
-
-class Tower(nn.Module):
-    def __init__(self, width=16, depth=4, dropout=0.0):
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed = nn.Linear(3, width)
-        self.blocks = nn.ModuleList(Block(width, dropout) for _ in range(depth))
-        self.head = nn.Linear(width, 1)
-
-    def forward(self, x):
-        x = self.embed(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
-def grads(model, x, seed=1):
-    model.zero_grad()
-    torch.manual_seed(seed)
-    model(x).pow(2).mean().backward()
-    return [p.grad.clone() for p in model.parameters()]
-
-
-def assert_close(got, expected):
-    for g, e in zip(got, expected, strict=True):
-        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-7)
 
 
 class Packs:
