@@ -10,7 +10,7 @@ import torch
 from toma import GlobalBatchsizeCache, explicit, remember_sizes
 from toma.core.size_file import SizeStore
 
-from helpers import raise_fake_oom, run_pythons
+from helpers import raise_fake_oom, run_pythons, torchrun
 
 RUN = """
 import json, logging, os, sys
@@ -191,3 +191,21 @@ def test_a_token_budget_is_remembered_under_its_own_key_not_a_row_counts(tmp_pat
     explicit.accumulate(loss, model, 4, inputs, toma_lengths="attention_mask", attention_mask=mask)
     (site, _, size, _, _), *others = SizeStore(str(path)).rows()
     assert not others and site.endswith("[token budget]") and "<locals>.loss called from" in site and size <= 8
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_job_torchrun_restarts_starts_at_the_size_it_found(tmp_path, monkeypatch):
+    """`examples/restart_at_smaller_size.py` under `torchrun --max-restarts=1` with `TOMA_SIZES`: the ranks agree
+    on 16 rows of the 64 asked (rank 1 has room for 16), rank 1 dies, torchrun restarts both, and the restarted
+    ranks start at 16 from the size file: no out-of-memory error in the second run."""
+    monkeypatch.setenv("TOMA_SIZES", str(tmp_path / "sizes.db"))
+    out = torchrun("--max-restarts=1", "examples/restart_at_smaller_size.py", timeout=240)
+    lines = [json.loads(line) for line in out.replace("}{", "}\n{").splitlines() if line.startswith("{")]
+    first = {(line["rank"], line["restart"]): line["first_step"] for line in lines if "first_step" in line}
+    assert first[(0, 0)] == first[(1, 0)] == [64, 32, 16], "the first run searches, every rank at the same size"
+    assert first[(0, 1)] == first[(1, 1)] == [16], "the restarted run starts where the first ended"
+    retries = {
+        line["rank"]: line["oom_retries"] for line in lines if line.get("restart") == 1 and "oom_retries" in line
+    }
+    assert retries == {0: 0, 1: 0}
