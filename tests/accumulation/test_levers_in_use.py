@@ -365,3 +365,18 @@ def test_with_dropout_the_levered_batch_draws_what_the_plain_one_draws():
     assert none == [] and levers == ["activation checkpointing"]
     for got, expected in zip(levered, plain, strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
+
+
+def test_a_lever_that_fails_to_come_off_does_not_keep_the_others_on():
+    from toma.accumulation.levers_in_use import LeversInUse
+
+    levers, calls = LeversInUse(Tower(), True), []
+
+    def broken():
+        calls.append("broken")
+        raise RuntimeError("the switch would not turn off")
+
+    levers._removals.extend([lambda: calls.append("first"), broken])
+    with pytest.raises(RuntimeError, match="would not turn off"):
+        levers.turn_off()
+    assert calls == ["broken", "first"]

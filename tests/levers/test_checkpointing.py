@@ -135,3 +135,22 @@ def test_under_a_real_cap_a_row_that_does_not_fit_plain_trains_checkpointed():
         out = run_python(MEASURE.replace("LEVER", str(lever)).replace("HEADROOM", "0.35"), fresh=True)
         outcomes[lever] = json.loads(out.stdout.strip().splitlines()[-1])
     assert outcomes == {False: "out of memory", True: "fit"}
+
+
+def test_the_users_own_input_embedding_hook_stays_and_no_hook_of_the_switch_is_left_behind():
+    """Hugging Face's switch adds a hook on the input embeddings (and overwrites where the model keeps the user's):
+    after each removal the embeddings carry the user's hook alone, kept where the user's own disable finds it."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=50, n_positions=16)
+    model = transformers.GPT2LMHeadModel(config)
+    model.enable_input_require_grads()  # the user's own, as PEFT users do
+    users = list(model._require_grads_hooks)
+    embeddings = model.get_input_embeddings()
+    for _ in range(3):
+        ActivationCheckpointing().apply(model)()
+        assert len(embeddings._forward_hooks) == 1 and model._require_grads_hooks == users
+    model.disable_input_require_grads()
+    assert len(embeddings._forward_hooks) == 0
+    plain = transformers.GPT2LMHeadModel(config)
+    ActivationCheckpointing().apply(plain)()
+    assert len(plain.get_input_embeddings()._forward_hooks) == 0 and not getattr(plain, "_require_grads_hooks", None)

@@ -234,3 +234,16 @@ def test_under_a_real_cuda_cap_a_row_that_fails_plain_trains_offloaded_to_the_un
     plain, levers, worst, still_on, after, checkpointable = json.loads(out.stdout.strip().splitlines()[-1])
     assert plain == "out of memory" and not checkpointable and levers == ["activation offload"]
     assert worst < 1e-5 and not still_on and after == [1, 16, 1024 + 16 * 16]
+
+
+def test_a_model_whose_parameters_are_a_tensor_subclass_is_not_offloaded():
+    """FSDP2's sharded parameters are DTensors, which have no storage of their own to keep in place (reading it
+    raised a RuntimeError in the first forward): such a model is not offloaded."""
+
+    class Subclass(torch.Tensor):
+        pass
+
+    model = Tower()
+    assert ActivationOffload(devices=ON_THE_CPU).applies_to(model)
+    model.head.weight = nn.Parameter(model.head.weight.detach().as_subclass(Subclass))
+    assert not ActivationOffload(devices=ON_THE_CPU).applies_to(model)

@@ -113,7 +113,8 @@ def accumulate(
         SplitCheck() if stats is None else stats.split_check,
     )
     state = None
-    started = perf_counter()
+    timing = stats is not None and stats.lever_cost.timing  # only the first calls of each kind are timed
+    started = _clock(step.device) if timing else 0.0
     try:
         initial = step.initial_size(sizing.initial, options.initial_tokens)
         state = runner.drive(step, initial, sizing.context, step.sync.agreement)
@@ -126,18 +127,28 @@ def accumulate(
             stats.oom_retries += max(0, step.attempts - 1)
             if levers or stats.levers:
                 stats.levers = list(levers)
+                stats.lever_cost.saw(levers)
     if stats is not None:
-        _finished(stats, step, state, perf_counter() - started)
+        _finished(stats, step, state, started if timing else None)
     assert step.result is not None
     return step.result
 
 
-def _finished(stats: AccumulationStats, step: AccumulateStep, state: Optional[CallState[Any]], seconds: float) -> None:
-    """What a call that finished tells its stats; its time where it is among the first that ran once (a failed
-    attempt's time is not the work's) with its levers, or without."""
+def _clock(device: Optional[torch.device]) -> float:
+    """The time, once the work queued on `device` ran (a CUDA device's queue would hide it)."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return perf_counter()
+
+
+def _finished(
+    stats: AccumulationStats, step: AccumulateStep, state: Optional[CallState[Any]], started: Optional[float]
+) -> None:
+    """What a call that finished tells its stats; its time (from `started`, where it was taken) where it is among
+    the first that ran once (a failed attempt's time is not the work's) with its levers, or without."""
     stats.micro_batch = step.size
     stats.weight = step.total_weight
     stats.learned = state.entry.learned if state is not None else None
     cost, levers = stats.lever_cost, step.memory_levers.names
-    if step.attempts == 1 and (cost.lever_calls if levers else cost.plain_calls) < TIMED_CALLS:
-        cost.timed(levers, seconds, step.items)
+    if started is not None and step.attempts == 1 and (cost.lever_calls if levers else cost.plain_calls) < TIMED_CALLS:
+        cost.timed(levers, _clock(step.device) - started, step.items)

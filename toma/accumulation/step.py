@@ -179,7 +179,7 @@ class AccumulateStep(Step):
 
     @property
     def levers(self) -> Tuple[str, ...]:
-        return tuple(self.memory_levers.names)
+        return self.memory_levers.in_effect
 
     def use_levers(self, names: Tuple[str, ...]) -> None:
         self.memory_levers.turn_on(names)

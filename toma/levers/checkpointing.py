@@ -11,13 +11,15 @@ from typing import Any, Callable, Dict, List, Mapping, Optional
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from toma.levers.lever import MemoryLever, Removal
+from toma.levers.lever import LeverDoesNotApply, MemoryLever, Removal
 
 __all__ = ["ActivationCheckpointing", "checkpoint_with", "hugging_face_model", "repeated_blocks"]
 
 _CHECKPOINTED = "_toma_checkpointed"  # marks a block's forward that this lever set
 # per Hugging Face model: the keywords its switch is thrown with (`checkpoint_with`)
 _SWITCH_KWARGS: "weakref.WeakKeyDictionary[torch.nn.Module, Dict[str, Any]]" = weakref.WeakKeyDictionary()
+# per model given to `checkpoint_with`: what was said for it last (None: the default)
+_GIVEN: "weakref.WeakKeyDictionary[torch.nn.Module, Optional[Dict[str, Any]]]" = weakref.WeakKeyDictionary()
 
 
 def repeated_blocks(model: torch.nn.Module) -> Optional[List[torch.nn.Module]]:
@@ -50,6 +52,10 @@ def checkpoint_with(model: torch.nn.Module, kwargs: Optional[Mapping[str, Any]])
     `torch.utils.checkpoint`, `use_reentrant=False` unless they say otherwise); None: the default."""
     if not kwargs and not _SWITCH_KWARGS:
         return  # nothing to say, nothing said before: no walk over the modules
+    given = dict(kwargs) if kwargs else None
+    if model in _GIVEN and _GIVEN[model] == given:
+        return  # said for this model already (a trainer says it every step): no walk either
+    _GIVEN[model] = given
     hugging_face = hugging_face_model(model)
     if hugging_face is not None and kwargs:
         _SWITCH_KWARGS[hugging_face] = dict(kwargs)
@@ -84,7 +90,7 @@ class ActivationCheckpointing(MemoryLever):
 
     def apply(self, model: torch.nn.Module) -> Removal:
         if not self.applies_to(model):
-            raise ValueError(f"{self.name} does not apply to {type(model).__name__} (no repeated blocks, or on)")
+            raise LeverDoesNotApply(f"{self.name} does not apply to {type(model).__name__} (no repeated blocks, or on)")
         hugging_face = hugging_face_model(model)
         if hugging_face is not None:
             return _switch_on(hugging_face)
@@ -101,19 +107,29 @@ class ActivationCheckpointing(MemoryLever):
 
 def _switch_on(model: torch.nn.Module) -> Removal:
     """A Hugging Face model's own switch, thrown with `checkpoint_with`'s keywords; what turns it off again (with
-    the input embeddings' hook that turning it on may add)."""
+    the input embeddings' hooks that turning it on added, the user's own left as they were)."""
     switch, given = _switch(model), dict(_SWITCH_KWARGS.get(model, {}))
     extra = {name: given.pop(name) for name in ("every_n_layers", "offload") if name in given}
-    hooked = bool(getattr(model, "_require_grads_hooks", None))  # the user's own hook on the input embeddings
+    before = {name: vars(model)[name] for name in _HOOK_ATTRIBUTES if name in vars(model)}
+    users = list(before.get("_require_grads_hooks") or [])
     getattr(model, f"{switch}_enable")(**{f"{switch}_kwargs": {"use_reentrant": False, **given}}, **extra)
-    return functools.partial(_switch_off, model, switch, hooked)
+    added = [hook for hook in getattr(model, "_require_grads_hooks", None) or [] if hook not in users]
+    return functools.partial(_switch_off, model, switch, added, before)
 
 
-def _switch_off(model: torch.nn.Module, switch: str, hooked: bool) -> None:
+_HOOK_ATTRIBUTES = ("_require_grads_hooks", "_require_grads_hook")  # where Hugging Face keeps the embeddings' hooks
+
+
+def _switch_off(model: torch.nn.Module, switch: str, added: List[Any], before: Dict[str, Any]) -> None:
+    """The switch off, the hooks turning it on added removed, and the user's own hooks as they were."""
     getattr(model, f"{switch}_disable")()
-    unhook = getattr(model, "disable_input_require_grads", None)
-    if not hooked and callable(unhook):
-        unhook()
+    for hook in added:
+        hook.remove()
+    for name in _HOOK_ATTRIBUTES:
+        if name in before:
+            setattr(model, name, before[name])
+        elif name in vars(model):
+            delattr(model, name)
 
 
 def _remove(blocks: List[torch.nn.Module]) -> None:

@@ -25,6 +25,8 @@ class LeverCost:
     lever_calls: int = 0
     levers: str = ""
     said: bool = False
+    timing: bool = True  # whether the next call may be timed: plain calls still to time, or levers seen and theirs
+    seen: bool = False  # whether a call ran with levers
 
     def timed(self, levers: Sequence[str], seconds: float, items: int) -> None:
         """A call of `items` that took `seconds` with `levers` on (none: plain)."""
@@ -37,6 +39,7 @@ class LeverCost:
             self.plain_seconds += seconds
             self.plain_items += items
             self.plain_calls += 1
+        self._reopen()
         ratio = self.ratio
         if ratio is not None and not self.said:
             self.said = True
@@ -47,6 +50,15 @@ class LeverCost:
                 self.per_item(True),
                 self.per_item(False),
             )
+
+    def saw(self, levers: Sequence[str]) -> None:
+        """A call ran with `levers` (none: plain): calls with levers are timed from now on too."""
+        if levers and not self.seen:
+            self.seen = True
+            self._reopen()
+
+    def _reopen(self) -> None:
+        self.timing = self.plain_calls < TIMED_CALLS or (self.seen and self.lever_calls < TIMED_CALLS)
 
     def per_item(self, levers: bool) -> Optional[float]:
         """Seconds per item with the levers on (True) or without (False); None before such a call ran."""

@@ -6,9 +6,13 @@ from typing import Callable
 
 import torch
 
-__all__ = ["MemoryLever", "Removal"]
+__all__ = ["MemoryLever", "Removal", "LeverDoesNotApply"]
 
 Removal = Callable[[], None]  # puts the model back as it was before the lever applied
+
+
+class LeverDoesNotApply(ValueError):
+    """`apply` on a model the lever does not apply to (nothing to apply it to, or on already)."""
 
 
 class MemoryLever(ABC):

@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional, Sequence, Set, Tuple
 
 import torch
 
-from toma.levers.lever import MemoryLever, Removal
+from toma.levers.lever import LeverDoesNotApply, MemoryLever, Removal
 
 __all__ = ["ActivationOffload"]
 
@@ -35,7 +35,7 @@ def _to_host(model: torch.nn.Module) -> torch.autograd.graph.saved_tensors_hooks
     pinnable = torch.cuda.is_available()
 
     def pack(tensor: torch.Tensor) -> Tuple[Optional[torch.device], torch.Tensor]:
-        if tensor.is_sparse or tensor.untyped_storage().data_ptr() in held:
+        if type(tensor) is not torch.Tensor or tensor.is_sparse or tensor.untyped_storage().data_ptr() in held:
             return None, tensor
         packed = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=pinnable)
         packed.copy_(tensor, non_blocking=pinnable)
@@ -71,11 +71,16 @@ class ActivationOffload(MemoryLever):
     def applies_to(self, model: torch.nn.Module) -> bool:
         on = _device_types(model).intersection(self.devices)
         pinnable = torch.cuda.is_available() or "cuda" not in on  # host copies of CUDA tensors are page-locked
-        return bool(on) and pinnable and _OFFLOADED not in vars(model)
+        # parameters of a tensor subclass (FSDP2's and tensor parallelism's DTensors) hold no storage of their own to
+        # keep in place, and their saved activations are not plain tensors to copy: not offloaded
+        plain = all(type(parameter.data) is torch.Tensor for parameter in model.parameters())
+        return bool(on) and pinnable and plain and _OFFLOADED not in vars(model)
 
     def apply(self, model: torch.nn.Module) -> Removal:
         if not self.applies_to(model):
-            raise ValueError(f"{self.name} does not apply to {type(model).__name__} (not on {self.devices}, or on)")
+            raise LeverDoesNotApply(
+                f"{self.name} does not apply to {type(model).__name__} (not on {self.devices}, or on)"
+            )
         own = vars(model).get("forward")  # an instance's own forward, put back on removal
         forward = own if own is not None else type(model).forward.__get__(model)
         model.forward = functools.partial(_offloaded, forward, model)
