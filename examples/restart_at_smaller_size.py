@@ -1,6 +1,6 @@
 """A job that dies is restarted by torchrun and starts at the micro-batch size it found, not at the one it asked for.
 
-    TOMA_SIZES=sizes.db torchrun --nproc_per_node=2 --max-restarts=1 examples/restart_at_smaller_size.py
+    TOMA_SIZES=sizes.db torchrun --nproc_per_node=2 --max-restarts=3 examples/restart_at_smaller_size.py
 
 Runs on the CPU with gloo. Two DDP ranks train logical batches of 64 rows, asking for micro-batches of 64. Rank 1
 has room for 16 rows (here an out-of-memory error it raises above 16, as a smaller GPU would): the ranks agree on 32,
