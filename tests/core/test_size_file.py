@@ -10,7 +10,7 @@ import torch
 from toma import GlobalBatchsizeCache, explicit, remember_sizes
 from toma.core.size_file import SizeStore
 
-from helpers import raise_fake_oom, run_pythons, torchrun
+from helpers import raise_fake_oom, run_pythons
 
 RUN = """
 import json, logging, os, sys
@@ -192,24 +192,3 @@ def test_a_token_budget_is_remembered_under_its_own_key_not_a_row_counts(tmp_pat
     (site, _, size, _, _), *others = SizeStore(str(path)).rows()
     assert not others and site.endswith("[token budget]") and "<locals>.loss called from" in site and size <= 8
 
-
-@pytest.mark.slow
-@pytest.mark.multiprocess
-def test_a_job_torchrun_restarts_starts_at_the_size_it_found(tmp_path, monkeypatch):
-    """`examples/restart_at_smaller_size.py` under `torchrun --max-restarts=3` with `TOMA_SIZES`: the ranks agree
-    on 16 rows of the 64 asked (rank 1 has room for 16), rank 1 dies, torchrun restarts both, and the restarted
-    ranks start at 16 from the size file: no out-of-memory error in the second run."""
-    monkeypatch.setenv("TOMA_SIZES", str(tmp_path / "sizes.db"))
-    # restarts to spare: gloo's rendezvous of a restarted group is refused now and then while the old one closes
-    out = torchrun("--max-restarts=3", "examples/restart_at_smaller_size.py", timeout=240)
-    lines = [json.loads(line) for line in out.replace("}{", "}\n{").splitlines() if line.startswith("{")]
-    first = {(line["rank"], line["restart"]): line["first_step"] for line in lines if "first_step" in line}
-    assert first[(0, 0)] == first[(1, 0)] == [64, 32, 16], "the first run searches, every rank at the same size"
-    finished = {line["restart"] for line in lines if "oom_retries" in line}
-    assert len(finished) == 1 and min(finished) >= 1, "one restarted run finished"
-    (last,) = finished
-    assert first[(0, last)] == first[(1, last)] == [16], "the restarted run starts where the first ended"
-    retries = {
-        line["rank"]: line["oom_retries"] for line in lines if line.get("restart") == last and "oom_retries" in line
-    }
-    assert retries == {0: 0, 1: 0}
