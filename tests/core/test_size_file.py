@@ -191,4 +191,3 @@ def test_a_token_budget_is_remembered_under_its_own_key_not_a_row_counts(tmp_pat
     explicit.accumulate(loss, model, 4, inputs, toma_lengths="attention_mask", attention_mask=mask)
     (site, _, size, _, _), *others = SizeStore(str(path)).rows()
     assert not others and site.endswith("[token budget]") and "<locals>.loss called from" in site and size <= 8
-
