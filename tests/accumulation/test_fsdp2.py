@@ -98,6 +98,21 @@ def middle_backward(module, grad_input, grad_output):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
 
 
+class FailingAllGather:  # the middle unit's all-gather, its buffer's allocation failing once on rank 1
+    calls = 0
+
+    def allocate(self, size, *, dtype, device):
+        FailingAllGather.calls += 1
+        if MODE == "allocate" and rank == 1 and FailingAllGather.calls == 4:  # the second micro-batch's backward
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate the all-gather's output")
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+if MODE == "allocate":
+    model[2].set_custom_all_gather(FailingAllGather())
 model[2].register_forward_pre_hook(middle_forward)
 model[2].register_full_backward_hook(middle_backward)
 
@@ -134,7 +149,7 @@ finish(
 )
 
 
-SYNCS = ["logical_batch", "micro_batch"]
+SYNCS = ["logical_batch", "micro_batch", "sharded"]
 UNITS = 4  # 3 blocks and the root
 
 
@@ -153,7 +168,7 @@ def test_micro_batches_give_the_unsplit_fsdp2_steps_parameters(sync):
         assert result["sizes"] == [4, 4, 4] and result["retries"] == 0
         assert result["forwards"] == [4] * 9, "3 micro-batches of 4 rows per logical batch of 12"
         # one reduce-scatter per unit after each micro-batch, or after each logical batch
-        assert result["scatters"] == (9 if sync == "micro_batch" else 3) * UNITS, result
+        assert result["scatters"] == (3 if sync == "logical_batch" else 9) * UNITS, result
 
 
 @pytest.mark.parametrize("sync", SYNCS)
@@ -167,7 +182,16 @@ def test_an_oom_on_one_rank_in_the_middle_block_of_the_second_micro_batch_is_ret
     # rank 1 stopped in its second micro-batch; rank 0 ran the attempt to its end before the agreement, or, with
     # an agreement after every micro-batch, to the end of the second
     assert results[1]["forwards"][:3] == [4, 4, 2]
-    assert results[0]["forwards"][:4] == ([4, 4, 2, 2] if sync == "micro_batch" else [4, 4, 4, 2])
+    assert results[0]["forwards"][:4] == ([4, 4, 4, 2] if sync == "logical_batch" else [4, 4, 2, 2])
+
+
+def test_sharded_an_oom_on_one_rank_allocating_an_all_gathers_buffer_is_retried_by_every_rank():
+    results = ranks("allocate", "sharded")
+    for result in results:
+        assert result["difference"] < 1e-5, result
+        assert result["retries"] == 1 and result["sizes"][0] == 2, result
+    # rank 1 failed in the second micro-batch's backward pass, before the all-gather; rank 0 met it there
+    assert results[1]["forwards"][:3] == results[0]["forwards"][:3] == [4, 4, 2]
 
 
 @pytest.mark.parametrize("sync", SYNCS)
@@ -370,7 +394,9 @@ if rank == 1:
     set_cpu_memory_headroom(48 / 1024)  # room for micro-batches, not for every unit unsharded
 started = time.monotonic()
 try:
-    toma.accumulate(model=wide, initial_micro_batch=4)(lambda x: wide(x).square().mean())(torch.randn(16, 2048))
+    toma.accumulate(model=wide, initial_micro_batch=4, gradient_sync=os.environ["TOMA_SYNC"])(
+        lambda x: wide(x).square().mean()
+    )(torch.randn(16, 2048))
 except Exception as error:
     finish(dict(rank=rank, error=type(error).__name__, message=str(error), seconds=time.monotonic() - started))
 finish(dict(rank=rank, error=None))
@@ -378,12 +404,29 @@ finish(dict(rank=rank, error=None))
 )
 
 
-def test_a_rank_that_cannot_hold_the_units_unsharded_stops_every_rank_at_once_naming_why():
-    by_rank = {json.loads(out.strip().splitlines()[-1])["rank"]: json.loads(out.strip().splitlines()[-1])
-               for out in run_ranks(TOO_LARGE, 2, timeout=120)}  # fmt: skip
+def cannot_hold(sync: str, monkeypatch) -> dict:
+    monkeypatch.setenv("TOMA_SYNC", sync)
+    return {json.loads(out.strip().splitlines()[-1])["rank"]: json.loads(out.strip().splitlines()[-1])
+            for out in run_ranks(TOO_LARGE, 2, timeout=120)}  # fmt: skip
+
+
+@pytest.mark.parametrize("sync", ["logical_batch", "micro_batch"])
+def test_a_rank_that_cannot_hold_the_units_unsharded_stops_every_rank_at_once_naming_why(sync, monkeypatch):
+    by_rank = cannot_hold(sync, monkeypatch)
     assert by_rank[1]["error"] == "UnshardedDoesNotFit", by_rank[1]
     assert "rank 1 cannot hold the model's units unsharded" in by_rank[1]["message"]
     assert by_rank[0]["error"] == "RankFailed" and "rank 1" in by_rank[0]["message"], by_rank[0]
+    assert max(result["seconds"] for result in by_rank.values()) < 30, "no collective left waiting for its timeout"
+    assert "gradient_sync='sharded'" in by_rank[1]["message"], "the way out named"
+
+
+def test_auto_goes_on_sharded_where_a_rank_cannot_hold_the_units_unsharded_and_stops_every_rank_where_no_row_fits(
+    monkeypatch,
+):
+    # 16 MiB units on gloo: an all-gather's buffer and gloo's copies inside it do not fit in rank 1's 48 MiB either
+    by_rank = cannot_hold("auto", monkeypatch)
+    assert by_rank[1]["error"] == "MemoryError" and "gloo allocates inside FSDP2" in by_rank[1]["message"], by_rank
+    assert by_rank[0]["error"] == "RankFailed" and "smallest size (1)" in by_rank[0]["message"], by_rank
     assert max(result["seconds"] for result in by_rank.values()) < 30, "no collective left waiting for its timeout"
 
 

@@ -7,8 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from toma.accumulation import sync
-from toma.accumulation.sync import GradientSync, LocalSync, model_device, sync_for
+from toma.accumulation import fsdp2_syncs, sync
+from toma.accumulation.sync import GradientSync, LocalSync, model_device
+from toma.accumulation.sync_choice import sync_for
 
 
 def test_every_strategy_is_a_gradient_sync_and_only_the_interface_is_abstract():
@@ -19,13 +20,14 @@ def test_every_strategy_is_a_gradient_sync_and_only_the_interface_is_abstract():
         "LocalSync",
         "DDPNoSync",
         "AgreeingDDP",
-        "AgreeingFSDP2",
-        "ReducingFSDP2",
         "AgreeingOnly",
     }
     assert [c.__name__ for c in strategies if inspect.isabstract(c)] == ["GradientSync"]
     with pytest.raises(TypeError):
         GradientSync()  # type: ignore[abstract]
+    fsdp2 = [c for _, c in inspect.getmembers(fsdp2_syncs, inspect.isclass) if issubclass(c, GradientSync)]
+    assert {c.__name__ for c in fsdp2} - names == {"AgreeingFSDP2", "ReducingFSDP2", "ShardedFSDP2"}
+    assert [c.__name__ for c in fsdp2 if c.collectives_in_passes] == ["ShardedFSDP2"]
 
 
 def test_a_module_on_one_process_syncs_locally_with_nothing_to_do():

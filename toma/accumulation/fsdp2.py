@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
+from toma.accumulation.fsdp2_agreed import AgreedAllGather, AgreedReduceScatter, CollectiveAgreements
 from toma.accumulation.sharded_models import fsdp2_root, is_fsdp2
 from toma.core.agreement import Agreement, RankFailed
 from toma.core.oom import should_reduce_batch_size
@@ -56,9 +57,12 @@ class ShardedUnits:
     """The FSDP2 units of a root module: checked for room (`probe`), held unsharded without gradient sync for an
     attempt (`hold`), the unsharded gradients of the parameters that train reduce-scattered into sums of each
     rank's shard (`scatter_buffers`, `reduce_scatter`) that become the sharded gradients (`keep_sums`), and put
-    back as they were (`release`; `reset` after an attempt that raised)."""
+    back as they were (`release`; `reset` after an attempt that raised). In FSDP2's own schedule instead (the
+    sharded mode): every collective of the passes agreed on first (`agree_before_collectives`)."""
 
-    __slots__ = ("units", "params", "groups", "trained", "process_group", "rank", "world", "sums", "_settings")
+    __slots__ = (
+        "units", "params", "groups", "trained", "process_group", "rank", "world", "sums", "_settings", "_comms",
+    )  # fmt: skip
 
     def __init__(self, root: torch.nn.Module) -> None:
         self.units: List[FSDPModule] = [m for m in root.modules() if isinstance(m, FSDPModule)]
@@ -66,6 +70,10 @@ class ShardedUnits:
         # of one parameter group: each group once, or its gradients are reduced again as zeros.
         groups = {id(group): group for unit in self.units for group in _groups(unit)}
         self.groups = list(groups.values())
+        for group in self.groups:
+            for name in ("_all_gather_comm", "_reduce_scatter_comm", "reduce_grads"):
+                if not hasattr(group, name):
+                    raise _changed(f"FSDPParamGroup.{name}")
         self.params = [param for group in self.groups for param in group.fsdp_params]
         # Per group, the parameters that train (frozen ones, LoRA's base weights, get no gradient, as in FSDP2)
         self.trained: List[Tuple[Any, List[Any]]] = []
@@ -104,6 +112,7 @@ class ShardedUnits:
         self.rank, self.world = dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
         self.sums: Optional[List[torch.Tensor]] = None  # this attempt's reduced shards, when reduced per micro-batch
         self._settings: Optional[List[Tuple[Any, Any, Any]]] = None
+        self._comms: Optional[List[Tuple[Any, Any, bool]]] = None  # each group's own, while agreements wrap them
 
     def probe(self) -> None:
         """Before the ranks agree to unshard: whether this rank can allocate what `hold` will (every unit's
@@ -131,7 +140,7 @@ class ShardedUnits:
                     f"toma.accumulate with FSDP2: rank {self.rank} cannot hold the model's units unsharded "
                     f"({wanted / 2**20:.0f} MiB on {device}), which toma does for each logical batch so that no "
                     "collective runs inside a micro-batch; no micro-batch size changes that. Shard over more ranks, "
-                    "or train with FSDP2's own loop (its per-unit all-gathers are not hang-safe under toma)"
+                    "or leave the parameters sharded: gradient_sync='sharded' (or 'auto', which goes on so)"
                 )
                 raise UnshardedDoesNotFit(message) from None
 
@@ -226,9 +235,39 @@ class ShardedUnits:
         for unit in self.units:
             unit.reshard()
 
+    def agree_before_collectives(self, agreements: CollectiveAgreements) -> None:
+        """For an attempt in FSDP2's own schedule: each group's all-gather and reduce-scatter run only after the
+        ranks agree (`toma.accumulation.fsdp2_agreed`), and each micro-batch's gradients reduce-scattered (the
+        groups' own settings back with `stop_agreeing`)."""
+        if self._comms is None:
+            self._comms = [(g._all_gather_comm, g._reduce_scatter_comm, g.reduce_grads) for g in self.groups]
+        for group, (gather, scatter, _) in zip(self.groups, self._comms):
+            group._all_gather_comm = AgreedAllGather(gather, agreements)
+            group._reduce_scatter_comm = AgreedReduceScatter(scatter, agreements)
+            group.reduce_grads = True
+
+    def stop_agreeing(self) -> None:
+        """Each group's own all-gather, reduce-scatter and gradient sync setting back."""
+        if self._comms is not None:
+            for group, (gather, scatter, reduce_grads) in zip(self.groups, self._comms):
+                group._all_gather_comm, group._reduce_scatter_comm, group.reduce_grads = gather, scatter, reduce_grads
+            self._comms = None
+
     def reset(self) -> None:
-        """After an attempt that raised in a forward or backward pass: FSDP2's training state back to idle (as
-        its final backward callback leaves it), then `release`."""
+        """After an attempt that raised in a forward or backward pass: FSDP2's per-iteration state cleared (its own
+        `reset_iter_state` where the release has it: in-flight collectives waited for, every group resharded),
+        the collectives' own communication back, then `release`."""
+        self.stop_agreeing()
+        root = self.units[0]  # its `_is_root` is None until its first forward pass set FSDP2 up
+        if hasattr(root, "reset_iter_state") and getattr(root._get_fsdp_state(), "_is_root", None):
+            root.reset_iter_state()
+        else:
+            self._reset_by_hand()
+        self.release()
+
+    def _reset_by_hand(self) -> None:
+        """FSDP2's training state back to idle (as its final backward callback leaves it), where the release has
+        no `reset_iter_state`."""
         for unit in self.units:
             state = unit._get_fsdp_state()
             context = state._state_ctx
@@ -239,7 +278,7 @@ class ShardedUnits:
                 state._modules_to_run_forward.clear()
             for group in _groups(unit):
                 group._training_state = type(group._training_state).IDLE
-        self.release()
+                group._all_gather_result = None
 
 
 def _reduce_scatter() -> Any:

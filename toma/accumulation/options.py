@@ -52,14 +52,15 @@ def check_gradient_sync(gradient_sync: Any, name: str, model: Optional[torch.nn.
     `model`: the model it is for, where known."""
     if gradient_sync not in GRADIENT_SYNCS:
         raise ValueError(
-            f"{name} must be one of 'auto', 'logical_batch', 'micro_batch' ('logical_batch': reduce once per "
-            "logical batch, holding the unsharded gradients; 'micro_batch': reduce-scatter after every micro-batch; "
-            f"'auto': the first until one row does not fit beside them), got {gradient_sync!r}"
+            f"{name} must be one of 'auto', 'logical_batch', 'micro_batch', 'sharded' ('logical_batch': the FSDP2 "
+            "units unsharded for the logical batch, its gradients reduced once; 'micro_batch': reduce-scattered after "
+            "every micro-batch; 'sharded': the parameters left sharded, FSDP2's own schedule, each collective agreed "
+            f"on; 'auto': each in turn where memory runs short), got {gradient_sync!r}"
         )
-    if gradient_sync == "micro_batch" and model is not None and not is_fsdp2(model):
+    if gradient_sync in ("micro_batch", "sharded") and model is not None and not is_fsdp2(model):
         raise ValueError(
-            f"{name}='micro_batch' reduce-scatters an FSDP2 model's gradients after every micro-batch; this model "
-            "is not an FSDP2 module (fully_shard): leave it out"
+            f"{name}={gradient_sync!r} is for an FSDP2 model's gradients; this model is not an FSDP2 module "
+            "(fully_shard): leave it out"
         )
     return str(gradient_sync)
 

@@ -31,14 +31,14 @@ from toma.accumulation.rollback import (
     buffer_slots,
     is_pending_state,
 )
-from toma.accumulation.sync import GradientSync, LocalSync, model_device, sync_for
-from toma.batching import transfer
+from toma.accumulation.sync import GradientSync, LocalSync, model_device
+from toma.accumulation.sync_choice import sync_for
 from toma.batching.groups import GroupedBatch
 from toma.batching.logical import LogicalBatch
 from toma.batching.micro_batch_cost import NEVER, MicroBatchCost
+from toma.batching.micro_batch_moves import pipeline_for, prefetched
 from toma.batching.splitting import MicroBatch
 from toma.batching.tokens import TokenPiece, token_batches
-from toma.batching.transfer import MicroBatchTransfers, shared_transfers
 from toma.core.agreement import AgreedRetry
 from toma.core.oom import should_reduce_batch_size
 from toma.core.steps import TOKEN_BUDGET, Step
@@ -64,19 +64,6 @@ def _walk(model: torch.nn.Module) -> Tuple[List[torch.Tensor], List[BufferSlot],
         if is_pending_state(module):
             pending.append(module)
     return params, slots, pending
-
-
-def _pipeline_for(params: List[torch.Tensor], batch: LogicalBatch) -> Optional[MicroBatchTransfers]:
-    """The moves of this call's micro-batches to the model's CUDA device when the logical batch lives on the
-    host: each micro-batch's split tensors move while the previous one computes, `toma.whole` values once per
-    call. None when there is nothing to move (a CPU model, a batch already on the device)."""
-    devices = dict.fromkeys(p.device for p in params)  # each device once, in the parameters' order
-    device = next((d for d in devices if transfer.uses_cuda(d)), None)
-    if device is None:
-        return None
-    if not any(t.device.type == "cpu" for piece in batch.pieces for _, t in piece.tensors):
-        return None
-    return MicroBatchTransfers(shared_transfers(device))
 
 
 class AccumulateStep(Step):
@@ -121,7 +108,7 @@ class AccumulateStep(Step):
             parts.append(options.rollback)
         self.rollbacks = Rollbacks(parts)
         self.watch = MisuseWatch(self.params, model, check_grads=sync.watch_grads)
-        self.transfers = _pipeline_for(self.params, batch)
+        self.transfers = pipeline_for(self.params, batch)
         # With `lengths=`: the pieces sorted by row length, and the size a token budget
         self.tokens: Optional[List[TokenPiece]] = None
         if options.lengths is not None:
@@ -270,8 +257,7 @@ class AccumulateStep(Step):
         backward = backward_pass(self.options.backward, self.options.scaler)
         func, sync, watch = self.func, self.sync, self.watch
         sync.begin(asked, len(plan.running), self.total_weight if self.rank_weighted else None)
-        if len(plan.running) > 1 and self.split_check is not None and not self.split_check.done:
-            self._check_split(plan)
+        self._check_split(plan)
         each = sync.each_micro_batch
         last = plan.running[-1][0] if plan.running else -1
         total: Optional[torch.Tensor] = None
@@ -303,6 +289,7 @@ class AccumulateStep(Step):
                     sync.micro_batch_done()
                 loss = loss.detach()
                 total = loss if total is None else total + loss
+            self._join(plan, sync.rounds_to_join(len(plan.running)), backward)
         sync.finish()
         self.failing_units = None
         if timer is not None:
@@ -311,16 +298,35 @@ class AccumulateStep(Step):
             return torch.zeros((), device=self.params[0].device if self.params else None)
         return total if total.dim() == 0 else total.reshape(())
 
+    def _join(self, plan: MicroBatchPlan, rounds: int, backward: Callable[[torch.Tensor], None]) -> None:
+        """The rounds other ranks' micro-batches make this one run where the passes run collectives (they must
+        match on every rank): its last micro-batch again, its loss counting nothing."""
+        if rounds <= 0:
+            return
+        if not plan.micro_batches:
+            raise ValueError(
+                "toma.accumulate: this rank's logical batch is empty, but the other ranks' micro-batches run FSDP2's "
+                "collectives in their passes (gradient_sync='sharded'), which every rank must join: give it a row"
+            )
+        piece, start, stop = plan.micro_batches[-1]
+        width = None if plan.widths is None else plan.widths[-1]
+        for _ in range(rounds):
+            args, kwargs = self._part_arguments(piece, start, stop, width)
+            backward(self.func(*args, **kwargs) * 0.0)
+
     def _check_split(self, plan: MicroBatchPlan) -> None:
         """The first split of this call site: its first micro-batch's loss against its halves'
-        (`toma.accumulation.coupling`), then everything the check changed rolled back."""
-        assert self.split_check is not None  # every strategy's passes run no collective after begin()
+        (`toma.accumulation.coupling`), then everything the check changed rolled back. Not where the passes run
+        collectives (every strategy's others run none after begin()): the check's passes would be this rank's."""
+        check = self.split_check
+        if len(plan.running) < 2 or check is None or check.done or self.sync.collectives_in_passes:
+            return
         index = plan.running[0][0]
         piece, start, stop = plan.micro_batches[index]
         width = None if plan.widths is None else plan.widths[index]
         try:
             check_split_once(
-                self.split_check,
+                check,
                 self.func,
                 self.model,
                 piece,
@@ -362,21 +368,7 @@ class AccumulateStep(Step):
             return (plan.arguments[index] for index, _ in plan.running)
         widths = plan.widths
         moving = [(*plan.micro_batches[i], None if widths is None else widths[i]) for i, _ in plan.running]
-        return _prefetched(self.transfers, moving)
-
-
-def _prefetched(
-    moving: MicroBatchTransfers, micro_batches: List[Tuple[Any, int, int, Optional[int]]]
-) -> Iterator[Arguments]:
-    """Each micro-batch's arguments on the device, the next one's copy started before this one computes."""
-    if not micro_batches:
-        return
-    ahead = moving.prefetch(*micro_batches[0])
-    for following in micro_batches[1:]:
-        arguments = ahead.take()
-        ahead = moving.prefetch(*following)
-        yield arguments
-    yield ahead.take()
+        return prefetched(self.transfers, moving)
 
 
 def _hint(error: Exception, micro_batch: MicroBatch) -> None:

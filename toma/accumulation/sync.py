@@ -1,42 +1,32 @@
 """How an accumulation's gradients meet other ranks': `GradientSync`, the interface the accumulation step drives,
 and its strategies: alone (LocalSync), through DDP with `no_sync` on all but the last micro-batch (DDPNoSync),
-through the ranks' agreement and one all-reduce at the end (AgreeingDDP), FSDP2's shards reduce-scattered once at
-the end (AgreeingFSDP2) or after every micro-batch, each after an agreement (ReducingFSDP2), or through the
-agreement alone when a framework reduces the gradients after the logical batch (AgreeingOnly); `sync_for` picks
-one for a model."""
+through the ranks' agreement and one all-reduce at the end (AgreeingDDP), or through the agreement alone when a
+framework reduces the gradients after the logical batch (AgreeingOnly). FSDP2's are in
+`toma.accumulation.fsdp2_syncs`; `toma.accumulation.sync_choice.sync_for` picks one for a model."""
 
 import contextlib
-import logging
-import weakref
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, ContextManager, Dict, Iterable, Optional, Sequence, Tuple
+from typing import ContextManager, Iterable, Optional, Sequence
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from toma.accumulation.gradient_collectives import all_reduce_gradients, broadcast_buffers
 from toma.accumulation.plan import nothing_counted
-from toma.accumulation.sharded_models import is_fsdp2
-from toma.core.agreement import Agreement, is_distributed
-
-if TYPE_CHECKING:  # FSDP2 is imported when a model needs it (`_fsdp2_sync`), not by `import toma`
-    from toma.accumulation.fsdp2 import ShardedUnits
+from toma.core.agreement import Agreement
 
 __all__ = [
     "GradientSync",
     "LocalSync",
     "DDPNoSync",
     "AgreeingDDP",
-    "AgreeingFSDP2",
-    "ReducingFSDP2",
-    "GRADIENT_SYNCS",
     "AgreeingOnly",
     "model_device",
-    "sync_for",
+    "rank_scale",
+    "GRADIENT_SYNCS",
 ]
 
-_NOTHING: ContextManager[None] = contextlib.nullcontext()
-_log = logging.getLogger("toma")
+NOTHING: ContextManager[None] = contextlib.nullcontext()
 
 
 class GradientSync(ABC):
@@ -62,11 +52,13 @@ class GradientSync(ABC):
     `gradient_as_bucket_view`) writes into their memory meanwhile. `watch_grads`: whether the misuse watch may
     compare gradients between micro-batches (not where a reducer swaps them for views of its buckets).
 
-    A new strategy is a subclass in this module, returned by `sync_for` for its models (FSDP2's: `AgreeingFSDP2`,
+    A new strategy is a subclass, returned by `sync_for` for its models (FSDP2's, `toma.accumulation.fsdp2_syncs`:
     `begin` holds the units unsharded, `reduce` reduces once after the agreement, `reset` clears the state a pass
     that failed half-way left behind); with a process group of several ranks it holds an `Agreement` on that
     group. Collectives inside an attempt (FSDP2's) must each be one the others can meet: an `Agreement` call
     (`before_attempt`, `all_finished`), which a failed rank's `after_attempt` matches, before any other collective.
+    Where the passes themselves run collectives (`collectives_in_passes`), every rank runs as many micro-batches:
+    one with fewer runs `rounds_to_join` more, counting nothing.
     """
 
     __slots__ = ()
@@ -76,6 +68,12 @@ class GradientSync(ABC):
     layout = ""  # how the model is spread over the ranks, where that changes which sizes fit (the size file's key)
     lighter = False  # whether `lightened` has a strategy that needs less memory at the same micro-batch size
     each_micro_batch = False  # whether `micro_batch_done` and `finish` do anything
+    collectives_in_passes = False  # whether a micro-batch's passes run collectives (every rank must run each)
+
+    def rounds_to_join(self, ran: int) -> int:
+        """After this rank ran `ran` micro-batches: how many more, counting nothing, the other ranks' make it run
+        (where `collectives_in_passes`)."""
+        return 0
 
     def begin(self, size: int, micro_batches: int, weight: Optional[float]) -> None:
         """Before the first micro-batch of an attempt at `size` that runs `micro_batches` of them (nothing, for
@@ -112,7 +110,7 @@ class LocalSync(GradientSync):
     __slots__ = ()
 
     def scope(self, last: bool) -> ContextManager[object]:
-        return _NOTHING
+        return NOTHING
 
 
 class DDPNoSync(GradientSync):
@@ -130,7 +128,7 @@ class DDPNoSync(GradientSync):
         self.copy_grads = bool(model.gradient_as_bucket_view)
 
     def scope(self, last: bool) -> ContextManager[object]:
-        return _NOTHING if last else self.model.no_sync()
+        return NOTHING if last else self.model.no_sync()
 
     def reset(self) -> None:
         # A backward pass that failed after DDP's hooks fired leaves its reducer expecting the rest of the
@@ -166,7 +164,7 @@ class AgreeingDDP(GradientSync):
     def reduce(self, params: Sequence[torch.Tensor], weight: Optional[float]) -> None:
         """Average this call's gradients over the ranks; with `weight` weigh each rank by its items, so the
         result is the mean over all of them rather than a mean of the ranks' means."""
-        all_reduce_gradients(list(params), self.model.process_group, scale=_rank_scale(self.agreement, weight))
+        all_reduce_gradients(list(params), self.model.process_group, scale=rank_scale(self.agreement, weight))
         if self.model.broadcast_buffers:
             # DDP would broadcast rank 0's buffers (BatchNorm statistics) in the next forward pass, a
             # collective inside the region that may be retried: a rank that skips its forward passes would
@@ -174,112 +172,7 @@ class AgreeingDDP(GradientSync):
             broadcast_buffers(self.model)
 
 
-class AgreeingFSDP2(GradientSync):
-    """An FSDP2 model (`fully_shard` on its root and, usually, its blocks) over a process group: micro-batches
-    free of collectives, then the agreement, then one reduction.
-
-    Before an attempt every unit is unsharded (`toma.accumulation.fsdp2.ShardedUnits.hold`: the all-gathers
-    FSDP2 would run in each forward pass, once), and the micro-batches' forward and backward passes neither
-    all-gather, nor reduce-scatter, nor reshard: a rank that runs out of memory in any of them leaves no other
-    rank waiting in a collective. After the ranks agree that all finished, the unsharded gradients are
-    reduce-scattered, one unit at a time into buffers allocated before that agreement (averaged, weighted as
-    `AgreeingDDP` weighs them, in FSDP2's `reduce_dtype`), each rank keeping its shard as FSDP2 leaves it; then
-    the units are resharded. The price: each rank holds the unsharded parameters and gradients for the
-    logical batch, as FSDP2 itself does when accumulating without `reshard_after_backward`.
-
-    `lighter` (gradient_sync="auto"): when even the smallest micro-batch runs out of memory with the gradients
-    held, every rank switches to `ReducingFSDP2` and retries, for this call and the model's later ones."""
-
-    __slots__ = ("model", "units", "agreement", "mode", "_buffers")
-    watch_grads = False  # the sharded parameters' gradients change only in `reduce`
-
-    def __init__(self, model: torch.nn.Module, units: "ShardedUnits", agreement: Agreement, mode: str) -> None:
-        self.model, self.units, self.mode = model, units, mode
-        self.agreement: Agreement = agreement
-        self._buffers: Optional[Dict[torch.dtype, Tuple[torch.Tensor, torch.Tensor]]] = None
-
-    @property
-    def layout(self) -> str:  # type: ignore[override]
-        return f"FSDP2: {len(self.units.units)} units sharded over {self.agreement.world_size} ranks"
-
-    @property
-    def lighter(self) -> bool:  # type: ignore[override]
-        return self.mode == "auto"
-
-    def lightened(self) -> GradientSync:
-        _LIGHTENED.add(self.model)
-        _log.info(
-            "toma: the FSDP2 model's unsharded gradients did not fit beside one micro-batch; from now on they are "
-            "reduce-scattered after every micro-batch"
-        )
-        return ReducingFSDP2(self.model, self.units, self.agreement, self.mode)
-
-    def begin(self, size: int, micro_batches: int, weight: Optional[float]) -> None:
-        self._buffers = None
-        self.units.probe()
-        self.agreement.before_attempt(size)
-        self.units.hold()
-
-    def scope(self, last: bool) -> ContextManager[object]:
-        return _NOTHING
-
-    def finish(self) -> None:
-        self._buffers = self.units.scatter_buffers()  # before the ranks agree: see `ShardedUnits.scatter_buffers`
-
-    def reduce(self, params: Sequence[torch.Tensor], weight: Optional[float]) -> None:
-        buffers, self._buffers = self._buffers, None
-        assert buffers is not None
-        self.units.reduce_scatter(_rank_scale(self.agreement, weight), buffers)
-        self.units.keep_sums()
-
-    def reset(self) -> None:
-        self._buffers = None  # a failed attempt's: not held through the retry's probe
-        self.units.reset()
-
-
-class ReducingFSDP2(AgreeingFSDP2):
-    """FSDP2 with the gradients reduce-scattered after every micro-batch (gradient_sync="micro_batch", or "auto"
-    once the held ones did not fit): a micro-batch's forward pass no longer shares memory with the gradients of
-    the ones before, for one reduce-scatter per micro-batch.
-
-    The passes stay free of collectives; after each micro-batch the ranks agree that all finished it (a rank
-    that ran out of memory in it answers with its `after_attempt`) and only then reduce-scatter. Everything the
-    reduce-scatter needs is allocated before that agreement. Ranks with fewer micro-batches join the remaining
-    rounds with zeros, so every rank runs as many collectives."""
-
-    __slots__ = ("_size", "_rounds", "_done", "_weight", "_scale")
-    each_micro_batch = True
-
-    @property
-    def lighter(self) -> bool:  # type: ignore[override]
-        return False
-
-    def begin(self, size: int, micro_batches: int, weight: Optional[float]) -> None:
-        self.units.probe()
-        self._size, self._done, self._weight = size, 0, weight
-        self._scale: Optional[float] = None
-        self._rounds = self.agreement.before_attempt(size, micro_batches)
-        self.units.hold()
-
-    def micro_batch_done(self) -> None:
-        buffers = self.units.scatter_buffers()
-        self.agreement.all_finished(self._size)
-        if self._scale is None:
-            self._scale = _rank_scale(self.agreement, self._weight)
-        self.units.reduce_scatter(self._scale, buffers)
-        self._done += 1
-
-    def finish(self) -> None:
-        while self._done < self._rounds:
-            self.micro_batch_done()
-
-    def reduce(self, params: Sequence[torch.Tensor], weight: Optional[float]) -> None:
-        if self._scale is None:  # no round ran on any rank: weighted, every rank counted nothing
-            _rank_scale(self.agreement, self._weight)  # raises NothingCounted, as AgreeingFSDP2 does
-        self.units.keep_sums()
-
-
-def _rank_scale(agreement: Agreement, weight: Optional[float]) -> float:
+def rank_scale(agreement: Agreement, weight: Optional[float]) -> float:
     """What this rank's gradients are multiplied by before the ranks' average: with `weight` (its items), its
     share of all ranks' items, so the average is the mean over all items rather than a mean of the ranks' means."""
     if weight is None:
@@ -302,7 +195,7 @@ class AgreeingOnly(GradientSync):
         self.agreement: Agreement = agreement
 
     def scope(self, last: bool) -> ContextManager[object]:
-        return _NOTHING
+        return NOTHING
 
 
 def model_device(params: Iterable[torch.Tensor]) -> Optional[torch.device]:
@@ -323,30 +216,4 @@ def _ddp_device(model: DistributedDataParallel) -> Optional[torch.device]:
     return model_device(model.module.parameters())
 
 
-GRADIENT_SYNCS = ("auto", "logical_batch", "micro_batch")  # gradient_sync=, for FSDP2 models
-
-# FSDP2 models whose "auto" gradient sync switched to reducing after every micro-batch: for their later calls too
-_LIGHTENED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
-
-
-def _fsdp2_sync(model: torch.nn.Module, mode: str) -> AgreeingFSDP2:
-    from toma.accumulation.fsdp2 import ShardedUnits
-
-    units = ShardedUnits(model)
-    agreement = Agreement(units.process_group, model_device(model.parameters()))
-    reducing = mode == "micro_batch" or (mode == "auto" and model in _LIGHTENED)
-    return (ReducingFSDP2 if reducing else AgreeingFSDP2)(model, units, agreement, mode)
-
-
-def sync_for(model: torch.nn.Module, gradient_sync: str = "auto") -> GradientSync:
-    """The strategy `model` calls for: DDP's on a DistributedDataParallel (agreeing when several ranks run),
-    FSDP2's on a module `fully_shard` made (`gradient_sync`: once per logical batch, after every micro-batch, or
-    "auto"), else the local one."""
-    if is_fsdp2(model):  # a model sharded in part only is refused where it enters (`check_model`)
-        return _fsdp2_sync(model, gradient_sync)
-    if not isinstance(model, DistributedDataParallel):
-        return _LOCAL
-    return AgreeingDDP(model) if is_distributed(model.process_group) else DDPNoSync(model)
-
-
-_LOCAL = LocalSync()
+GRADIENT_SYNCS = ("auto", "logical_batch", "micro_batch", "sharded")  # gradient_sync=, for FSDP2 models

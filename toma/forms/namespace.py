@@ -321,7 +321,8 @@ class toma(metaclass=SettingsNamespace):
         its longest row; the budget starts at `initial_tokens`, or at `initial_micro_batch` rows of the batch's
         longest. `gradient_sync=` (FSDP2 models): "logical_batch" holds
         the unsharded gradients and reduce-scatters once per logical batch, "micro_batch" after every micro-batch
-        (less memory, more communication), "auto" the first until even one row does not fit beside them.
+        (less memory, more communication), "sharded" leaves the parameters sharded in FSDP2's own schedule, each
+        collective agreed on (FSDP2's memory), "auto" each in turn where memory runs short.
         `lengths="position_ids"` (or "cu_seq_lens_q", "seq_idx"): a padding-free batch, cut between its packed
         sequences. `groups=`: rows that belong together ("pairs": row i with row i + n/2, as DPO's chosen and
         rejected rows; "batch": never split; a function giving each row's group; "rows": each on its own); by

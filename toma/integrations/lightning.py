@@ -32,7 +32,8 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Sin
 from toma.accumulation.accumulate import AccumulationStats, MicroBatchSizing, accumulate
 from toma.accumulation.options import AccumulationSettings, NothingCounted, SettingAttribute, check_flag
 from toma.accumulation.sharded_models import fsdp2_root
-from toma.accumulation.sync import AgreeingOnly, GradientSync, model_device, sync_for
+from toma.accumulation.sync import AgreeingOnly, GradientSync, model_device
+from toma.accumulation.sync_choice import sync_for
 from toma.batching.logical import logical_batch_of
 from toma.batching.packed import is_packed
 from toma.core.agreement import Agreement, is_distributed
@@ -141,7 +142,7 @@ class MicroBatching(Callback):
             start), each trimmed to its longest row, as `toma.accumulate(lengths="attention_mask")`; default True
             (False: micro-batches of rows in the loader's order, at the batch's padded width).
         gradient_sync: under FSDP2 (`ModelParallelStrategy` with `fully_shard` in `configure_model`), when the
-            sharded gradients are reduced: "auto" (default), "logical_batch" or "micro_batch", as
+            sharded gradients are reduced: "auto" (default), "logical_batch", "micro_batch" or "sharded", as
             `toma.accumulate`'s `gradient_sync=`.
         groups: rows that belong together, as `toma.accumulate`'s `groups=` ("pairs", "batch", a function of a
             batch giving each row's group, "rows"); None (default): rows on their own, which toma checks once,

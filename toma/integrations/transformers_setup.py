@@ -90,8 +90,8 @@ def check_setup(trainer: transformers.Trainer, gradient_sync: str) -> None:
             '(fsdp_config={"fsdp_version": 2}) is supported',
         ),
         (
-            gradient_sync == "micro_batch" and not fsdp2_on(trainer),
-            "toma_gradient_sync='micro_batch', which reduce-scatters FSDP2's gradients: FSDP2 is not on "
+            gradient_sync in ("micro_batch", "sharded") and not fsdp2_on(trainer),
+            f"toma_gradient_sync={gradient_sync!r}, which is for FSDP2's gradients: FSDP2 is not on "
             '(fsdp_config={"fsdp_version": 2})',
         ),
         (

@@ -1,0 +1,113 @@
+"""FSDP2's own collectives made retry-safe: each all-gather and reduce-scatter a pass issues runs only once every
+rank agreed that all got there (`Agreement.all_finished`), after FSDP2 allocated its buffers. A rank that ran out
+of memory (computing, or allocating a collective's buffer) meets the others at their next collective through its
+`after_attempt`, and every rank leaves the attempt: no rank is left waiting in an all-gather.
+
+The wrappers keep the group's own communication (FSDP2's default, or what the user set with
+`set_custom_all_gather`/`set_custom_reduce_scatter`): its `allocate`, then the agreement, then its call.
+`toma.accumulation.fsdp2.ShardedUnits.agree_before_collectives` installs them for an attempt.
+
+Gloo (CPU tensors) allocates inside its all-gather and reduce-scatter copies of their output and input: that
+much is allocated and freed before the agreement, so a rank short of it says so there rather than failing inside
+the collective with the others waiting in it. An error inside a collective itself no agreement can cover: it is
+re-raised with a note naming the collective (the other ranks stop at the process group's timeout, or sooner where
+the connection drops)."""
+
+import errno
+import mmap
+from typing import Any, Callable, Sequence
+
+import torch
+
+from toma.core.agreement import Agreement
+
+__all__ = ["CollectiveAgreements", "AgreedAllGather", "AgreedReduceScatter"]
+
+
+class CollectiveAgreements:
+    """What an attempt in FSDP2's own schedule agrees with: the ranks' `agreement` at the attempt's `size`,
+    this rank's `scale` of its gradients before the reduce-scatter's average (its share of the ranks' items,
+    where `weight=` weighs ranks), and the agreements met so far (`count`, for the benchmark)."""
+
+    __slots__ = ("agreement", "size", "scale", "count")
+
+    def __init__(self, agreement: Agreement, size: int, scale: float) -> None:
+        self.agreement, self.size, self.scale = agreement, size, scale
+        self.count = 0
+
+    def agree(self) -> None:
+        """Returns once every rank got to this collective; raises as the agreement decides where one failed."""
+        self.count += 1
+        self.agreement.all_finished(self.size)
+
+
+def _room_for(output: torch.Tensor, input: torch.Tensor) -> None:
+    """Where the collective allocates copies of its output and input inside (gloo, on the CPU): as much allocated
+    and freed now, before the agreement (an out-of-memory error here is an ordinary failure of this rank's
+    attempt)."""
+    if output.device.type == "cpu":
+        # Fresh address space, mapped and unmapped: gloo allocates on its own threads, whose malloc arena need not
+        # have the free pieces of this thread's heap that a tensor allocated here could reuse.
+        try:
+            mmap.mmap(-1, output.nbytes + input.nbytes).close()
+        except OSError as error:
+            if error.errno != errno.ENOMEM:
+                raise
+            raise MemoryError(
+                f"no room for the {output.nbytes + input.nbytes} bytes gloo allocates inside FSDP2's next collective"
+            ) from None
+
+
+def _inside(name: str, collective: Callable[..., Any], **arguments: Any) -> Any:
+    """`collective(**arguments)`, an error inside it noted as one no agreement covers."""
+    try:
+        return collective(**arguments)
+    except Exception as error:
+        error.add_note(
+            f"toma: this rank failed inside FSDP2's {name}, after every rank agreed to run it; the other ranks stop "
+            "when their process group times out (or loses this rank's connection)"
+        )
+        raise
+
+
+class AgreedAllGather:
+    """An FSDP2 group's all-gather (`inner`), run after the ranks' agreement."""
+
+    __slots__ = ("inner", "agreements")
+
+    def __init__(self, inner: Any, agreements: CollectiveAgreements) -> None:
+        self.inner, self.agreements = inner, agreements
+
+    def allocate(self, size: Sequence[Any], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self.inner.allocate(size, dtype=dtype, device=device)  # type: ignore[no-any-return]
+
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, async_op: bool = False
+    ) -> Any:
+        _room_for(output_tensor, input_tensor)
+        self.agreements.agree()
+        return _inside(
+            "all-gather", self.inner, output_tensor=output_tensor, input_tensor=input_tensor, group=group,
+            async_op=async_op,
+        )  # fmt: skip
+
+
+class AgreedReduceScatter:
+    """An FSDP2 group's reduce-scatter (`inner`), run after the ranks' agreement, this rank's gradients (FSDP2's
+    flat input, copied in already) multiplied by the agreements' `scale` first."""
+
+    __slots__ = ("inner", "agreements")
+
+    def __init__(self, inner: Any, agreements: CollectiveAgreements) -> None:
+        self.inner, self.agreements = inner, agreements
+
+    def allocate(self, size: Sequence[Any], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self.inner.allocate(size, dtype=dtype, device=device)  # type: ignore[no-any-return]
+
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any, async_op: bool = False
+    ) -> Any:
+        self.agreements.agree()
+        if self.agreements.scale != 1.0:
+            input_tensor.mul_(self.agreements.scale)
+        return self.inner(output_tensor=output_tensor, input_tensor=input_tensor, group=group, op=op, async_op=async_op)
