@@ -1,4 +1,4 @@
-"""`toma.accumulate` on an FSDP2 model against the hand-written FSDP2 accumulation loop, 2 gloo ranks (issue 32).
+"""`toma.accumulate` on an FSDP2 model against the hand-written FSDP2 accumulation loop, 2 gloo ranks (issues 32, 43).
 
     torchrun --standalone --nproc_per_node=2 benchmarks/fsdp2_steps.py [--rounds 7] [--quick]
 
@@ -11,11 +11,15 @@ rank, then reduce-scatters the gradients once per unit, each rank keeping its sh
 `toma.accumulate(..., gradient_sync="micro_batch")` instead reduce-scatters after every micro-batch, after the
 ranks agreed that all finished it: less memory held (the unsharded gradients do not stay beside the next
 micro-batch's forward pass), more communication; its hand-written counterpart is FSDP2's default loop, which
-reduce-scatters in every backward pass. The four alternate, a logical batch each, for `--rounds` rounds
-of 8 logical batches; rank 0 prints the median time per logical batch of each and its ratio to the hand-written
-loop, the collectives each issues per logical batch, by kind, and the unsharded gradients each toma mode holds
-when a micro-batch's forward pass starts (the memory "micro_batch" frees for activations; on a GPU
-`benchmarks/gpu_check.py` measures the peak itself).
+reduce-scatters in every backward pass. `toma.accumulate(..., gradient_sync="sharded")` (issue 43) leaves the
+parameters sharded and runs FSDP2's own schedule, as that loop does, with the ranks' agreement (one small all-reduce)
+before each of FSDP2's all-gathers and reduce-scatters. The five alternate, a logical batch each, for `--rounds`
+rounds of 8 logical batches; rank 0 prints the median time per logical batch of each and its ratio to the
+hand-written loop, the collectives each issues per logical batch, by kind, the unsharded gradients each unsharded
+toma mode holds when a micro-batch's forward pass starts (the memory "micro_batch" frees for activations), and each
+method's peak memory per rank during a logical batch above where it began (the resident size's high-water mark,
+`VmHWM`, reset before each step; glibc told to return freed tensors of 1 MiB and more at once), the largest over the
+run, with the sharded mode's ratios to FSDP2's default loop. `--blocks`/`--width` change the model.
 """
 
 import argparse
@@ -34,6 +38,9 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from toma import NoBatchsizeCache, toma
+from toma.core.agreement import Agreement
+from toma.memory.cpu import predictable_heap
+from toma.memory.meters import CpuMeter
 
 LOGICAL, MICRO, LENGTH, VOCAB, WIDTH = 64, 16, 32, 256, 128
 COUNTED = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor",
@@ -56,10 +63,10 @@ def count_collectives() -> None:
         setattr(dist, name, counted)
 
 
-def make(blocks: int) -> nn.Module:
+def make(blocks: int, width: int = WIDTH) -> nn.Module:
     torch.manual_seed(0)
-    layers = [nn.TransformerEncoderLayer(WIDTH, 4, 4 * WIDTH, dropout=0.0, batch_first=True) for _ in range(blocks)]
-    model = nn.Sequential(nn.Embedding(VOCAB, WIDTH), *layers, nn.Linear(WIDTH, VOCAB))
+    layers = [nn.TransformerEncoderLayer(width, 4, 4 * width, dropout=0.0, batch_first=True) for _ in range(blocks)]
+    model = nn.Sequential(nn.Embedding(VOCAB, width), *layers, nn.Linear(width, VOCAB))
     for layer in layers:
         fully_shard(layer)
     fully_shard(model)
@@ -74,19 +81,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--quick", action="store_true", help="2 blocks, 2 rounds of 2 logical batches: seconds")
+    parser.add_argument("--blocks", type=int, default=4)
+    parser.add_argument("--width", type=int, default=WIDTH)
     options = parser.parse_args()
+    predictable_heap()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     rank = dist.get_rank()
-    blocks, rounds, per_round = (2, 2, 2) if options.quick else (4, options.rounds, 8)
+    blocks, rounds, per_round = (2, 2, 2) if options.quick else (options.blocks, options.rounds, 8)
+    width = options.width
     generator = torch.Generator().manual_seed(1 + rank)
     batches = [torch.randint(0, VOCAB, (LOGICAL, LENGTH), generator=generator) for _ in range(per_round)]
 
-    hand_model, toma_model, reducing_model, every_model = make(blocks), make(blocks), make(blocks), make(blocks)
+    hand_model, toma_model, reducing_model, every_model, sharded_model = (make(blocks, width) for _ in range(5))
     hand_optimizer = torch.optim.SGD(hand_model.parameters(), lr=1e-3)
     every_optimizer = torch.optim.SGD(every_model.parameters(), lr=1e-3)
     toma_optimizer = torch.optim.SGD(toma_model.parameters(), lr=1e-3)
     reducing_optimizer = torch.optim.SGD(reducing_model.parameters(), lr=1e-3)
+    sharded_optimizer = torch.optim.SGD(sharded_model.parameters(), lr=1e-3)
 
     def hand(x: torch.Tensor) -> None:
         hand_optimizer.zero_grad()
@@ -119,11 +131,21 @@ def main() -> None:
         reducing_loss(x)
         reducing_optimizer.step()
 
+    sharded_loss = toma.accumulate(
+        model=sharded_model, initial_micro_batch=MICRO, cache_type=NoBatchsizeCache, gradient_sync="sharded"
+    )(lambda x: loss_of(sharded_model, x))
+
+    def sharded(x: torch.Tensor) -> None:
+        sharded_optimizer.zero_grad()
+        sharded_loss(x)
+        sharded_optimizer.step()
+
     methods: Dict[str, Callable[[torch.Tensor], None]] = {
         "hand-written FSDP2 loop": hand,
         "toma.accumulate": by_toma,
         "hand-written FSDP2 loop, reduce-scatter every micro-batch": hand_every,
         'toma.accumulate, gradient_sync="micro_batch"': reducing,
+        'toma.accumulate, gradient_sync="sharded"': sharded,
     }
     count_collectives()
     collectives: Dict[str, Counter] = {}
@@ -144,15 +166,28 @@ def main() -> None:
         method(batches[1 % per_round])
         collectives[name] = Counter(calls)
     times: Dict[str, List[float]] = {name: [] for name in methods}
+    peaks: Dict[str, int] = {name: 0 for name in methods}
+    meter = CpuMeter()
     for round_ in range(rounds):
         for number, x in enumerate(batches):
             order = list(methods) if (round_ + number) % 2 == 0 else list(methods)[::-1]
             for name in order:
                 dist.barrier()
+                mark = meter.begin()
                 start = time.perf_counter()
                 methods[name](x)
                 dist.barrier()
                 times[name].append(time.perf_counter() - start)
+                used = None if mark is None else meter.used(mark)
+                peaks[name] = max(peaks[name], used or 0)
+    agreement, count = Agreement(), 200  # one agreement's latency alone: what the sharded mode adds per collective
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(count):
+        agreement.all_finished(MICRO)
+    agreement_ms = (time.perf_counter() - start) / count * 1e3
+    peak_tensor = torch.tensor([peaks[name] for name in methods], dtype=torch.float64)
+    dist.all_reduce(peak_tensor, op=dist.ReduceOp.MAX)  # the larger rank's
 
     def differs(model: nn.Module, norm: bool = False) -> float:
         pairs = [
@@ -165,9 +200,10 @@ def main() -> None:
         return max(float((a - b).abs().max() / b.abs().max()) for a, b in pairs)
 
     difference, reducing_difference = differs(toma_model), differs(reducing_model, norm=True)
+    sharded_difference = differs(sharded_model, norm=True)
     if rank == 0:
         print(
-            f"FSDP2, 2 gloo ranks, {blocks} blocks of width {WIDTH}: logical batch {LOGICAL} x {LENGTH} tokens per "
+            f"FSDP2, 2 gloo ranks, {blocks} blocks of width {width}: logical batch {LOGICAL} x {LENGTH} tokens per "
             f"rank in micro-batches of {MICRO}; {rounds} rounds of {per_round} logical batches"
         )
         hand_ms = statistics.median(times["hand-written FSDP2 loop"]) * 1e3
@@ -179,12 +215,25 @@ def main() -> None:
         every_ms = statistics.median(times["hand-written FSDP2 loop, reduce-scatter every micro-batch"]) * 1e3
         reducing_ms = statistics.median(times['toma.accumulate, gradient_sync="micro_batch"']) * 1e3
         print(f"toma micro_batch / hand-written reduce-scatter every micro-batch: {reducing_ms / every_ms:.3f}")
+        sharded_ms = statistics.median(times['toma.accumulate, gradient_sync="sharded"']) * 1e3
+        print(f"toma sharded / hand-written reduce-scatter every micro-batch: {sharded_ms / every_ms:.3f}")
+        agreements = collectives['toma.accumulate, gradient_sync="sharded"'].get("all_reduce", 0)
+        print(
+            f"one agreement alone: {agreement_ms:.3f} ms; the sharded mode's {agreements} per logical batch: "
+            f"{agreements * agreement_ms:.1f} ms of its {sharded_ms - every_ms:+.1f} ms against FSDP2's default loop"
+        )
+        for name, peak in zip(methods, peak_tensor.tolist()):
+            print(f"peak memory per rank during a logical batch, {name}: {peak / 2**20:.1f} MiB")
+        every_peak = peak_tensor[list(methods).index("hand-written FSDP2 loop, reduce-scatter every micro-batch")]
+        sharded_peak = peak_tensor[list(methods).index('toma.accumulate, gradient_sync="sharded"')]
+        print(f"peak, toma sharded / hand-written reduce-scatter every micro-batch: {sharded_peak / every_peak:.3f}")
         for name, counted in collectives.items():
             print(f"collectives per logical batch, {name}: {dict(sorted(counted.items()))}")
         for name, grads in held.items():
             print(f"unsharded gradients held when a micro-batch's forward pass starts, {name}: {grads / 2**20:.2f} MiB")
         print(f"largest parameter difference between the two at the end: {difference:.1e}")
         print(f"parameter difference, micro_batch against the hand-written loop (norm-wise): {reducing_difference:.1e}")
+        print(f"parameter difference, sharded against the hand-written loop (norm-wise): {sharded_difference:.1e}")
     dist.barrier()
     dist.destroy_process_group()
 

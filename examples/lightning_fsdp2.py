@@ -1,7 +1,7 @@
 """MicroBatching under Lightning's FSDP2 strategy (`ModelParallelStrategy`): two CPU ranks over gloo, rank 1 short
 of memory for real.
 
-Run: python examples/lightning_fsdp2.py [--gradient-sync micro_batch]   (Lightning starts the second rank itself)
+Run: python examples/lightning_fsdp2.py [--gradient-sync micro_batch|sharded]   (Lightning starts the second rank itself)
 
 The LightningModule shards its blocks and its model with `fully_shard` in `configure_model`, as Lightning's FSDP2
 strategy expects. A plain run trains 3 steps on batches of 4096 rows per rank as the reference. Then rank 1 caps
@@ -83,7 +83,7 @@ def fit(module: Sharded, callbacks: list) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gradient-sync", default="auto", choices=["auto", "logical_batch", "micro_batch"])
+    parser.add_argument("--gradient-sync", default="auto", choices=["auto", "logical_batch", "micro_batch", "sharded"])
     options = parser.parse_args()
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     torch.set_num_threads(1)

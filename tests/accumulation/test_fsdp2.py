@@ -520,6 +520,15 @@ def test_the_benchmark_runs_quick_and_toma_issues_no_all_gather_per_micro_batch(
     )
     assert float(held["toma.accumulate"]) > 0 and float(held['toma.accumulate, gradient_sync="micro_batch"']) == 0
     assert float(out.split("micro_batch against the hand-written loop (norm-wise): ")[1].split()[0]) < 1e-5
+    # the sharded mode: FSDP2's own collectives, as its default loop issues them, each after one agreement
+    sharded = ast.literal_eval(counted['toma.accumulate, gradient_sync="sharded"'])
+    every = ast.literal_eval(counted["hand-written FSDP2 loop, reduce-scatter every micro-batch"])
+    fsdp2s = {name: n for name, n in sharded.items() if name != "all_reduce"}
+    assert fsdp2s == every, (sharded, every)
+    assert sharded["all_reduce"] >= sum(fsdp2s.values()), "an agreement before each of FSDP2's collectives"
+    assert float(out.split("sharded against the hand-written loop (norm-wise): ")[1].split()[0]) < 1e-5
+    peaks = dict(re.findall(r"^peak memory per rank during a logical batch, (.+?): (\S+) MiB$", out, re.M))
+    assert len(peaks) == 5 and float(peaks['toma.accumulate, gradient_sync="sharded"']) > 0, peaks
 
 
 SIZE_FILE = (
@@ -589,22 +598,30 @@ def refuse(module, args):
 model[1].register_forward_pre_hook(refuse)
 loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
 trainer = toma_package.Trainer(
-    model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), loader, batch_size=32, verbose=0
+    model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), loader, batch_size=32, verbose=0,
+    gradient_sync=os.environ["TOMA_SYNC"],
 )
+gathers, all_gather = [], dist.all_gather_single
+dist.all_gather_single = lambda *args, **kwargs: (gathers.append(1), all_gather(*args, **kwargs))[1]
 trainer.fit(1)
 largest = max(
     float((p.detach().full_tensor() - r.detach().full_tensor()).abs().max() / r.detach().full_tensor().abs().max())
     for p, r in zip(model.parameters(), reference.parameters())
 )
-finish(dict(rank=rank, difference=largest, micro_batch=trainer.stats.micro_batch))
+finish(dict(rank=rank, difference=largest, micro_batch=trainer.stats.micro_batch, unshards=len(gathers)))
 """
 )
 
 
-def test_the_trainer_trains_an_fsdp2_model_as_the_unsplit_steps_with_one_rank_short_of_memory():
+@pytest.mark.parametrize("sync", ["auto", "sharded"])
+def test_the_trainer_trains_an_fsdp2_model_as_the_unsplit_steps_with_one_rank_short_of_memory(sync, monkeypatch):
+    monkeypatch.setenv("TOMA_SYNC", sync)
     results = [json.loads(out.strip().splitlines()[-1]) for out in run_ranks(TRAINER, 2, timeout=180)]
     for result in results:
         assert result["difference"] < 1e-5 and result["micro_batch"] == 8, result
+        # sharded: the two blocks all-gathered in every micro-batch's passes (2 steps of 4 micro-batches of 8 at
+        # least), not once per attempt
+        assert (result["unshards"] >= 2 * 2 * 8) == (sync == "sharded"), result
 
 
 ON_A_GPU = """

@@ -4,7 +4,9 @@
 (`FSDPParamGroup.post_backward`), a rank that runs out of memory in the forward or the backward pass of a middle unit
 meets the others at their next agreement through its `after_attempt`; every rank leaves the attempt without a hang,
 FSDP2's state is reset, and the retry at the smaller size trains to the unsplit FSDP2 steps' parameters. The
-patch is the test's own (class-level, in the ranks' processes): toma does not ship the mode yet."""
+patch is the test's own (class-level, in the ranks' processes): the protocol alone, below the mode toma ships
+(`gradient_sync="sharded"`, which meets the ranks inside FSDP2's communication objects instead, after the buffers'
+allocation: tests/accumulation/test_fsdp2.py and test_fsdp2_sharded.py)."""
 
 import json
 

@@ -908,12 +908,13 @@ def test_ddp_ranks_agree_on_the_micro_batch_and_match_plain_ddp():
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_fsdp2_ranks_one_of_them_capped_for_real_agree_and_match_plain_fsdp2():
+@pytest.mark.parametrize("gradient_sync", ["auto", "sharded"])
+def test_fsdp2_ranks_one_of_them_capped_for_real_agree_and_match_plain_fsdp2(gradient_sync):
     """`examples/lightning_fsdp2.py`: two gloo ranks under ModelParallelStrategy (FSDP2), rank 1 under a real
     address-space cap; both ranks retry together, train at the same micro-batch and end with the plain FSDP2 run's
     parameters (gradient_sync="micro_batch" is the same wiring: `python examples/lightning_fsdp2.py
     --gradient-sync micro_batch`, and tests/accumulation/test_fsdp2.py for the strategy)."""
-    out, ranks = two_rank_example("lightning_fsdp2.py")
+    out, ranks = two_rank_example("lightning_fsdp2.py", "--gradient-sync", gradient_sync)
     assert "[rank 1] capped" in out
     assert ranks[0]["micro_batch"] == ranks[1]["micro_batch"] < 4096, ranks
     assert all(r["oom_retries"] >= 1 and r["same_parameters_as_plain_fsdp2"] for r in ranks), ranks

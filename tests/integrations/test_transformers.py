@@ -696,7 +696,10 @@ def test_fsdp1_through_accelerate_is_refused_and_fsdp2_taken_and_micro_batch_nee
         trainer.toma_gradient_sync = "micro_batch"
         trainer._toma_check_setup()
         trainer.is_fsdp_enabled = False
-        with pytest.raises(ValueError, match="toma_gradient_sync='micro_batch', which reduce-scatters FSDP2's"):
+        with pytest.raises(ValueError, match="toma_gradient_sync='micro_batch', which is for FSDP2's gradients"):
+            trainer._toma_check_setup()
+        trainer.toma_gradient_sync = "sharded"
+        with pytest.raises(ValueError, match="toma_gradient_sync='sharded', which is for FSDP2's gradients"):
             trainer._toma_check_setup()
     finally:
         trainer.accelerator.state.fsdp_plugin = None
@@ -969,7 +972,7 @@ def test_ddp_through_accelerate_ranks_agree_on_the_micro_batch_and_match_the_pla
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("gradient_sync", ["auto", "micro_batch"])
+@pytest.mark.parametrize("gradient_sync", ["auto", "micro_batch", "sharded"])
 def test_fsdp2_through_accelerate_ranks_agree_on_the_micro_batch_and_match_the_plain_trainer(tmp_path, gradient_sync):
     """The DDP run above with accelerate's FSDP2 plugin (`fsdp_config={"fsdp_version": 2}`): the plain Trainer's
     FSDP2 parameters and evaluation loss, with rank 0 refusing more than 3 rows."""

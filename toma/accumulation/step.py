@@ -117,7 +117,8 @@ class AccumulateStep(Step):
             self.tokens = token_batches(batch.pieces, options.lengths, whole or cost or MicroBatchCost())
             self.size_name = TOKEN_BUDGET
         # Whether the loss is what its parts add up to: checked once per call site, on its first split
-        self.split_check = split_check if options.check_split and split_check is not None else None
+        checks = options.check_split and split_check is not None and not split_check.done
+        self.split_check = split_check if checks else None
         self.result: Optional[torch.Tensor] = None
         self.total_weight: Optional[float] = None
         self.attempts = 0
@@ -248,8 +249,7 @@ class AccumulateStep(Step):
         return result
 
     def _attempt(self, asked: int, size: int) -> torch.Tensor:
-        """Forward and backward of every micro-batch of the plan at `size` (`asked`, what the ranks agreed on);
-        the logical batch's loss, detached."""
+        """Forward and backward of every micro-batch at `size` (`asked`: what the ranks agreed on); the loss, detached."""
         plan = MicroBatchPlan(self.batch, size, self.weighting, self.tokens)
         self.total_weight = plan.weight
         if len(plan.micro_batches) > 1:
@@ -257,7 +257,8 @@ class AccumulateStep(Step):
         backward = backward_pass(self.options.backward, self.options.scaler)
         func, sync, watch = self.func, self.sync, self.watch
         sync.begin(asked, len(plan.running), self.total_weight if self.rank_weighted else None)
-        self._check_split(plan)
+        if self.split_check is not None:
+            self._check_split(plan)
         each = sync.each_micro_batch
         last = plan.running[-1][0] if plan.running else -1
         total: Optional[torch.Tensor] = None
@@ -267,8 +268,7 @@ class AccumulateStep(Step):
                 _, start, stop = plan.micro_batches[index]
                 self.failing_units, self.failing_piece = stop - start, plan.micro_batches[index][0]
                 if timer is not None:
-                    assert plan.areas is not None
-                    timer.begin(plan.areas[index])
+                    timer.begin(plan.areas[index])  # type: ignore[index]
                 with sync.scope(index == last):
                     try:
                         loss = func(*args, **kwargs)
@@ -289,7 +289,8 @@ class AccumulateStep(Step):
                     sync.micro_batch_done()
                 loss = loss.detach()
                 total = loss if total is None else total + loss
-            self._join(plan, sync.rounds_to_join(len(plan.running)), backward)
+            if sync.collectives_in_passes:
+                self._join(plan, sync.rounds_to_join(len(plan.running)), backward)
         sync.finish()
         self.failing_units = None
         if timer is not None:
