@@ -17,9 +17,9 @@ before each of FSDP2's all-gathers and reduce-scatters. The five alternate, a lo
 rounds of 8 logical batches; rank 0 prints the median time per logical batch of each and its ratio to the
 hand-written loop, the collectives each issues per logical batch, by kind, the unsharded gradients each unsharded
 toma mode holds when a micro-batch's forward pass starts (the memory "micro_batch" frees for activations), and each
-method's peak memory per rank during a logical batch above where it began (the resident size's high-water mark,
-`VmHWM`, reset before each step; glibc told to return freed tensors of 1 MiB and more at once), the largest over the
-run, with the sharded mode's ratios to FSDP2's default loop. `--blocks`/`--width` change the model.
+method's peak memory per rank during a logical batch above where it began, without gradients (the resident size's
+high-water mark, `VmHWM`, reset before each step; glibc told to return freed tensors of 1 MiB and more at once), the
+largest over the run, with the sharded mode's ratios to FSDP2's default loop. `--blocks`/`--width` change the model.
 """
 
 import argparse
@@ -74,7 +74,28 @@ def make(blocks: int, width: int = WIDTH) -> nn.Module:
 
 
 def loss_of(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if x.is_floating_point():  # the issue-43 shape's rows
+        return model(x).square().mean()
     return F.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
+
+
+class Residual(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.linear(x))
+
+
+def make_residual(blocks: int, width: int) -> nn.Module:
+    """Issue 43's shape: residual blocks of width x width, each `fully_shard`ed, and the root."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Residual(width) for _ in range(blocks)])
+    for block in model:
+        fully_shard(block)
+    fully_shard(model)
+    return model
 
 
 def main() -> None:
@@ -83,6 +104,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="2 blocks, 2 rounds of 2 logical batches: seconds")
     parser.add_argument("--blocks", type=int, default=4)
     parser.add_argument("--width", type=int, default=WIDTH)
+    parser.add_argument(
+        "--issue43", action="store_true", help="issue 43's shape: 96 residual blocks of 512 x 512, 196 rows per rank"
+    )
     options = parser.parse_args()
     predictable_heap()
     torch.set_num_threads(1)
@@ -91,9 +115,15 @@ def main() -> None:
     blocks, rounds, per_round = (2, 2, 2) if options.quick else (options.blocks, options.rounds, 8)
     width = options.width
     generator = torch.Generator().manual_seed(1 + rank)
-    batches = [torch.randint(0, VOCAB, (LOGICAL, LENGTH), generator=generator) for _ in range(per_round)]
-
-    hand_model, toma_model, reducing_model, every_model, sharded_model = (make(blocks, width) for _ in range(5))
+    global LOGICAL, MICRO  # the issue-43 shape has its own
+    if options.issue43:
+        blocks, width, LOGICAL, MICRO, per_round = 96, 512, 196, 49, 4
+        batches = [torch.randn(LOGICAL, width, generator=generator) for _ in range(per_round)]
+        build: Callable[[int, int], nn.Module] = make_residual
+    else:
+        batches = [torch.randint(0, VOCAB, (LOGICAL, LENGTH), generator=generator) for _ in range(per_round)]
+        build = make
+    hand_model, toma_model, reducing_model, every_model, sharded_model = (build(blocks, width) for _ in range(5))
     hand_optimizer = torch.optim.SGD(hand_model.parameters(), lr=1e-3)
     every_optimizer = torch.optim.SGD(every_model.parameters(), lr=1e-3)
     toma_optimizer = torch.optim.SGD(toma_model.parameters(), lr=1e-3)
@@ -147,6 +177,7 @@ def main() -> None:
         'toma.accumulate, gradient_sync="micro_batch"': reducing,
         'toma.accumulate, gradient_sync="sharded"': sharded,
     }
+    models = dict(zip(methods, (hand_model, toma_model, every_model, reducing_model, sharded_model)))
     count_collectives()
     collectives: Dict[str, Counter] = {}
     held: Dict[str, int] = {}
@@ -172,6 +203,8 @@ def main() -> None:
         for number, x in enumerate(batches):
             order = list(methods) if (round_ + number) % 2 == 0 else list(methods)[::-1]
             for name in order:
+                for param in models[name].parameters():  # every step starts without gradients (peaks comparable)
+                    param.grad = None
                 dist.barrier()
                 mark = meter.begin()
                 start = time.perf_counter()
@@ -203,8 +236,9 @@ def main() -> None:
     sharded_difference = differs(sharded_model, norm=True)
     if rank == 0:
         print(
-            f"FSDP2, 2 gloo ranks, {blocks} blocks of width {width}: logical batch {LOGICAL} x {LENGTH} tokens per "
-            f"rank in micro-batches of {MICRO}; {rounds} rounds of {per_round} logical batches"
+            f"FSDP2, 2 gloo ranks, {blocks} {'residual' if options.issue43 else 'transformer'} blocks of width {width}: "
+            f"logical batch {LOGICAL} rows per rank in micro-batches of {MICRO}; {rounds} rounds of {per_round} "
+            "logical batches"
         )
         hand_ms = statistics.median(times["hand-written FSDP2 loop"]) * 1e3
         for name in methods:
