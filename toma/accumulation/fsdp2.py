@@ -246,6 +246,12 @@ class ShardedUnits:
             group._reduce_scatter_comm = AgreedReduceScatter(scatter, agreements)
             group.reduce_grads = True
 
+    @property
+    def can_reset(self) -> bool:
+        """Whether FSDP2 clears its own per-iteration state after a failed pass (`reset_iter_state`, torch 2.13),
+        which the sharded mode needs: what `_reset_by_hand` clears covers the unsharded modes' passes only."""
+        return hasattr(self.units[0], "reset_iter_state")
+
     def stop_agreeing(self) -> None:
         """Each group's own all-gather, reduce-scatter and gradient sync setting back."""
         if self._comms is not None:

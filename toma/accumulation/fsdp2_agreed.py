@@ -27,12 +27,14 @@ __all__ = ["CollectiveAgreements", "AgreedAllGather", "AgreedReduceScatter"]
 class CollectiveAgreements:
     """What an attempt in FSDP2's own schedule agrees with: the ranks' `agreement` at the attempt's `size`,
     this rank's `scale` of its gradients before the reduce-scatter's average (its share of the ranks' items,
-    where `weight=` weighs ranks), and the agreements met so far (`count`, for the benchmark)."""
+    where `weight=` weighs ranks), whether this rank's passes only join the others' rounds now (`joining`: its
+    gradients count nothing), and the agreements met so far (`count`)."""
 
-    __slots__ = ("agreement", "size", "scale", "count")
+    __slots__ = ("agreement", "size", "scale", "joining", "count")
 
     def __init__(self, agreement: Agreement, size: int, scale: float) -> None:
         self.agreement, self.size, self.scale = agreement, size, scale
+        self.joining = False
         self.count = 0
 
     def agree(self) -> None:
@@ -94,7 +96,8 @@ class AgreedAllGather:
 
 class AgreedReduceScatter:
     """An FSDP2 group's reduce-scatter (`inner`), run after the ranks' agreement, this rank's gradients (FSDP2's
-    flat input, copied in already) multiplied by the agreements' `scale` first."""
+    flat input, copied in already) multiplied by the agreements' `scale` first, or zeroed in the rounds it only
+    joins (`CollectiveAgreements.joining`: a zero-weighted loss does not clear a NaN)."""
 
     __slots__ = ("inner", "agreements")
 
@@ -107,7 +110,13 @@ class AgreedReduceScatter:
     def __call__(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any, async_op: bool = False
     ) -> Any:
+        _room_for(output_tensor, input_tensor)
         self.agreements.agree()
-        if self.agreements.scale != 1.0:
+        if self.agreements.joining:  # a round this rank runs only to match the others': it counts nothing
+            input_tensor.zero_()
+        elif self.agreements.scale != 1.0:
             input_tensor.mul_(self.agreements.scale)
-        return self.inner(output_tensor=output_tensor, input_tensor=input_tensor, group=group, op=op, async_op=async_op)
+        return _inside(
+            "reduce-scatter", self.inner, output_tensor=output_tensor, input_tensor=input_tensor, group=group, op=op,
+            async_op=async_op,
+        )  # fmt: skip

@@ -84,7 +84,7 @@ class AgreeingFSDP2(GradientSync):
         try:
             self.units.probe()
         except UnshardedDoesNotFit:
-            if self.mode != "auto":
+            if self.mode != "auto" or not self.units.can_reset:
                 raise
             short = True
         agreed = self.agreement.before_attempt(size, micro_batches + (_SHORT if short else 0))
@@ -122,6 +122,10 @@ class ReducingFSDP2(AgreeingFSDP2):
 
     __slots__ = ("_size", "_rounds", "_done", "_weight", "_scale")
     each_micro_batch = True
+
+    @property
+    def lighter(self) -> bool:  # type: ignore[override]
+        return self.mode == "auto" and self.units.can_reset
 
     def lightened(self) -> GradientSync:
         return _sharded(self)
@@ -174,6 +178,11 @@ class ShardedFSDP2(AgreeingFSDP2):
         return False
 
     def begin(self, size: int, micro_batches: int, weight: Optional[float]) -> None:
+        if not self.units.can_reset:
+            raise NotImplementedError(
+                f"gradient_sync='sharded' needs FSDP2's reset_iter_state (torch 2.13 and later), not in torch "
+                f"{torch.__version__}: without it a failed pass leaves state that makes the ranks' retries differ"
+            )
         self._rounds = self.agreement.before_attempt(size, micro_batches)
         # the ranks' items summed before any pass (no rank can fail between the two collectives); where they
         # count nothing, every rank raises that after the agreement, as the other FSDP2 syncs do
@@ -184,7 +193,10 @@ class ShardedFSDP2(AgreeingFSDP2):
         self.units.agree_before_collectives(self.agreements)
 
     def rounds_to_join(self, ran: int) -> int:
-        return self._rounds - ran
+        rounds = self._rounds - ran
+        if rounds > 0:  # what this rank reduce-scatters from here on counts nothing
+            self.agreements.joining = True
+        return rounds
 
     def finish(self) -> None:
         pass

@@ -213,8 +213,10 @@ class AccumulateStep(Step):
         try:
             result = self._agreed(asked, size)
         except BaseException as error:
-            self.rollbacks.undo()
-            self.sync.reset()
+            try:
+                self.rollbacks.undo()
+            finally:
+                self.sync.reset()
             if isinstance(error, AgreedRetry) and error.lighter:
                 self._lightened()
             raise
@@ -289,19 +291,20 @@ class AccumulateStep(Step):
                     sync.micro_batch_done()
                 loss = loss.detach()
                 total = loss if total is None else total + loss
-            if sync.collectives_in_passes:
-                self._join(plan, sync.rounds_to_join(len(plan.running)), backward)
-        sync.finish()
-        self.failing_units = None
         if timer is not None:
             timer.end()
+        if sync.collectives_in_passes:
+            self._join(plan, sync.rounds_to_join(len(plan.running)), backward)
+        sync.finish()
+        self.failing_units = None
         if total is None:  # every micro-batch counted 0 items: nothing to learn from, no NaN
             return torch.zeros((), device=self.params[0].device if self.params else None)
         return total if total.dim() == 0 else total.reshape(())
 
     def _join(self, plan: MicroBatchPlan, rounds: int, backward: Callable[[torch.Tensor], None]) -> None:
         """The rounds other ranks' micro-batches make this one run where the passes run collectives (they must
-        match on every rank): its last micro-batch again, its loss counting nothing."""
+        match on every rank): its last micro-batch again, its loss and gradients counting nothing (a training-mode
+        forward pass: BatchNorm statistics and the random state move on as in one more micro-batch)."""
         if rounds <= 0:
             return
         if not plan.micro_batches:
@@ -309,8 +312,9 @@ class AccumulateStep(Step):
                 "toma.accumulate: this rank's logical batch is empty, but the other ranks' micro-batches run FSDP2's "
                 "collectives in their passes (gradient_sync='sharded'), which every rank must join: give it a row"
             )
-        piece, start, stop = plan.micro_batches[-1]
-        width = None if plan.widths is None else plan.widths[-1]
+        index = plan.running[-1][0] if plan.running else len(plan.micro_batches) - 1  # one with a loss, if any
+        piece, start, stop = plan.micro_batches[index]
+        width = None if plan.widths is None else plan.widths[index]
         for _ in range(rounds):
             args, kwargs = self._part_arguments(piece, start, stop, width)
             backward(self.func(*args, **kwargs) * 0.0)
