@@ -266,14 +266,18 @@ def test_weight_gives_the_token_mean_over_every_ranks_rows(sync):
 def test_sharded_a_rank_whose_rows_count_nothing_joins_the_others_rounds_without_a_nan():
     # rank 1's 4 rows have no label at all: its one micro-batch's mean is 0/0 (NaN) and does not run; it still joins
     # rank 0's 3 rounds of FSDP2's collectives, counting nothing, and both get rank 0's token mean
-    script = WEIGHTED.replace("gradient_sync=SYNC", "gradient_sync='sharded'").replace(
-        "batches = [rows(7, 12, 9), rows(8, 7, 4)]",
-        "batches = [rows(7, 12, 9), (rows(8, 4, 4)[0], torch.full((4, 9), -100))]",
-    ).replace(  # a masked mean: 0/0, NaN, and NaN gradients even multiplied by 0, where nothing counts
-        "return F.cross_entropy(model(x).flatten(0, 1), labels.flatten(), ignore_index=-100)",
-        "mask = (labels.flatten() != -100).float()\n"
-        "    each = F.cross_entropy(model(x).flatten(0, 1), labels.flatten().clamp(min=0), reduction='none')\n"
-        "    return (each * mask).sum() / mask.sum()",
+    script = (
+        WEIGHTED.replace("gradient_sync=SYNC", "gradient_sync='sharded'")
+        .replace(
+            "batches = [rows(7, 12, 9), rows(8, 7, 4)]",
+            "batches = [rows(7, 12, 9), (rows(8, 4, 4)[0], torch.full((4, 9), -100))]",
+        )
+        .replace(  # a masked mean: 0/0, NaN, and NaN gradients even multiplied by 0, where nothing counts
+            "return F.cross_entropy(model(x).flatten(0, 1), labels.flatten(), ignore_index=-100)",
+            "mask = (labels.flatten() != -100).float()\n"
+            "    each = F.cross_entropy(model(x).flatten(0, 1), labels.flatten().clamp(min=0), reduction='none')\n"
+            "    return (each * mask).sum() / mask.sum()",
+        )
     )
     results = [json.loads(out.strip().splitlines()[-1]) for out in run_ranks(script, 2, timeout=180)]
     assert [result["tokens"] for result in results][1] == 0
