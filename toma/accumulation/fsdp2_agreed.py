@@ -49,15 +49,15 @@ def _room_for(output: torch.Tensor, input: torch.Tensor) -> None:
     attempt)."""
     if output.device.type == "cpu":
         # Fresh address space, mapped and unmapped: gloo allocates on its own threads, whose malloc arena need not
-        # have the free pieces of this thread's heap that a tensor allocated here could reuse.
+        # have the free pieces of this thread's heap that a tensor allocated here could reuse; twice its copies,
+        # as a margin for what its threads' arenas take around them (one copy's room was seen not to be enough).
+        wanted = 2 * (output.nbytes + input.nbytes)
         try:
-            mmap.mmap(-1, output.nbytes + input.nbytes).close()
+            mmap.mmap(-1, wanted).close()
         except OSError as error:
             if error.errno != errno.ENOMEM:
                 raise
-            raise MemoryError(
-                f"no room for the {output.nbytes + input.nbytes} bytes gloo allocates inside FSDP2's next collective"
-            ) from None
+            raise MemoryError(f"no room for the {wanted} bytes kept for gloo inside FSDP2's next collective") from None
 
 
 def _inside(name: str, collective: Callable[..., Any], **arguments: Any) -> Any:
