@@ -72,8 +72,9 @@ def _inside(name: str, collective: Callable[..., Any], **arguments: Any) -> Any:
         raise
 
 
-class AgreedAllGather:
-    """An FSDP2 group's all-gather (`inner`), run after the ranks' agreement."""
+class _AgreedComm:
+    """An FSDP2 group's communication object (`inner`: its `allocate`, then its call) with the agreements an
+    attempt meets before the call."""
 
     __slots__ = ("inner", "agreements")
 
@@ -82,6 +83,12 @@ class AgreedAllGather:
 
     def allocate(self, size: Sequence[Any], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return self.inner.allocate(size, dtype=dtype, device=device)  # type: ignore[no-any-return]
+
+
+class AgreedAllGather(_AgreedComm):
+    """An FSDP2 group's all-gather (`inner`), run after the ranks' agreement."""
+
+    __slots__ = ()
 
     def __call__(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, async_op: bool = False
@@ -94,18 +101,12 @@ class AgreedAllGather:
         )  # fmt: skip
 
 
-class AgreedReduceScatter:
+class AgreedReduceScatter(_AgreedComm):
     """An FSDP2 group's reduce-scatter (`inner`), run after the ranks' agreement, this rank's gradients (FSDP2's
     flat input, copied in already) multiplied by the agreements' `scale` first, or zeroed in the rounds it only
     joins (`CollectiveAgreements.joining`: a zero-weighted loss does not clear a NaN)."""
 
-    __slots__ = ("inner", "agreements")
-
-    def __init__(self, inner: Any, agreements: CollectiveAgreements) -> None:
-        self.inner, self.agreements = inner, agreements
-
-    def allocate(self, size: Sequence[Any], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return self.inner.allocate(size, dtype=dtype, device=device)  # type: ignore[no-any-return]
+    __slots__ = ()
 
     def __call__(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any, async_op: bool = False
