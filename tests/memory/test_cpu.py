@@ -53,6 +53,36 @@ def test_headroom_caps_at_the_settled_address_space_plus_the_headroom():
     assert result["failed"], "600 MiB must not fit in 512 MiB of headroom (300 MiB did)"
 
 
+@pytest.mark.parametrize("threshold", [0, -1, 1.5, True])
+def test_predictable_heap_rejects_a_bad_mmap_threshold(threshold):
+    from toma.memory.cpu import predictable_heap
+
+    with pytest.raises(ValueError, match="mmap_threshold"):
+        predictable_heap(threshold)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("threshold, mapped", [(None, False), (64 * 1024, True)])
+def test_predictable_heaps_mmap_threshold_reaches_malloc(threshold, mapped):
+    """Ten 100 KiB tensors: from the heap at the 1 MiB threshold, each in its own mapping (freed with it) below
+    it (glibc's count of mapped chunks, `mallinfo2().hblks`)."""
+    out = run_python(
+        f"""
+        import ctypes, json, torch
+        from toma.memory.cpu import predictable_heap
+        predictable_heap({"" if threshold is None else threshold})
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = type("Info", (ctypes.Structure,), dict(_fields_=[(n, ctypes.c_size_t) for n in
+            ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keep")]))
+        before = libc.mallinfo2().hblks
+        pieces = [torch.empty(100 * 1024, dtype=torch.uint8) for _ in range(10)]
+        print(json.dumps(dict(mapped=libc.mallinfo2().hblks - before)))
+        """
+    )
+    count = json.loads(out.stdout)["mapped"]
+    assert (count >= 5) == mapped and (count > 0) == mapped, count  # glibc's count moves with other frees too
+
+
 def test_available_memory_is_positive():
     assert get_available_cpu_memory() > 0
 

@@ -93,18 +93,22 @@ def _glibc(function: str, *args: int) -> Any:
         return None
 
 
-def predictable_heap() -> None:
+def predictable_heap(mmap_threshold: int = 2**20) -> None:
     """Make freed memory leave the address space at once, so that a cap set relative to it holds.
 
     glibc raises its mmap threshold after large frees; multi-MiB tensors then come from the heap, and their
     memory stays counted as address space until some later free trims the heap, hundreds of MiB at a time.
-    A fixed threshold of 1 MiB (M_MMAP_THRESHOLD) keeps large tensors in mappings that go when freed.
+    A fixed threshold of `mmap_threshold` bytes (M_MMAP_THRESHOLD, 1 MiB) keeps large tensors in mappings that
+    go when freed; a lower one keeps smaller tensors out of the heap too, whose holes between live pieces
+    otherwise stay counted (tens of MiB from run to run where many small activations come and go).
     glibc also reserves 64 MiB of address space, for good, for every new malloc arena: one after the first
     failed allocation (it retries in a fresh arena) and one per thread that allocates. A single arena
     (M_ARENA_MAX) keeps the cap whole, at the price of threads sharing malloc's lock. Call it early, before
     the large allocations and threads; a no-op where the C library is not glibc.
     """
-    _glibc("mallopt", -3, 2**20)  # M_MMAP_THRESHOLD
+    if isinstance(mmap_threshold, bool) or not isinstance(mmap_threshold, int) or mmap_threshold <= 0:
+        raise ValueError(f"mmap_threshold must be a positive number of bytes, got {mmap_threshold!r}")
+    _glibc("mallopt", -3, mmap_threshold)  # M_MMAP_THRESHOLD
     _glibc("mallopt", -8, 1)  # M_ARENA_MAX
 
 
