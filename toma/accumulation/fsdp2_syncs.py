@@ -14,6 +14,7 @@ from toma.accumulation.fsdp2_agreed import CollectiveAgreements
 from toma.accumulation.plan import nothing_counted
 from toma.accumulation.sync import NOTHING, GradientSync, model_device, rank_scale
 from toma.core.agreement import AgreedRetry, Agreement
+from toma.core.host_min import host_min_for
 
 if TYPE_CHECKING:  # FSDP2 is imported when a model needs it (`fsdp2_sync`), not by `import toma`
     from toma.accumulation.fsdp2 import ShardedUnits
@@ -231,5 +232,7 @@ def fsdp2_sync(model: torch.nn.Module, mode: str) -> AgreeingFSDP2:
 
     units = ShardedUnits(model)
     agreement = Agreement(units.process_group, model_device(model.parameters()))
+    if units.world > 1:  # ranks on one host agree without a collective (the sharded mode agrees very often)
+        agreement.exchange = host_min_for(units.process_group)
     chosen = _MODES.get(model, "logical_batch") if mode == "auto" else mode
     return _SYNCS[chosen](model, units, agreement, mode)

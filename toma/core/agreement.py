@@ -18,7 +18,7 @@ others in the agreement's all-reduce until the process group's timeout (or gloo'
 raises there.
 """
 
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, Optional, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,7 @@ from toma.core.steps import Step
 
 __all__ = [
     "Agreement",
+    "MinExchange",
     "AgreedRetry",
     "RankFailed",
     "AgreedStep",
@@ -83,9 +84,19 @@ def _device_for(group: Any, device: Optional[torch.device] = None) -> torch.devi
     return torch.device("cpu")
 
 
+class MinExchange(Protocol):
+    """How the ranks find the smallest of their numbers, where not by the group's all-reduce (`Agreement.exchange`;
+    `toma.core.host_min.HostMin`: through memory shared on one host)."""
+
+    def min(self, value: int) -> int:
+        """The smallest `value` any rank gave to this agreement (every rank's n-th call meets the others')."""
+        ...
+
+
 class Agreement:
     """The agreement collectives of one process group (None: the default group). `device`: where the
-    agreed work runs, when known; else the engine tells it (`work_on`) before the first collective."""
+    agreed work runs, when known; else the engine tells it (`work_on`) before the first collective.
+    `exchange`: the ranks' MIN where not through the group (set alike on every rank, before the first)."""
 
     def __init__(self, group: Any = None, device: Optional[torch.device] = None) -> None:
         self.group = group
@@ -93,6 +104,7 @@ class Agreement:
         self.world_size = dist.get_world_size(group)
         self.work_device = device
         self._device: Optional[torch.device] = None
+        self.exchange: Optional[MinExchange] = None
         # The size this rank proposes after an out-of-memory error, (size, failed, error) -> next or None: the
         # engine sets it to its run's `CallState.propose` (worked out once per attempt). None: the policy's shrink.
         self.propose: Optional[Callable[[int, int, BaseException], Optional[int]]] = None
@@ -110,6 +122,8 @@ class Agreement:
             self.work_device, self._device = device, None
 
     def _min(self, value: int) -> int:
+        if self.exchange is not None:
+            return self.exchange.min(value)
         tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
         dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
         return int(tensor.item())
