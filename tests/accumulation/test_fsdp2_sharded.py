@@ -1,7 +1,7 @@
 """The sharded FSDP2 mode under real memory caps (2 gloo ranks, issue 43): where a rank cannot hold the units
-unsharded (or not beside a micro-batch), `gradient_sync="auto"` goes on with the parameters sharded in FSDP2's own schedule and trains, under a
-cap at which the hand-written FSDP2 loop trains, to the unsplit FSDP2 steps' parameters; a real out-of-memory error
-on rank 1 alone is retried by both without a hang."""
+unsharded (or not beside a micro-batch), `gradient_sync="auto"` goes on with the parameters sharded in FSDP2's
+own schedule and trains, under a cap at which the hand-written FSDP2 loop trains, to the unsplit FSDP2 steps'
+parameters; a real out-of-memory error on rank 1 alone is retried by both without a hang."""
 
 import json
 

@@ -56,13 +56,23 @@ for value in values:
     tensor = torch.tensor([value])
     dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
     expected.append(int(tensor))
-print(json.dumps(dict(same=got == expected, distinct=len(set(got)), left=left)))
+exchange._sequence = 2**20 - 7  # every rank: the sequence number wraps to 0 within the next agreements
+wrapped = [exchange.min(rank * 1000 + n) for n in range(20)]
+try:
+    exchange.min(1.5)  # a number it cannot carry: raised before any rank could wait for this one
+    bad = "returned"
+except TypeError:
+    bad = "TypeError"
+after = exchange.min(7 - rank)
+print(json.dumps(dict(same=got == expected, distinct=len(set(got)), left=left, wrapped=wrapped, bad=bad, after=after)))
 """
     )
     for out in run_ranks(code, 3, timeout=120):
         result = json.loads(out.strip().splitlines()[-1])
         assert result["same"] and result["distinct"] > 250
         assert result["left"] == [], "the handshake unlinks the file once every rank mapped it"
+        assert result["wrapped"] == list(range(20)) and result["bad"] == "TypeError"
+        assert result["after"] == 5, "the ranks still meet after the refused number"
 
 
 @pytest.mark.slow

@@ -72,6 +72,9 @@ def test_predictable_heaps_mmap_threshold_reaches_malloc(threshold, mapped):
         from toma.memory.cpu import predictable_heap
         predictable_heap({"" if threshold is None else threshold})
         libc = ctypes.CDLL("libc.so.6")
+        if not hasattr(libc, "mallinfo2"):
+            print(json.dumps(dict(mapped=None)))  # glibc before 2.33
+            raise SystemExit
         libc.mallinfo2.restype = type("Info", (ctypes.Structure,), dict(_fields_=[(n, ctypes.c_size_t) for n in
             ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keep")]))
         before = libc.mallinfo2().hblks
@@ -80,6 +83,8 @@ def test_predictable_heaps_mmap_threshold_reaches_malloc(threshold, mapped):
         """
     )
     count = json.loads(out.stdout)["mapped"]
+    if count is None:
+        pytest.skip("glibc's mallinfo2 (2.33 and later) is not here")
     assert (count >= 5) == mapped and (count > 0) == mapped, count  # glibc's count moves with other frees too
 
 

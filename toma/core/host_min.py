@@ -4,14 +4,18 @@ already, where a gloo all-reduce among busy ranks costs milliseconds and an NCCL
 FSDP2's sharded mode agrees before every collective of its passes, so this is what its agreements go through.
 
 `host_min_for(group)` sets it up once per process group, by a handshake over the group: its first rank creates a
-small file in /dev/shm, every rank maps it and proves it sees the first rank's token; where any cannot (ranks on
-several hosts, containers that do not share /dev/shm), every rank keeps the group's all-reduce. A rank that ends
-(its process gone) is noticed within a second; one that never comes stops the others at the group's timeout.
+small file in /dev/shm, every rank maps it and proves it sees the first rank's token and shares the host's boot
+id; where any cannot (ranks on several hosts, containers that do not share /dev/shm, no /dev/shm), every rank
+keeps the group's all-reduce. A rank that ends (its process gone) is noticed within a second; one that never comes
+stops the others at the group's timeout (where it comes later still, it finds the agreement complete and waits in
+the collective after it, until that times out too).
 """
 
 import mmap
+import operator
 import os
 import secrets
+import sys
 import tempfile
 import time
 import weakref
@@ -25,8 +29,9 @@ from toma.core.agreement import FINISHED
 __all__ = ["HostMin", "host_min_for", "encoded", "decoded"]
 
 # One 64-bit word per rank and agreement: its sequence number (20 bits) above its number's code (43 bits), written
-# and read whole, so no rank sees half of another's word. The codes keep the agreement's order: its stops
-# (negative), its sizes, and its FINISHED less counts.
+# and read whole, so no rank sees half of another's word (a memoryview's 8-byte item at an 8-aligned offset is one
+# load or store on x86-64 and ARM64; nothing else is shared, so no ordering between words is needed). The codes
+# keep the agreement's order: its stops (negative), its sizes, and its FINISHED less counts.
 _CODE_BITS = 43
 _CODE_MASK = (1 << _CODE_BITS) - 1
 _SEQUENCE_MASK = (1 << 20) - 1
@@ -35,7 +40,7 @@ _SIZES = 1 << 41  # 0 <= a size < _SIZES
 _COUNTED = FINISHED - _SIZES  # FINISHED - count, for a count < _SIZES
 _TOKEN = 0  # the word holding the first rank's token; two banks of one word per rank follow
 _YIELDING = 2e-4  # seconds a waiting rank yields its core before it sleeps between looks
-_NAP = 5e-5
+_NAPS = (5e-5, 1e-3)  # the shortest and longest sleep; in between a tenth of the wait so far
 _LIVENESS = 1.0  # seconds between checks that the awaited rank's process is still there
 
 
@@ -95,11 +100,12 @@ class HostMin:
 
     def min(self, value: int) -> int:
         """The smallest `value` the ranks gave to their agreement of this number (every rank's n-th call)."""
+        code = encoded(operator.index(value))  # a value it cannot carry raises before the others could wait
         self._sequence += 1
         sequence = self._sequence & _SEQUENCE_MASK
         base = 1 + (sequence & 1) * self.world_size  # a rank one agreement ahead writes the other bank
         words = self._words
-        words[base + self.rank] = (sequence << _CODE_BITS) | encoded(value)
+        words[base + self.rank] = (sequence << _CODE_BITS) | code
         lowest = _CODE_MASK
         for other in range(self.world_size):
             word = words[base + other]
@@ -121,7 +127,7 @@ class HostMin:
             if now - start < _YIELDING:
                 os.sched_yield()
                 continue
-            time.sleep(_NAP)
+            time.sleep(min(max((now - start) / 10, _NAPS[0]), _NAPS[1]))
             if now - checked >= _LIVENESS:
                 checked = now
                 if not _alive(self.pids[other]):
@@ -147,17 +153,28 @@ def _timeout(group: Any) -> float:
 
 
 def _created(size: int) -> "tuple[str, int]":
-    """A fresh file of `size` zero bytes in /dev/shm (memory; the temporary folder where there is none), with a
+    """A fresh file of `size` zero bytes in /dev/shm (memory, never a folder another host could share), with a
     token in its first word: its path and the token."""
-    folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    descriptor, path = tempfile.mkstemp(prefix="toma-agreement-", dir=folder)
+    descriptor, path = tempfile.mkstemp(prefix="toma-agreement-", dir="/dev/shm")
     token = secrets.randbits(62)
     try:
         os.ftruncate(descriptor, size)
-        os.pwrite(descriptor, token.to_bytes(8, "little", signed=True), 0)
+        os.pwrite(descriptor, token.to_bytes(8, sys.byteorder, signed=True), 0)
+    except OSError:  # no room in /dev/shm (a container's small one): nothing left behind
+        os.unlink(path)
+        raise
     finally:
         os.close(descriptor)
     return path, token
+
+
+def _boot() -> Optional[str]:
+    """This host's boot id: ranks that see the same file but differ here are on different hosts."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as boot:
+            return boot.read().strip()
+    except OSError:
+        return None
 
 
 def _mapped(path: Optional[str], size: int, token: int) -> Optional[mmap.mmap]:
@@ -201,16 +218,16 @@ def host_min_for(group: Any = None) -> Optional[HostMin]:
     try:
         dist.broadcast_object_list(where, src=dist.get_global_rank(group, 0), group=group)
         mapped = _mapped(where[0], size, where[1])
-        dist.all_gather_object(seen, (mapped is not None, os.getpid(), _pid_namespace()), group=group)
+        dist.all_gather_object(seen, (mapped is not None, os.getpid(), _pid_namespace(), _boot()), group=group)
     finally:  # every rank mapped it, or gave up (or the handshake failed): the memory lives while mapped
         if rank == 0 and where[0] is not None:
             os.unlink(where[0])
     exchange = None
-    if all(ok for ok, _, _ in seen):
+    if all(ok for ok, *_ in seen) and len({boot for *_, boot in seen}) == 1:
         assert mapped is not None
         # process ids from another PID namespace (containers sharing /dev/shm) name nothing here: not watched
         here = _pid_namespace()
-        pids = [pid if here is not None and namespace == here else None for _, pid, namespace in seen]
+        pids = [pid if here is not None and namespace == here else None for _, pid, namespace, _ in seen]
         exchange = HostMin(mapped, rank, world_size, pids, _timeout(group))
     elif mapped is not None:
         mapped.close()
