@@ -18,7 +18,7 @@ rounds of 8 logical batches; rank 0 prints the median time per logical batch of 
 hand-written loop, the collectives each issues per logical batch, by kind, the unsharded gradients each unsharded
 toma mode holds when a micro-batch's forward pass starts (the memory "micro_batch" frees for activations), and each
 method's peak memory per rank during a logical batch above where it began, without gradients (the resident size's
-high-water mark, `VmHWM`, reset before each step; glibc told to return freed tensors of 1 MiB and more at once), the
+high-water mark, `VmHWM`, reset before each step; glibc told to return freed tensors of 64 KiB and more at once), the
 largest over the run, with the sharded mode's ratios to FSDP2's default loop. `--blocks`/`--width` change the model.
 """
 
@@ -125,7 +125,7 @@ def main() -> None:
         "--issue43", action="store_true", help="issue 43's shape: 96 residual blocks of 512 x 512, 196 rows per rank"
     )
     options = parser.parse_args()
-    predictable_heap()
+    predictable_heap(64 * 1024)  # freed tensors leave the resident size: each step's peak counts what it allocates
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     rank = dist.get_rank()
