@@ -17,6 +17,16 @@ import torch, torch.distributed as dist
 from toma.core import host_min
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=TIMEOUT))
 rank, world = dist.get_rank(), dist.get_world_size()
+
+
+def waited(value):  # prints how exchange.min(value) ended (a RuntimeError's message) and after how long
+    start = time.monotonic()
+    try:
+        exchange.min(value)
+        outcome = "returned"
+    except RuntimeError as error:
+        outcome = str(error)
+    print(json.dumps(dict(outcome=outcome, seconds=time.monotonic() - start)), flush=True)
 """
 
 
@@ -85,13 +95,7 @@ exchange = host_min.host_min_for(None)
 exchange.min(5)
 if rank == 1:
     os._exit(3)
-start = time.monotonic()
-try:
-    exchange.min(5)
-    outcome = "returned"
-except RuntimeError as error:
-    outcome = str(error)
-print(json.dumps(dict(outcome=outcome, seconds=time.monotonic() - start)), flush=True)
+waited(5)
 os._exit(0)
 """
     )
@@ -110,16 +114,10 @@ def test_a_rank_that_never_comes_stops_the_other_at_the_groups_timeout():
         + """
 exchange = host_min.host_min_for(None)
 print(json.dumps(dict(timeout=exchange.timeout)), flush=True)
-start = time.monotonic()
 if rank == 1:
     time.sleep(8)
     os._exit(0)
-try:
-    exchange.min(5)
-    outcome = "returned"
-except RuntimeError as error:
-    outcome = str(error)
-print(json.dumps(dict(outcome=outcome, seconds=time.monotonic() - start)), flush=True)
+waited(5)
 os._exit(0)
 """
     )
