@@ -214,6 +214,7 @@ class StacktraceMemoryBatchsizeCache(BatchsizeCache):
         self._entries = BoundedDict(lru_cache_size or self.LRU_CACHE_SIZE)
         # call site -> {memory level: entry}: what a new level of a known call site starts from
         self._levels = BoundedDict(lru_cache_size or self.LRU_CACHE_SIZE)
+        self._last: Tuple[Any, Tuple[int, int], Any] = (None, (-1, -1), None)  # the last (site, level, entry)
 
     def memory_key(self) -> Tuple[int, int]:
         cpu, gpu = self.gauge.read()
@@ -222,9 +223,13 @@ class StacktraceMemoryBatchsizeCache(BatchsizeCache):
 
     def get_batchsize(self, initial_batchsize: int) -> Batchsize:
         site, level = call_sites.call_site_key(self.STACK_DEPTH), self.memory_key()
+        last = self._last  # a loop asks again with the very same key (a frame keeps it): no hashing of its ints
+        if last[0] is site and last[1] == level:
+            return last[2]
         entry: Optional[Batchsize] = self._entries.entries.get((site, level))
         if entry is None:
             entry = self._entries.get_or_create((site, level), lambda: self._new_level(site, level))
+        self._last = (site, level, entry)
         return entry  # type: ignore[return-value]
 
     def _new_level(self, site: Hashable, level: Tuple[int, int]) -> Batchsize:

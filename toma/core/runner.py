@@ -114,9 +114,11 @@ class Runner:
         resolved = self.cache_type if self.cache_type is not None else get_default_cache_type()
         context = self.context if context is None else context
         if context is None:
-            if self._own is not None:
-                cache: BatchsizeCache = self._own.get_or_create(cast(Hashable, resolved), resolved)
-                return cache
+            own = self._own
+            if own is not None:  # read before the locked path, with no call: the hot path
+                key: Hashable = resolved  # type: ignore[assignment]  # a class is hashable
+                cache = own.entries.get(key)
+                return cache if cache is not None else own.get_or_create(key, resolved)  # type: ignore[no-any-return]
             context = _function_context(func)
         return get_cache_for_context(resolved, context)
 
