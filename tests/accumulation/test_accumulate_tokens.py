@@ -409,3 +409,41 @@ def test_under_a_real_cap_a_padding_free_row_trains_in_chunks_of_its_sequences_t
         """,
         timeout=240,
     )
+
+
+def test_a_context_shared_by_rows_and_tokens_keeps_sizes_apart(fresh_toma_state):
+    """One `context=` and one call site for a function by rows and one by tokens: what either learns is in its own
+    unit (8 rows are no budget of 8 tokens), so neither starts from the other's size."""
+    model, batch = gpt2(), padded_batch()
+    areas = []
+
+    @toma.accumulate(model=model, initial_micro_batch=8, context="shared", policy=Halving())
+    def by_rows(micro):
+        if micro["input_ids"].shape[0] > 2:
+            raise_fake_oom()
+        return model(**micro).loss
+
+    @toma.accumulate(
+        model=model,
+        lengths="attention_mask",
+        initial_tokens=200,
+        weight=label_tokens,
+        context="shared",
+        policy=Halving(),
+    )
+    def by_tokens(micro):
+        if torch.is_grad_enabled():
+            areas.append(micro["input_ids"].numel())
+            if micro["input_ids"].numel() > 100:
+                raise_fake_oom()
+        return model(**micro).loss
+
+    def step(run):
+        model.zero_grad()
+        run(batch)
+
+    for run in (by_rows, by_tokens, by_rows, by_tokens):
+        step(run)
+    assert by_rows.stats.micro_batch == 2, "its own size, not the tokens' budget"
+    assert by_tokens.stats.micro_batch == 100 and max(areas) == 200, "it started at its own budget, then halved"
+    assert by_tokens.stats.oom_retries == 1 and by_rows.stats.oom_retries == 2, "each learned once, in its unit"

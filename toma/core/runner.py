@@ -23,7 +23,7 @@ from toma.core.caches import (
 )
 from toma.core.observers import Observer, Observers
 from toma.core.policy import CallState, DefaultPolicy, SizePolicy, check_policy
-from toma.core.steps import Step
+from toma.core.steps import TOKEN_BUDGET, Step
 
 __all__ = ["Runner", "CacheType"]
 
@@ -107,8 +107,10 @@ class Runner:
         """The policy of a run starting now (`toma.DEFAULT_POLICY` is read at call time)."""
         return self.policy or self.default.current
 
-    def cache(self, func: Callable[..., Any], context: Optional[Hashable] = None) -> BatchsizeCache:
-        """The cache for a call of `func`: the fixed one, else by context if one is given, else the function's."""
+    def cache(self, func: Callable[..., Any], context: Optional[Hashable] = None, unit: str = "") -> BatchsizeCache:
+        """The cache for a call of `func`: the fixed one, else by context if one is given, else the function's.
+        `unit`: `TOKEN_BUDGET` for a step sized in tokens, whose sizes are kept apart from sizes in rows where a
+        context (or a function) is shared: 8 rows are no budget of 8 tokens, and 4 tokens no size in rows."""
         if self._fixed is not None:
             return self._fixed
         resolved = self.cache_type if self.cache_type is not None else get_default_cache_type()
@@ -116,11 +118,11 @@ class Runner:
         if context is None:
             own = self._own
             if own is not None:  # read before the locked path, with no call: the hot path
-                key: Hashable = resolved  # type: ignore[assignment]  # a class is hashable
+                key: Hashable = (resolved, unit) if unit else resolved  # type: ignore[assignment]  # a class hashes
                 cache = own.entries.get(key)
                 return cache if cache is not None else own.get_or_create(key, resolved)  # type: ignore[no-any-return]
             context = _function_context(func)
-        return get_cache_for_context(resolved, context)
+        return get_cache_for_context(resolved, (unit, context) if unit else context)
 
     def drive(
         self, step: Step, initial: int, context: Optional[Hashable] = None, agreement: Optional[Agreement] = None
@@ -131,7 +133,9 @@ class Runner:
         the step so that every attempt ends in the ranks' agreement (checked per call: the group may start after
         the Runner was built)."""
         policy = self.policy or self.default.current  # resolved_policy(), on the hot path
-        entry = self.cache(step.func, context).get_batchsize(initial)
+        entry = self.cache(step.func, context, TOKEN_BUDGET if step.size_name == TOKEN_BUDGET else "").get_batchsize(
+            initial
+        )
         if agreement is None and self.distributed:
             agreement = agreement_for(self.distributed)
             if agreement is not None:
