@@ -658,6 +658,41 @@ def test_accumulation_sizes_by_elements_so_batches_of_other_widths_need_no_new_s
     assert sum(ooms) <= 3, ooms
 
 
+def test_a_settled_call_site_whose_batches_change_width_is_not_measured_at_every_call(monkeypatch):
+    """Padded batches of a new width at every call under a micro-batch size that fits them all (issue 44:
+    accumulation by rows over a long-tailed epoch read the device's memory statistics at each call, host time a
+    launch-bound GPU waits for). Once settled, a width is sized from the last budget measured, with no meter read."""
+    from toma import toma
+
+    gauge = type("Gauge", (), {"read": lambda self, device=None: (0, 0)})()
+    monkeypatch.setattr(FitToMemory, "gauge", gauge)
+    memory = CountingMemory(512 * MiB)
+    per_element, fixed = 4096, 16 * MiB
+    model = torch.nn.Linear(4, 1)
+
+    @toma.accumulate(model=model, initial_micro_batch=64, policy=FitToMemory(meter=memory))
+    def compute_loss(tokens):
+        start = memory.in_use
+        try:
+            memory.allocate(fixed)
+            memory.allocate(per_element * tokens.numel())
+        finally:
+            memory.in_use = start
+        return model(tokens[:, :4].float()).mean()
+
+    def step(width):  # one call site
+        compute_loss(torch.ones(512, width, dtype=torch.long))
+        return compute_loss.stats.micro_batch
+
+    widths = [int(w) for w in torch.randint(32, 1025, (72,), generator=torch.manual_seed(0))]
+    for width in widths[:12]:
+        step(width)
+    memory.begun, retries = 0, compute_loss.stats.oom_retries
+    assert [step(width) for width in widths[12:]] == [64] * 60, "the size asked for fits every width up to 1024"
+    assert compute_loss.stats.oom_retries == retries
+    assert memory.begun <= 6, f"{memory.begun} meter reads in 60 calls of 60 widths"
+
+
 def test_with_the_default_cache_a_new_free_memory_level_starts_at_the_size_the_model_predicts(fresh):
     """The default cache keys entries by free memory too. Under FitToMemory a level the call site has not
     met takes the model along, and its first call starts at the size predicted for the memory there: no

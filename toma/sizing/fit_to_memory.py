@@ -142,17 +142,26 @@ class FitToMemory(LearningPolicy):
         origin, state.origin = state.origin, None
         if scale == state.scale and origin is None:
             return size
-        state.scale, state.quiet = scale, 0
-        if not state.measured:
-            return size
-        mark = self._meter_for(device).begin()
-        if mark is None:
-            return size
+        # settled with free memory where it was: the last budget measured holds, no meter is read, and the call
+        # site stays settled while the size does (padded batches of every width under a size that fits them all,
+        # as a micro-batch size asked for that fits: not measured each)
+        settled = origin is None and state.measured and state.quiet >= 2 and state.budget > 0
+        if settled and _moved(self.gauge.read(device), state.reading):
+            settled = False
+        state.scale = scale
+        if settled:
+            budget = state.budget
+        else:
+            mark = self._meter_for(device).begin() if state.measured else None
+            if mark is None:
+                return size
+            budget = mark.budget
         remembered = state.budget if origin is Origin.RECALLED else None
-        decision = at_start(state.findings(), remembered, mark.budget, scale, asked, self.settings)
+        decision = at_start(state.findings(), remembered, budget, scale, asked, self.settings)
         state.probed(decision.probe)
-        if decision.size is None:  # about the budget the remembered size was found with: keep it
+        if decision.size is None or decision.size == size:  # about the remembered budget, or the same: keep it
             return size
+        state.quiet = 0  # a new size is measured before it counts as settled
         entry.set(decision.size)
         state.note = decision.why
         return decision.size
