@@ -618,6 +618,17 @@ def test_accumulation_stats_and_the_trainer_history_carry_the_model():
     assert all("per item" in step["memory_model"] for step in trainer.history.steps), trainer.history.steps
 
 
+def per_element_loss(memory, model, tokens, fixed, per_element):
+    """A loss whose micro-batch needs `fixed` bytes and `per_element` bytes per element of `tokens`."""
+    start = memory.in_use
+    try:
+        memory.allocate(fixed)
+        memory.allocate(per_element * tokens.numel())
+    finally:
+        memory.in_use = start
+    return model(tokens[:, :4].float()).mean()
+
+
 def test_accumulation_sizes_by_elements_so_batches_of_other_widths_need_no_new_search():
     """Padded sequences of different lengths: the need grows with rows x length. Once measured, a batch of
     another width starts at the size predicted for it (no OOM, near the largest that fits), not at the
@@ -632,13 +643,7 @@ def test_accumulation_sizes_by_elements_so_batches_of_other_widths_need_no_new_s
     @toma.accumulate(model=model, initial_micro_batch=4096, policy=FitToMemory(meter=memory))
     def compute_loss(tokens):
         attempts.append(tokens.shape)
-        start = memory.in_use
-        try:
-            memory.allocate(fixed)
-            memory.allocate(per_element * tokens.numel())
-        finally:
-            memory.in_use = start
-        return model(tokens[:, :4].float()).mean()
+        return per_element_loss(memory, model, tokens, fixed, per_element)
 
     widths = [64, 256, 64, 512, 128, 256, 512, 64, 128, 512] * 2
     ooms, micro = [], []
@@ -672,13 +677,7 @@ def test_a_settled_call_site_whose_batches_change_width_is_not_measured_at_every
 
     @toma.accumulate(model=model, initial_micro_batch=64, policy=FitToMemory(meter=memory))
     def compute_loss(tokens):
-        start = memory.in_use
-        try:
-            memory.allocate(fixed)
-            memory.allocate(per_element * tokens.numel())
-        finally:
-            memory.in_use = start
-        return model(tokens[:, :4].float()).mean()
+        return per_element_loss(memory, model, tokens, fixed, per_element)
 
     def step(width):  # one call site
         compute_loss(torch.ones(512, width, dtype=torch.long))
