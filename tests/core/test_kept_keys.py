@@ -4,6 +4,8 @@ alive."""
 
 import contextlib
 import gc
+import os
+import subprocess
 import sys
 import threading
 import weakref
@@ -15,6 +17,8 @@ from toma import StacktraceMemoryBatchsizeCache, toma
 from toma.core import call_sites
 from toma.core.call_sites import call_site_key
 from toma.core.kept_keys import MAX_KEPT, KeptKeys
+
+from helpers import REPO
 
 # A tracer that runs already (coverage) holds the frames' slots: then every key is walked, which other tests check
 pytestmark = pytest.mark.skipif(sys.gettrace() is not None, reason="a tracer holds the frames' f_trace slots")
@@ -248,3 +252,28 @@ def test_the_default_cache_hands_a_loop_one_entry_and_another_call_site_its_own(
     assert all(entry is looped[0] for entry in looped) and all(entry is others[0] for entry in others)
     assert others[0] is not looped[0]
     assert [cache.get_batchsize(8) for _ in range(2)][1] is not looped[0], "a third call site"
+
+
+def test_pdb_stepping_out_of_a_function_stops_in_a_caller_that_keeps_keys(tmp_path):
+    """bdb sets its tracer on the caller a step returns into only where `not caller.f_trace`: kept keys count as
+    an empty slot, or the step would run past the rest of the caller."""
+    assert not KeptKeys({(0, 16): (1, 2)})
+    (tmp_path / "callee.py").write_text("def helper():\n    x = 1\n    return x\n")
+    (tmp_path / "main.py").write_text(
+        "from toma.core.call_sites import call_site_key\n"
+        "from callee import helper\n"
+        "def loop():\n"
+        "    for i in range(2):\n"
+        "        call_site_key()\n"
+        "        helper()\n"
+        "        print('after helper', i)\n"
+        "loop()\n"
+    )
+    commands = "b callee.py:3\nc\nstep\nstep\nq\n"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, str(tmp_path)]))
+    result = subprocess.run(
+        [sys.executable, "-m", "pdb", "main.py"], input=commands, capture_output=True, text=True,
+        cwd=tmp_path, env=env, timeout=60,
+    )  # fmt: skip
+    before_print = result.stdout.split("after helper 0")[0]
+    assert "main.py(7)loop()" in before_print, result.stdout

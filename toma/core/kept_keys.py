@@ -30,6 +30,11 @@ class KeptKeys(dict):  # type: ignore[type-arg]
 
     __slots__ = ()
 
+    def __bool__(self) -> bool:
+        """False, as an empty slot: pdb (bdb) puts its tracer on a caller only where `not frame.f_trace`, and a
+        frame keeping keys must still stop when a step returns into it."""
+        return False
+
     def __call__(self, frame: FrameType, event: str, arg: Any) -> "KeptKeys":
         """Asked about the frame's lines by a tracer started later (`sys.settrace` calls whatever the slot holds):
         there is nothing to trace; a tracer that wants the frame sets the slot itself, as pdb does."""

@@ -31,6 +31,10 @@ S = TypeVar("S", bound=Step)
 CacheType = Optional[Type[BatchsizeCache]]
 
 
+class _TokenSizes:
+    """The mark of a token-budget step's caches beside a context: private, so no context of a user's equals it."""
+
+
 def _function_context(func: Callable[..., Any]) -> Hashable:
     """Identify a function by its code, so that closures, lambdas and bound methods created anew share
     one cache entry and the cache keeps none of them (nor what they capture) alive."""
@@ -118,11 +122,11 @@ class Runner:
         if context is None:
             own = self._own
             if own is not None:  # read before the locked path, with no call: the hot path
-                key: Hashable = (resolved, unit) if unit else resolved  # type: ignore[assignment]  # a class hashes
+                key: Hashable = (resolved, _TokenSizes) if unit else resolved  # type: ignore[assignment]
                 cache = own.entries.get(key)
                 return cache if cache is not None else own.get_or_create(key, resolved)  # type: ignore[no-any-return]
             context = _function_context(func)
-        return get_cache_for_context(resolved, (unit, context) if unit else context)
+        return get_cache_for_context(resolved, (_TokenSizes, context) if unit else context)
 
     def drive(
         self, step: Step, initial: int, context: Optional[Hashable] = None, agreement: Optional[Agreement] = None
