@@ -296,6 +296,9 @@ def test_bad_weights_fail_naming_the_argument():
         explicit.accumulate(causal_lm_loss(model), model, 8, ids, labels, toma_reduction="sum", toma_weight=len)
     with pytest.raises(ValueError, match="weight .* at least 0"):
         explicit.accumulate(causal_lm_loss(model), model, 8, ids, labels, toma_weight=lambda inputs, labels: -1)
+    for returned, shown in [(None, "None"), ("3", "'3'"), (torch.ones(3), r"a tensor of shape \(3,\)")]:
+        with pytest.raises(TypeError, match=rf"weight \(.*\) must return one count per micro-batch.*got {shown}"):
+            explicit.accumulate(causal_lm_loss(model), model, 8, ids, labels, toma_weight=lambda i, t: returned)
     assert all(p.grad is None for p in model.parameters())
 
 

@@ -307,3 +307,35 @@ def test_under_a_real_cap_pairs_train_the_full_batch_gradients_each_chosen_row_w
         """,
         timeout=240,
     )
+
+
+def test_a_function_that_fails_in_eval_mode_is_not_checked_and_trains_exactly(caplog):
+    """A detection model returns losses in training mode and predictions in eval mode: the check's eval-mode pass
+    fails on a function that trains fine. toma says the loss was not checked, and the batch trains (the full batch's
+    gradients)."""
+
+    class Detector(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = nn.Linear(4, 3)
+
+        def forward(self, x, targets):
+            out = self.head(x)
+            if self.training:
+                return {"classes": F.cross_entropy(out, targets), "boxes": out.pow(2).mean()}
+            return [{"scores": row.softmax(-1)} for row in out]
+
+    def make():
+        torch.manual_seed(0)
+        return Detector()
+
+    torch.manual_seed(1)
+    x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+    model, reference = make(), make()
+    with caplog.at_level(logging.WARNING, logger="toma"):
+        toma.accumulate(model=model, initial_micro_batch=4)(lambda x, y: sum(model(x, y).values()))(x, y)
+    assert "could not check" in caplog.text and "AttributeError" in caplog.text
+    sum(reference(x, y).values()).backward()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)
+    assert model.training

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from toma.batching.batches import Pieces, concatenate, logical_batches, rows, take, to_device
+from toma.batching.batches import Pieces, concatenate, logical_batches, rows, take, to_device, whole_batch_count
 
 
 def batch(start, n):
@@ -91,3 +91,18 @@ def test_per_row_lists_inside_a_tuple_of_lists_are_cut_and_joined_like_inside_a_
         (["a", "b", "c"], [10, 11, 12]),
         (["d", "e", "f"], [13, 14, 15]),
     ]
+
+
+def test_batches_whose_rows_belong_together_are_never_cut_or_stacked():
+    """Under groups (pairs: chosen rows then their rejected rows, laid out per loader batch), a logical batch holds
+    whole loader batches as pieces, as many as batch_size rows hold; a larger batch is refused, not cut."""
+    loaded = [torch.arange(8) + 8 * k for k in range(5)]
+    found = list(logical_batches(loaded, 16, "'pairs'"))
+    assert [type(b) for b in found] == [Pieces, Pieces, torch.Tensor]
+    assert [[p.tolist() for p in b] for b in found[:2]] == [[t.tolist() for t in loaded[i : i + 2]] for i in (0, 2)]
+    assert torch.equal(found[2], loaded[4])
+    assert whole_batch_count([8] * 5, 16) == 3
+    uneven = list(logical_batches([torch.zeros(6)] * 4, 16, "'pairs'"))
+    assert [rows(b) for b in uneven] == [12, 12] and whole_batch_count([6] * 4, 16) == 2
+    with pytest.raises(ValueError, match=r"32 rows, more than batch_size=16, and groups='pairs'"):
+        list(logical_batches([torch.zeros(32)], 16, "'pairs'"))

@@ -89,3 +89,32 @@ def test_whole_values_go_to_every_micro_batch():
     grouped = grouped_batch((torch.zeros(4, 2), whole(torch.ones(4))), {}, "pairs")
     (_, shared), _ = grouped.arguments(0, 1)
     assert shared.shape == (4,)
+
+
+@pytest.mark.parametrize("groups", ["pairs", lambda x, meta: torch.arange(8) // 2])
+def test_per_row_lists_inside_a_tuple_are_cut_with_their_rows_and_other_lengths_go_whole(groups):
+    """A tuple of per-row lists (ids, texts) holds the rows' own data wherever it sits, as without groups; a tuple
+    of another length (a shape) goes to every micro-batch whole, as without groups."""
+    x = torch.arange(8)
+    meta = (list(range(100, 108)), [f"t{i}" for i in range(8)], (3, 5, 7))
+    grouped = grouped_batch((x, meta), {}, groups)
+    ((part, (ids, texts, shape)), _) = grouped.arguments(0, 2)
+    assert [i - 100 for i in ids] == part.tolist() and texts == [f"t{i}" for i in part.tolist()]
+    assert shape == (3, 5, 7)
+    assert len(part) == 4
+
+
+def test_per_pair_lists_inside_a_tuple_go_with_their_pairs():
+    x = torch.arange(8)
+    grouped = grouped_batch((x, ([f"p{i}" for i in range(4)],)), {}, "pairs")
+    ((part, (per_pair,)), _) = grouped.arguments(1, 3)
+    assert part.tolist() == [1, 2, 5, 6] and per_pair == ["p1", "p2"]
+
+
+@pytest.mark.parametrize("returned", [None, 3, "0101"])
+def test_a_group_function_returning_no_id_per_row_is_refused_naming_it(returned):
+    def my_groups(x):
+        return returned
+
+    with pytest.raises(TypeError, match=r"groups \(.*my_groups\) must return a group id for each row"):
+        grouped_batch((torch.zeros(4),), {}, my_groups)

@@ -143,5 +143,8 @@ def test_bad_lengths_are_named():
         TokenBatch(ArgumentBatch((), dict(input_ids=ids, attention_mask=mask)), "attention")
     with pytest.raises(ValueError, match=r"must return a whole length of at least 0 for each of the 2 rows"):
         TokenBatch(ArgumentBatch((ids,), {}), lambda ids: [1, 2, 3])
+    for returned in (None, 5, "25"):
+        with pytest.raises(TypeError, match=r"lengths \(.*\) must return a length for each row .*got"):
+            TokenBatch(ArgumentBatch((ids,), {}), lambda ids: returned)
     with pytest.raises(ValueError, match=r"must be \(rows, width\)"):
         TokenBatch(ArgumentBatch((), dict(input_ids=ids, attention_mask=mask[:, :, None])), "attention_mask")

@@ -13,7 +13,8 @@ check changed (random state, a trainer's metric lists, modules' pending state) i
 It costs one extra forward pass over one micro-batch, without gradients, once per call site (see
 `benchmarks/split_check.py`). It is skipped where the rows' relation is declared (`groups=`). Where the micro-batch's
 units run out of memory even without gradients, the attempt fails as any other and the next, smaller one is
-checked; where micro-batches hold one unit and two do not fit, a warning says the loss was not checked. With
+checked; where micro-batches hold one unit and two do not fit, or the function fails without gradients or in eval
+mode (a model that returns predictions there), a warning says the loss was not checked and the batch trains. With
 several ranks each checks on its own: the passes of every gradient sync run no collective.
 """
 
@@ -167,17 +168,21 @@ def _part_losses(
 
 def _cannot_check(error: Exception, extended: bool) -> bool:
     """Whether `error` means the check cannot run here (then it warns and counts as done): the two units of an
-    extended check do not fit, or the function needs gradients. Any other error is raised as it is: a micro-batch
-    whose units do not fit even without gradients fails the attempt, and the next, smaller one is checked."""
-    out_of_memory = should_reduce_batch_size(error)
-    if out_of_memory and not extended:
-        return False
-    return out_of_memory or _needs_gradients(error)
+    extended check do not fit, or the function fails without gradients or in eval mode (it runs a backward pass
+    itself, or its model returns something else in eval mode, as detection models do). The training pass then
+    runs as it would have: an error of the function's own is raised there, untouched. Only a micro-batch whose
+    units do not fit even without gradients fails the attempt, and the next, smaller one is checked."""
+    return not should_reduce_batch_size(error) or extended
 
 
 def _warn_unchecked(name: str, units: int, unit_name: str, error: Exception) -> None:
     """Say that the loss was not checked, and why, and how to declare the rows independent."""
-    why = "ran out of memory" if should_reduce_batch_size(error) else "need gradients"
+    if should_reduce_batch_size(error):
+        why = "ran out of memory"
+    elif _needs_gradients(error):
+        why = "need gradients"
+    else:
+        why = f"raised {error!r}"
     log.warning(
         "toma: %s: could not check that its loss is what its parts add up to (%d %s %s without gradients, in "
         "eval mode); it trains split as if they were independent. If they are, pass groups='rows' to say so",

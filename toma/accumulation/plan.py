@@ -6,6 +6,7 @@ are those of one full-batch pass also when micro-batches hold different shares. 
 nothing has no share and does not run.
 """
 
+from numbers import Real
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -41,13 +42,19 @@ def nothing_counted(weight: Optional[Callable[..., Any]], rows: Optional[int] = 
 
 def counts(values: List[Any], weight: Callable[..., Any]) -> List[float]:
     """The micro-batches' counts as floats, with one device synchronisation for tensors on one device."""
+    name = getattr(weight, "__qualname__", repr(weight))
+    for value in values:
+        if isinstance(value, torch.Tensor) and value.numel() != 1 or not isinstance(value, (torch.Tensor, Real)):
+            shown = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
+            raise TypeError(
+                f"weight ({name}) must return one count per micro-batch, a number or a one-element tensor; got {shown}"
+            )
     tensors = [value for value in values if isinstance(value, torch.Tensor)]
     floats: List[float]
     if len(tensors) == len(values) and len({t.device for t in tensors}) == 1:
         floats = torch.stack([t.detach().reshape(()).to(torch.float64) for t in tensors]).tolist()
     else:
         floats = [float(value) for value in values]
-    name = getattr(weight, "__qualname__", repr(weight))
     for value in floats:
         if not value >= 0 or value == float("inf"):
             raise ValueError(f"weight ({name}) must return a count of at least 0 for every micro-batch, got {value}")

@@ -14,7 +14,16 @@ import torch
 from toma.batching.packed import PACKED_KEYS, PackedBatch, is_packed
 from toma.batching.splitting import ArgumentBatch, is_row_sequence_candidate, map_tensors
 
-__all__ = ["rows", "take", "concatenate", "to_device", "logical_batches", "Pieces"]
+__all__ = [
+    "rows",
+    "take",
+    "concatenate",
+    "to_device",
+    "logical_batches",
+    "whole_batches",
+    "whole_batch_count",
+    "Pieces",
+]
 
 
 class Pieces(list[Any]):
@@ -174,13 +183,18 @@ def _logical(taken: List[Tuple[Any, int]]) -> Any:
     return joined[0] if len(joined) == 1 else Pieces(joined)
 
 
-def logical_batches(data: Iterable[Any], batch_size: int) -> Iterator[Any]:
+def logical_batches(data: Iterable[Any], batch_size: int, grouped: Optional[str] = None) -> Iterator[Any]:
     """Re-cut the batches of `data` into batches of `batch_size` rows (the last one may be smaller).
 
     Batches that already have `batch_size` rows pass through untouched; smaller ones (a DataLoader with a
     small `batch_size` for cheap loading) are joined, larger ones cut. Batches whose tensors differ in shape
-    beyond dim 0 are not joined: their logical batch is `Pieces` of them.
+    beyond dim 0 are not joined: their logical batch is `Pieces` of them. `grouped`: how the rows of a batch
+    belong together (a `groups=` label), where they do: then batches are neither cut nor joined row by row
+    (`whole_batches`).
     """
+    if grouped is not None:
+        yield from whole_batches(data, batch_size, grouped)
+        return
     pending: List[Tuple[Any, int]] = []
     pending_rows = 0
     for batch in data:
@@ -206,3 +220,42 @@ def logical_batches(data: Iterable[Any], batch_size: int) -> Iterator[Any]:
             yield _logical(taken)
     if pending:
         yield _logical(pending)
+
+
+def whole_batches(data: Iterable[Any], batch_size: int, grouped: str) -> Iterator[Any]:
+    """Logical batches of whole loader batches, as many as `batch_size` rows hold (at least one): rows that belong
+    together (DPO's chosen rows then their rejected rows, in-batch negatives) are laid out within each loader batch,
+    so joined row by row they would pair rows of different batches. Several are `Pieces`, never stacked; a batch of
+    more than `batch_size` rows is a ValueError (cut by rows, its groups would be split)."""
+    pending: List[Any] = []
+    pending_rows = 0
+    for batch in data:
+        n = rows(batch)
+        if n > batch_size:
+            raise ValueError(
+                f"a batch of train_data has {n} rows, more than batch_size={batch_size}, and groups={grouped} says "
+                "its rows belong together, so it is not cut: give the loader batches of at most batch_size rows, or "
+                "a batch_size of at least the loader's"
+            )
+        if pending and pending_rows + n > batch_size:
+            yield pending[0] if len(pending) == 1 else Pieces(pending)
+            pending, pending_rows = [], 0
+        pending.append(batch)
+        pending_rows += n
+        if pending_rows == batch_size:
+            yield pending[0] if len(pending) == 1 else Pieces(pending)
+            pending, pending_rows = [], 0
+    if pending:
+        yield pending[0] if len(pending) == 1 else Pieces(pending)
+
+
+def whole_batch_count(widths: Iterable[int], batch_size: int) -> int:
+    """How many logical batches `whole_batches` makes of loader batches of `widths` rows."""
+    count, pending = 0, 0
+    for n in widths:
+        if pending and pending + n > batch_size:
+            count, pending = count + 1, 0
+        pending += n
+        if pending == batch_size:
+            count, pending = count + 1, 0
+    return count + (pending > 0)

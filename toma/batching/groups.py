@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Un
 
 import torch
 
+from toma.batching.nested import returned_per_row
 from toma.batching.splitting import (
     ArgumentBatch,
     MicroBatch,
@@ -81,7 +82,7 @@ class _Found:
 
 def _group_units(ids: Any, rows: int, name: str) -> List[List[int]]:
     """Rows by group id: each group's rows in batch order, groups in the order of their first row."""
-    values = ids.detach().to("cpu").reshape(-1).tolist() if isinstance(ids, torch.Tensor) else list(ids)
+    values = returned_per_row(ids, f"groups ({name})", "a group id")
     if len(values) != rows:
         raise ValueError(f"groups ({name}) must return one group id for each of the {rows} rows, got {len(values)}")
     units: Dict[Any, List[int]] = {}
@@ -248,8 +249,10 @@ class _Cut:
                     picked = [obj[i] for i in self.picked]
                 elif self.units is not None and len(obj) == self.units:
                     picked = [obj[i] for i in self.unit_picked]
-                else:
-                    return obj
+                else:  # not the rows' own: per-row lists may sit inside (a tuple of ids and texts)
+                    return rebuild_sequence(
+                        obj, [self(item) if isinstance(item, (list, tuple)) else item for item in obj]
+                    )
                 return picked if isinstance(obj, list) else tuple(picked)
             return rebuild_sequence(obj, [self(item) for item in obj])
         if isinstance(obj, Mapping):
@@ -288,7 +291,6 @@ def grouped_batch(
         )
     half = rows // 2
     wrong = [(path, t.shape[0]) for path, t in found.tensors if t.shape[0] not in (rows, half)]
-    wrong += [(path, len(s)) for path, s in found.sequences if len(s) not in (rows, half)]
     if wrong:
         shown = ", ".join(f"{path} has {count}" for path, count in wrong)
         raise ValueError(
@@ -296,5 +298,15 @@ def grouped_batch(
             "wrap arguments that are not part of the batch in toma.whole(...)"
         )
     units = [[i, i + half] for i in range(half)]
-    per_unit = any(t.shape[0] == half for _, t in found.tensors) or any(len(s) == half for _, s in found.sequences)
+    per_unit = any(t.shape[0] == half for _, t in found.tensors) or any(
+        _holds_length(s, half) for _, s in found.sequences
+    )
     return GroupedBatch(args, kwargs, units, rows, found.tensors, per_unit and half != rows, name)
+
+
+def _holds_length(sequence: Any, length: int) -> bool:
+    """Whether `sequence`, or a list or tuple inside it (not inside one of `length` items), has `length` items:
+    lists of other lengths go to every micro-batch whole, as a shape or a tag does."""
+    if len(sequence) == length:
+        return True
+    return any(isinstance(item, (list, tuple)) and item and _holds_length(item, length) for item in sequence)

@@ -16,6 +16,7 @@ __all__ = [
     "leaves",
     "map_tensors",
     "place_whole",
+    "returned_per_row",
 ]
 
 
@@ -116,3 +117,13 @@ def place_whole(obj: Any, move: Callable[[torch.Tensor], torch.Tensor], inside: 
         values = {key: place_whole(value, move, inside) for key, value in obj.items()}
         return obj if all(values[key] is value for key, value in obj.items()) else rebuild_mapping(obj, values)
     return obj
+
+
+def returned_per_row(found: Any, name: str, item: str) -> List[Any]:
+    """What a user's function returned for each row (`lengths=`, `groups=`): a tensor or a sequence, as a list; a
+    TypeError naming the function otherwise (a None, a number or a string is no value per row)."""
+    if isinstance(found, torch.Tensor):
+        return found.detach().to("cpu").reshape(-1).tolist()  # type: ignore[no-any-return]
+    if isinstance(found, (str, bytes)) or not hasattr(found, "__len__") or not hasattr(found, "__iter__"):
+        raise TypeError(f"{name} must return {item} for each row (a tensor or a list), got {type(found).__name__}")
+    return list(found)

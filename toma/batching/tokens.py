@@ -22,6 +22,7 @@ import torch
 
 from toma.batching.groups import GroupedBatch
 from toma.batching.micro_batch_cost import MicroBatchCost
+from toma.batching.nested import returned_per_row
 from toma.batching.packed import PackedBatch, PackedTokens
 from toma.batching.splitting import ArgumentBatch
 
@@ -105,8 +106,8 @@ def row_lengths(lengths: Lengths, args: Tuple[Any, ...], kwargs: Dict[str, Any],
         layout = _mask_layout(lengths, args, kwargs)
     else:
         found = lengths(*args, **kwargs)
-        values = found.detach().to("cpu").reshape(-1).tolist() if isinstance(found, torch.Tensor) else list(found)
         name = getattr(lengths, "__qualname__", repr(lengths))
+        values = returned_per_row(found, f"lengths ({name})", "a length")
         if len(values) != rows or any(not float(v) >= 0 or int(v) != v for v in values):
             raise ValueError(f"lengths ({name}) must return a whole length of at least 0 for each of the {rows} rows")
         layout = _Layout([int(v) for v in values], None, True)

@@ -1,12 +1,13 @@
 """The data as the Trainer reads it: a batch as the arguments of its loss, how many batches and rows an epoch
 holds, and evaluation in chunks that fit (a range step)."""
 
+import math
 from typing import Any, Optional
 
 import torch
 
-from toma.batching.batches import Pieces, rows
-from toma.batching.groups import Groups
+from toma.batching.batches import Pieces, rows, whole_batch_count
+from toma.batching.groups import Groups, group_label
 from toma.batching.logical import LogicalBatch, logical_batch_of
 from toma.batching.splitting import ArgumentPieces
 from toma.core.steps import RangeStep
@@ -67,6 +68,27 @@ def rows_per_epoch(data: Any) -> Optional[int]:
     if getattr(batch_sampler, "drop_last", False):
         count -= count % batch_size
     return count
+
+
+def grouping(groups: Optional[Groups]) -> Optional[str]:
+    """How rows of a loader batch belong together, as messages name it; None where each row is on its own (then
+    batches are re-cut row by row)."""
+    return None if groups is None or groups == "rows" else group_label(groups)
+
+
+def steps_per_epoch(data: Any, batch_size: int, grouped: Optional[str]) -> Optional[int]:
+    """The logical batches one pass over `data` makes (`toma.batching.batches.logical_batches`), where its rows are
+    known without loading it."""
+    count = rows_per_epoch(data)
+    if count is None:
+        return None
+    if grouped is None:
+        return math.ceil(count / batch_size)
+    if isinstance(data, (list, tuple)):
+        return whole_batch_count((rows(batch) for batch in data), batch_size)
+    loaded: int = data.batch_size  # known wherever the rows are
+    full, rest = divmod(count, loaded)
+    return whole_batch_count([loaded] * full + ([rest] if rest else []), batch_size)
 
 
 # The evaluation cache's starting size: every batch whole (chunks are capped at its rows) until one runs

@@ -2,13 +2,15 @@
 step on the trainer's evaluation Runner), averaged over rows or over what `weight` counts."""
 
 import dataclasses
-from typing import Any, Callable, Dict, Iterable, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional, Union
 
 import torch
 
 from toma.batching.batches import rows, take, to_device
+from toma.batching.groups import GroupedBatch, Groups, grouped_batch
+from toma.batching.splitting import ArgumentBatch
 from toma.core.runner import Runner
-from toma.training.data import WHOLE_BATCHES, EvaluationChunks, call_arguments
+from toma.training.data import WHOLE_BATCHES, EvaluationChunks, call_arguments, grouping
 from toma.training.outputs import Metric, check_scalar, logits_of, loss_of
 
 __all__ = ["Evaluation"]
@@ -27,6 +29,7 @@ class Evaluation:
     reduction: str
     device: torch.device
     runner: Runner
+    groups: Optional[Groups] = None
 
     def run(self, data: Iterable[Any], named: Dict[str, Metric]) -> Dict[str, float]:
         """The loss and the `named` metrics over `data`, without gradients, the model in eval mode for the pass."""
@@ -36,7 +39,10 @@ class Evaluation:
         try:
             with torch.no_grad():
                 for batch in data:
-                    if self.forward is not None:
+                    if self.forward is not None and grouping(self.groups) is not None:
+                        grouped = grouped_batch((batch,), {}, self.groups)
+                        self._chunks(self._forward_groups, grouped.unit_count, grouped, named, totals)
+                    elif self.forward is not None:
                         self._chunks(self._forward_rows, rows(batch), batch, named, totals)
                     else:
                         self._batch(batch, named, totals)
@@ -75,8 +81,23 @@ class Evaluation:
     def _forward_rows(
         self, start: int, stop: int, batch: Any, named: Dict[str, Metric], totals: Dict[str, float]
     ) -> None:
-        part = take(batch, start, stop)
-        count = self._count(part) if self.weight is not None else float(stop - start)
+        self._forward_part(take(batch, start, stop), stop - start, named, totals)
+
+    def _forward_groups(
+        self,
+        start: int,
+        stop: int,
+        batch: Union[ArgumentBatch, GroupedBatch],
+        named: Dict[str, Metric],
+        totals: Dict[str, float],
+    ) -> None:
+        """Groups `[start, stop)` of a `forward=` batch whose rows belong together: never cut apart."""
+        (part,), _ = batch.arguments(start, stop)
+        self._forward_part(part, batch.rows_between(start, stop), named, totals)
+
+    def _forward_part(self, part: Any, rows_: int, named: Dict[str, Metric], totals: Dict[str, float]) -> None:
+        """One chunk of a `forward=` batch: its loss and metrics added to `totals` once it has finished."""
+        count = self._count(part) if self.weight is not None else float(rows_)
         if count == 0:
             return
         output = self.forward(to_device(part, self.device, non_blocking=True))  # type: ignore[misc]

@@ -9,7 +9,6 @@ logical batch larger than GPU memory trains too.
 
 import dataclasses
 import logging
-import math
 import time
 from typing import Any, Callable, Dict, Iterable, Iterator, Mapping, Optional, Sequence, TextIO, Tuple, Union
 
@@ -26,7 +25,7 @@ from toma.memory.backends import backend_for
 from toma.sizing.defaults import ACCUMULATION
 from toma.sizing.policies import SizePolicy, check_policy
 from toma.training.criteria import for_criterion
-from toma.training.data import logical_batch, rows_per_epoch
+from toma.training.data import grouping, logical_batch, steps_per_epoch
 from toma.training.evaluation import Evaluation
 from toma.training.history import EpochTally, TrainingHistory
 from toma.training.outputs import (
@@ -39,7 +38,7 @@ from toma.training.outputs import (
     loss_of,
 )
 from toma.training.progress import Progress
-from toma.training.trainer_arguments import check_functions, check_run, place
+from toma.training.trainer_arguments import check_eval_data, check_functions, check_run, place
 
 __all__ = ["Trainer", "Callback", "StopTraining", "accuracy", "METRICS"]
 
@@ -218,8 +217,7 @@ class Trainer:
         return loss
 
     def _total_steps(self) -> Optional[int]:
-        count = rows_per_epoch(self.train_data)
-        return None if count is None else math.ceil(count / self.batch_size)
+        return steps_per_epoch(self.train_data, self.batch_size, grouping(self.accumulation.groups))
 
     def _record_step(self, loss: torch.Tensor, n: int, retries: int, progress: Progress, samples_per_s: float) -> None:
         """A step's record in the history (its loss still on the device), its memory, and the progress display.
@@ -257,7 +255,7 @@ class Trainer:
         retries_before, first_step = self.oom_retries, len(self.history.steps)
         stopped = False
         try:
-            for batch in logical_batches(self.train_data, self.batch_size):
+            for batch in logical_batches(self.train_data, self.batch_size, grouping(self.accumulation.groups)):
                 n = rows(batch)
                 retries = self.oom_retries
                 loss = self.step(batch)
@@ -337,6 +335,7 @@ class Trainer:
                 "train_data is an iterator that can be read only once; for several epochs pass a DataLoader, "
                 "a list, or another iterable that starts over"
             )
+        check_eval_data(eval_data, epochs)
         progress = Progress(self.verbose, self.file)
         try:
             for shown in range(epochs):
@@ -375,6 +374,7 @@ class Trainer:
             self.reduction,
             self.device,
             self._evaluation,
+            self.accumulation.groups,
         )
         return evaluation.run(data, named)
 

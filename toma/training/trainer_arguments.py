@@ -1,9 +1,9 @@
 """A Trainer's arguments, checked where they enter (early, clear errors naming the argument), and the device it
 trains on."""
 
-__all__ = ["check_functions", "check_run", "place"]
+__all__ = ["check_eval_data", "check_functions", "check_run", "place"]
 
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 
@@ -37,6 +37,24 @@ def check_run(verbose: int, callbacks: Sequence[object], train_data: Iterable[An
             raise TypeError(f"callbacks must have on_step_end or on_epoch_end, got {callback!r}")
     if known_length(train_data) == 0:
         raise ValueError("train_data is empty: there is nothing to train on")
+
+
+def check_eval_data(eval_data: Any, epochs: int) -> None:
+    """`fit(eval_data=)`, checked before the first epoch trains: an iterable, not known to be empty, and not an
+    iterator read only once when each of several epochs evaluates on it."""
+    if eval_data is None:
+        return
+    if not isinstance(eval_data, Iterable):
+        raise TypeError(
+            f"eval_data must be an iterable of batches (a DataLoader, a list), got {type(eval_data).__name__}"
+        )
+    if known_length(eval_data) == 0:
+        raise ValueError("eval_data is empty: there is nothing to evaluate")
+    if epochs > 1 and isinstance(eval_data, Iterator):
+        raise TypeError(
+            "eval_data is an iterator that can be read only once, and each of the epochs evaluates on it; pass a "
+            "DataLoader, a list, or another iterable that starts over"
+        )
 
 
 def place(model: torch.nn.Module, device: Any) -> torch.device:
