@@ -3,7 +3,16 @@
 import pytest
 import torch
 
-from toma.batching.batches import Pieces, concatenate, logical_batches, rows, take, to_device, whole_batch_count
+from toma.batching.batches import (
+    Pieces,
+    concatenate,
+    group_cut_widths,
+    logical_batches,
+    rows,
+    take,
+    to_device,
+    whole_batch_count,
+)
 
 
 def batch(start, n):
@@ -93,16 +102,23 @@ def test_per_row_lists_inside_a_tuple_of_lists_are_cut_and_joined_like_inside_a_
     ]
 
 
-def test_batches_whose_rows_belong_together_are_never_cut_or_stacked():
+def test_batches_whose_rows_belong_together_are_never_cut_or_stacked_row_by_row():
     """Under groups (pairs: chosen rows then their rejected rows, laid out per loader batch), a logical batch holds
-    whole loader batches as pieces, as many as batch_size rows hold; a larger batch is refused, not cut."""
+    whole loader batches as pieces, as many as batch_size rows hold; a larger batch is cut by whole pairs under
+    "pairs" and refused under any other grouping."""
     loaded = [torch.arange(8) + 8 * k for k in range(5)]
-    found = list(logical_batches(loaded, 16, "'pairs'"))
+    found = list(logical_batches(loaded, 16, "pairs"))
     assert [type(b) for b in found] == [Pieces, Pieces, torch.Tensor]
     assert [[p.tolist() for p in b] for b in found[:2]] == [[t.tolist() for t in loaded[i : i + 2]] for i in (0, 2)]
     assert torch.equal(found[2], loaded[4])
     assert whole_batch_count([8] * 5, 16) == 3
-    uneven = list(logical_batches([torch.zeros(6)] * 4, 16, "'pairs'"))
+    uneven = list(logical_batches([torch.zeros(6)] * 4, 16, "pairs"))
     assert [rows(b) for b in uneven] == [12, 12] and whole_batch_count([6] * 4, 16) == 2
-    with pytest.raises(ValueError, match=r"32 rows, more than batch_size=16, and groups='pairs'"):
-        list(logical_batches([torch.zeros(32)], 16, "'pairs'"))
+    chosen_then_rejected = torch.arange(20)  # pair i: rows i and i + 10
+    cut = list(logical_batches([chosen_then_rejected], 8, "pairs"))
+    assert [b.tolist() for b in cut] == [[0, 1, 2, 3, 10, 11, 12, 13], [4, 5, 6, 7, 14, 15, 16, 17], [8, 9, 18, 19]]
+    assert group_cut_widths(20, 8, "pairs") == [8, 8, 4] and group_cut_widths(20, 8, "batch") == [20]
+    with pytest.raises(ValueError, match=r"32 rows, more than batch_size=16, and groups='batch'"):
+        list(logical_batches([torch.zeros(32)], 16, "batch"))
+    with pytest.raises(ValueError, match=r"more than batch_size=1, and groups='pairs'"):
+        list(logical_batches([torch.zeros(4)], 1, "pairs"))

@@ -1,4 +1,4 @@
-"""toma.Trainer with rows that belong together (`groups=`): loader batches are neither cut nor stacked row by row,
+"""toma.Trainer with rows that belong together (`groups=`): loader batches are never cut or stacked row by row,
 evaluation chunks keep groups whole, and `fit`'s evaluation data is checked before anything trains."""
 
 import pytest
@@ -57,14 +57,34 @@ def test_loader_batches_of_pairs_are_joined_as_pieces_keeping_each_chosen_row_wi
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
 
 
-def test_a_loader_batch_of_pairs_larger_than_the_logical_batch_is_refused_not_cut():
+def test_a_loader_batch_larger_than_the_logical_batch_is_cut_by_pairs_or_refused():
+    """Under "pairs" a loader batch of 8 pairs with batch_size=8 trains as two logical batches of 4 whole pairs
+    (each chosen row with its own rejected row); under "batch" (in-batch negatives) it is refused, not cut."""
+    batches = preference_batches(count=1, pairs=8)
     model = policy_model()
     trainer = Trainer(
-        model, torch.optim.SGD(model.parameters(), lr=0.5), None, preference_batches(pairs=8), batch_size=8,
-        verbose=0, forward=lambda b: dpo(model, b), groups="pairs",
+        model, torch.optim.SGD(model.parameters(), lr=0.5), None, batches, batch_size=8, verbose=0,
+        forward=lambda b: dpo(model, b), groups="pairs",
+    )  # fmt: skip
+    assert trainer._total_steps() == 2
+    trainer.fit(1)
+    reference = policy_model()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    chosen, rejected = batches[0].chunk(2)
+    for part in (slice(0, 4), slice(4, 8)):
+        optimizer.zero_grad()
+        dpo(reference, torch.cat([chosen[part], rejected[part]])).backward()
+        optimizer.step()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
+
+    model = policy_model()
+    trainer = Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.5), None, batches, batch_size=8, verbose=0,
+        forward=lambda b: dpo(model, b), groups="batch",
     )  # fmt: skip
     before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(ValueError, match="16 rows, more than batch_size=8, and groups='pairs'"):
+    with pytest.raises(ValueError, match="16 rows, more than batch_size=8, and groups='batch'"):
         trainer.fit(1)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
 

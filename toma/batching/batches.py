@@ -11,6 +11,7 @@ from typing import Any, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
+from toma.batching.groups import Groups, group_label, grouped_batch
 from toma.batching.packed import PACKED_KEYS, PackedBatch, is_packed
 from toma.batching.splitting import ArgumentBatch, is_row_sequence_candidate, map_tensors
 
@@ -21,6 +22,7 @@ __all__ = [
     "to_device",
     "logical_batches",
     "whole_batches",
+    "group_cut_widths",
     "whole_batch_count",
     "Pieces",
 ]
@@ -183,17 +185,17 @@ def _logical(taken: List[Tuple[Any, int]]) -> Any:
     return joined[0] if len(joined) == 1 else Pieces(joined)
 
 
-def logical_batches(data: Iterable[Any], batch_size: int, grouped: Optional[str] = None) -> Iterator[Any]:
+def logical_batches(data: Iterable[Any], batch_size: int, groups: Optional[Groups] = None) -> Iterator[Any]:
     """Re-cut the batches of `data` into batches of `batch_size` rows (the last one may be smaller).
 
     Batches that already have `batch_size` rows pass through untouched; smaller ones (a DataLoader with a
     small `batch_size` for cheap loading) are joined, larger ones cut. Batches whose tensors differ in shape
-    beyond dim 0 are not joined: their logical batch is `Pieces` of them. `grouped`: how the rows of a batch
-    belong together (a `groups=` label), where they do: then batches are neither cut nor joined row by row
+    beyond dim 0 are not joined: their logical batch is `Pieces` of them. `groups`: how the rows of a batch
+    belong together (`groups=`); other than None or "rows", batches are neither cut nor joined row by row
     (`whole_batches`).
     """
-    if grouped is not None:
-        yield from whole_batches(data, batch_size, grouped)
+    if groups is not None and groups != "rows":
+        yield from whole_batches(data, batch_size, groups)
         return
     pending: List[Tuple[Any, int]] = []
     pending_rows = 0
@@ -222,31 +224,53 @@ def logical_batches(data: Iterable[Any], batch_size: int, grouped: Optional[str]
         yield _logical(pending)
 
 
-def whole_batches(data: Iterable[Any], batch_size: int, grouped: str) -> Iterator[Any]:
+def whole_batches(data: Iterable[Any], batch_size: int, groups: Groups) -> Iterator[Any]:
     """Logical batches of whole loader batches, as many as `batch_size` rows hold (at least one): rows that belong
     together (DPO's chosen rows then their rejected rows, in-batch negatives) are laid out within each loader batch,
-    so joined row by row they would pair rows of different batches. Several are `Pieces`, never stacked; a batch of
-    more than `batch_size` rows is a ValueError (cut by rows, its groups would be split)."""
+    so joined row by row they would pair rows of different batches. Several are `Pieces`, never stacked. A batch of
+    more than `batch_size` rows is cut by pairs under "pairs" (each part chosen rows then their rejected rows), and
+    refused under any other grouping (whose groups a cut could split)."""
     pending: List[Any] = []
     pending_rows = 0
-    for batch in data:
-        n = rows(batch)
-        if n > batch_size:
-            raise ValueError(
-                f"a batch of train_data has {n} rows, more than batch_size={batch_size}, and groups={grouped} says "
-                "its rows belong together, so it is not cut: give the loader batches of at most batch_size rows, or "
-                "a batch_size of at least the loader's"
-            )
-        if pending and pending_rows + n > batch_size:
-            yield pending[0] if len(pending) == 1 else Pieces(pending)
-            pending, pending_rows = [], 0
-        pending.append(batch)
-        pending_rows += n
-        if pending_rows == batch_size:
-            yield pending[0] if len(pending) == 1 else Pieces(pending)
-            pending, pending_rows = [], 0
+    for loaded in data:
+        for batch in _group_cuts(loaded, batch_size, groups):
+            n = rows(batch)
+            if pending and pending_rows + n > batch_size:
+                yield pending[0] if len(pending) == 1 else Pieces(pending)
+                pending, pending_rows = [], 0
+            pending.append(batch)
+            pending_rows += n
+            if pending_rows == batch_size:
+                yield pending[0] if len(pending) == 1 else Pieces(pending)
+                pending, pending_rows = [], 0
     if pending:
         yield pending[0] if len(pending) == 1 else Pieces(pending)
+
+
+def _group_cuts(batch: Any, batch_size: int, groups: Groups) -> List[Any]:
+    """`batch` in parts of at most `batch_size` rows that keep its groups whole: itself where it has no more rows;
+    parts of whole pairs under "pairs"; a ValueError otherwise."""
+    n = rows(batch)
+    if n <= batch_size:
+        return [batch]
+    pairs = batch_size // 2
+    if groups != "pairs" or pairs == 0 or is_packed(batch):
+        raise ValueError(
+            f"a batch of train_data has {n} rows, more than batch_size={batch_size}, and groups={group_label(groups)} "
+            "says its rows belong together, so it is not cut: give the loader batches of at most batch_size rows, or "
+            "a batch_size of at least the loader's"
+        )
+    grouped = grouped_batch((batch,), {}, "pairs")
+    units = grouped.unit_count
+    return [grouped.arguments(start, min(start + pairs, units))[0][0] for start in range(0, units, pairs)]
+
+
+def group_cut_widths(width: int, batch_size: int, groups: Groups) -> List[int]:
+    """The rows of the parts `whole_batches` cuts a loader batch of `width` rows into (as `_group_cuts`)."""
+    if width <= batch_size or groups != "pairs" or batch_size < 2:
+        return [width]
+    part = batch_size // 2 * 2
+    return [part] * (width // part) + ([width % part] if width % part else [])
 
 
 def whole_batch_count(widths: Iterable[int], batch_size: int) -> int:

@@ -6,7 +6,7 @@ from typing import Any, Optional
 
 import torch
 
-from toma.batching.batches import Pieces, rows, whole_batch_count
+from toma.batching.batches import Pieces, group_cut_widths, rows, whole_batch_count
 from toma.batching.groups import Groups, group_label
 from toma.batching.logical import LogicalBatch, logical_batch_of
 from toma.batching.splitting import ArgumentPieces
@@ -71,24 +71,26 @@ def rows_per_epoch(data: Any) -> Optional[int]:
 
 
 def grouping(groups: Optional[Groups]) -> Optional[str]:
-    """How rows of a loader batch belong together, as messages name it; None where each row is on its own (then
-    batches are re-cut row by row)."""
+    """How rows of a batch belong together, as messages name it; None where each row is on its own."""
     return None if groups is None or groups == "rows" else group_label(groups)
 
 
-def steps_per_epoch(data: Any, batch_size: int, grouped: Optional[str]) -> Optional[int]:
+def steps_per_epoch(data: Any, batch_size: int, groups: Optional[Groups]) -> Optional[int]:
     """The logical batches one pass over `data` makes (`toma.batching.batches.logical_batches`), where its rows are
     known without loading it."""
     count = rows_per_epoch(data)
     if count is None:
         return None
-    if grouped is None:
+    if grouping(groups) is None:
         return math.ceil(count / batch_size)
+    assert groups is not None
     if isinstance(data, (list, tuple)):
-        return whole_batch_count((rows(batch) for batch in data), batch_size)
-    loaded: int = data.batch_size  # known wherever the rows are
-    full, rest = divmod(count, loaded)
-    return whole_batch_count([loaded] * full + ([rest] if rest else []), batch_size)
+        widths = [rows(batch) for batch in data]
+    else:
+        loaded: int = data.batch_size  # known wherever the rows are
+        full, rest = divmod(count, loaded)
+        widths = [loaded] * full + ([rest] if rest else [])
+    return whole_batch_count((part for n in widths for part in group_cut_widths(n, batch_size, groups)), batch_size)
 
 
 # The evaluation cache's starting size: every batch whole (chunks are capped at its rows) until one runs

@@ -25,7 +25,7 @@ from toma.memory.backends import backend_for
 from toma.sizing.defaults import ACCUMULATION
 from toma.sizing.policies import SizePolicy, check_policy
 from toma.training.criteria import for_criterion
-from toma.training.data import grouping, logical_batch, steps_per_epoch
+from toma.training.data import logical_batch, steps_per_epoch
 from toma.training.evaluation import Evaluation
 from toma.training.history import EpochTally, TrainingHistory
 from toma.training.outputs import (
@@ -217,7 +217,7 @@ class Trainer:
         return loss
 
     def _total_steps(self) -> Optional[int]:
-        return steps_per_epoch(self.train_data, self.batch_size, grouping(self.accumulation.groups))
+        return steps_per_epoch(self.train_data, self.batch_size, self.accumulation.groups)
 
     def _record_step(self, loss: torch.Tensor, n: int, retries: int, progress: Progress, samples_per_s: float) -> None:
         """A step's record in the history (its loss still on the device), its memory, and the progress display.
@@ -255,7 +255,7 @@ class Trainer:
         retries_before, first_step = self.oom_retries, len(self.history.steps)
         stopped = False
         try:
-            for batch in logical_batches(self.train_data, self.batch_size, grouping(self.accumulation.groups)):
+            for batch in logical_batches(self.train_data, self.batch_size, self.accumulation.groups):
                 n = rows(batch)
                 retries = self.oom_retries
                 loss = self.step(batch)
