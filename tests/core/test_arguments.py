@@ -57,3 +57,13 @@ def test_check_policy():
     assert check_policy(gentle, "policy") is gentle
     with pytest.raises(TypeError, match="toma_policy"):
         check_policy(lambda size: size // 2, "toma_policy")
+
+
+def test_a_policy_class_instead_of_an_instance_is_refused_where_it_is_given():
+    """`policy=Halving` would fail only at the first out-of-memory error (its shrink unbound)."""
+    import toma
+
+    with pytest.raises(TypeError, match=r"policy must be a sizing policy instance such as Halving\(\)"):
+        check_policy(Halving, "policy")
+    with pytest.raises(TypeError, match="policy must be a sizing policy instance"):
+        toma.toma.batch(initial_batchsize=8, policy=Halving)

@@ -85,6 +85,10 @@ def check_policy(policy: Any, name: str) -> Optional[SizePolicy]:
     """A sizing policy, or None for the default at call time."""
     if policy is None:
         return None
+    if isinstance(policy, type):  # `policy=Halving`: its shrink would fail only at the first out-of-memory error
+        raise TypeError(
+            f"{name} must be a sizing policy instance such as {policy.__name__}(), got the class {policy!r}"
+        )
     if not callable(getattr(policy, "shrink", None)):
         raise TypeError(f"{name} must be a sizing policy such as toma.ShrinkByFactor(0.8), got {policy!r}")
     return policy  # type: ignore[no-any-return]
