@@ -11,7 +11,7 @@ from typing import Any, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
-from toma.batching.groups import Groups, group_label, grouped_batch
+from toma.batching.groups import Groups, group_label, grouped_batch, rows_belong_together
 from toma.batching.packed import PACKED_KEYS, PackedBatch, is_packed
 from toma.batching.splitting import ArgumentBatch, is_row_sequence_candidate, map_tensors
 
@@ -194,8 +194,8 @@ def logical_batches(data: Iterable[Any], batch_size: int, groups: Optional[Group
     belong together (`groups=`); other than None or "rows", batches are neither cut nor joined row by row
     (`whole_batches`).
     """
-    if groups is not None and groups != "rows":
-        yield from whole_batches(data, batch_size, groups)
+    if rows_belong_together(groups):
+        yield from whole_batches(data, batch_size, groups)  # type: ignore[arg-type]
         return
     pending: List[Tuple[Any, int]] = []
     pending_rows = 0
@@ -230,21 +230,26 @@ def whole_batches(data: Iterable[Any], batch_size: int, groups: Groups) -> Itera
     so joined row by row they would pair rows of different batches. Several are `Pieces`, never stacked. A batch of
     more than `batch_size` rows is cut by pairs under "pairs" (each part chosen rows then their rejected rows), and
     refused under any other grouping (whose groups a cut could split)."""
-    pending: List[Any] = []
-    pending_rows = 0
-    for loaded in data:
-        for batch in _group_cuts(loaded, batch_size, groups):
-            n = rows(batch)
-            if pending and pending_rows + n > batch_size:
-                yield pending[0] if len(pending) == 1 else Pieces(pending)
-                pending, pending_rows = [], 0
-            pending.append(batch)
-            pending_rows += n
-            if pending_rows == batch_size:
-                yield pending[0] if len(pending) == 1 else Pieces(pending)
-                pending, pending_rows = [], 0
-    if pending:
-        yield pending[0] if len(pending) == 1 else Pieces(pending)
+    parts = ((batch, rows(batch)) for loaded in data for batch in _group_cuts(loaded, batch_size, groups))
+    for run in _runs(parts, batch_size):
+        yield run[0] if len(run) == 1 else Pieces(run)
+
+
+def _runs(parts: Iterable[Tuple[Any, int]], batch_size: int) -> Iterator[List[Any]]:
+    """Consecutive `(part, rows)` in runs of at most `batch_size` rows (a larger part alone), as many as fit."""
+    run: List[Any] = []
+    run_rows = 0
+    for part, n in parts:
+        if run and run_rows + n > batch_size:
+            yield run
+            run, run_rows = [], 0
+        run.append(part)
+        run_rows += n
+        if run_rows == batch_size:
+            yield run
+            run, run_rows = [], 0
+    if run:
+        yield run
 
 
 def _group_cuts(batch: Any, batch_size: int, groups: Groups) -> List[Any]:
@@ -274,12 +279,5 @@ def group_cut_widths(width: int, batch_size: int, groups: Groups) -> List[int]:
 
 
 def whole_batch_count(widths: Iterable[int], batch_size: int) -> int:
-    """How many logical batches `whole_batches` makes of loader batches of `widths` rows."""
-    count, pending = 0, 0
-    for n in widths:
-        if pending and pending + n > batch_size:
-            count, pending = count + 1, 0
-        pending += n
-        if pending == batch_size:
-            count, pending = count + 1, 0
-    return count + (pending > 0)
+    """How many logical batches `whole_batches` makes of (already cut) loader batches of `widths` rows."""
+    return sum(1 for _ in _runs(((None, n) for n in widths), batch_size))

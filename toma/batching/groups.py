@@ -31,7 +31,15 @@ from toma.batching.splitting import (
     whole,
 )
 
-__all__ = ["Groups", "GROUPINGS", "check_groups", "GroupedBatch", "grouped_batch", "group_label"]
+__all__ = [
+    "Groups",
+    "GROUPINGS",
+    "check_groups",
+    "GroupedBatch",
+    "grouped_batch",
+    "group_label",
+    "rows_belong_together",
+]
 
 Groups = Union[str, Callable[..., Any]]
 GROUPINGS = ("rows", "pairs", "batch")
@@ -46,6 +54,11 @@ def check_groups(groups: Any, name: str) -> Optional[Groups]:
         "rejected rows), 'batch' (the batch is never split), or a function of the call's arguments returning each "
         f"row's group; got {groups!r}"
     )
+
+
+def rows_belong_together(groups: Optional[Groups]) -> bool:
+    """Whether `groups` ties rows to each other (anything but None or "rows"): then they are never cut apart."""
+    return groups is not None and groups != "rows"
 
 
 def group_label(groups: Optional[Groups]) -> str:
@@ -265,7 +278,7 @@ def grouped_batch(
 ) -> Union[ArgumentBatch, GroupedBatch]:
     """The logical batch of a call's arguments under `groups` (see the module's docstring): an `ArgumentBatch` for
     rows on their own, else a `GroupedBatch`."""
-    if groups is None or groups == "rows":
+    if not rows_belong_together(groups):
         return ArgumentBatch(args, kwargs, name)
     if groups != "pairs":
         batch = ArgumentBatch(args, kwargs, name)  # every tensor has the batch's rows

@@ -7,7 +7,7 @@ from typing import Any, Optional
 import torch
 
 from toma.batching.batches import Pieces, group_cut_widths, rows, whole_batch_count
-from toma.batching.groups import Groups, group_label
+from toma.batching.groups import Groups, rows_belong_together
 from toma.batching.logical import LogicalBatch, logical_batch_of
 from toma.batching.splitting import ArgumentPieces
 from toma.core.steps import RangeStep
@@ -70,20 +70,14 @@ def rows_per_epoch(data: Any) -> Optional[int]:
     return count
 
 
-def grouping(groups: Optional[Groups]) -> Optional[str]:
-    """How rows of a batch belong together, as messages name it; None where each row is on its own."""
-    return None if groups is None or groups == "rows" else group_label(groups)
-
-
 def steps_per_epoch(data: Any, batch_size: int, groups: Optional[Groups]) -> Optional[int]:
     """The logical batches one pass over `data` makes (`toma.batching.batches.logical_batches`), where its rows are
     known without loading it."""
     count = rows_per_epoch(data)
     if count is None:
         return None
-    if grouping(groups) is None:
+    if groups is None or not rows_belong_together(groups):
         return math.ceil(count / batch_size)
-    assert groups is not None
     if isinstance(data, (list, tuple)):
         widths = [rows(batch) for batch in data]
     else:

@@ -7,10 +7,10 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Union
 import torch
 
 from toma.batching.batches import rows, take, to_device
-from toma.batching.groups import GroupedBatch, Groups, grouped_batch
+from toma.batching.groups import GroupedBatch, Groups, grouped_batch, rows_belong_together
 from toma.batching.splitting import ArgumentBatch
 from toma.core.runner import Runner
-from toma.training.data import WHOLE_BATCHES, EvaluationChunks, call_arguments, grouping
+from toma.training.data import WHOLE_BATCHES, EvaluationChunks, call_arguments
 from toma.training.outputs import Metric, check_scalar, logits_of, loss_of
 
 __all__ = ["Evaluation"]
@@ -39,7 +39,7 @@ class Evaluation:
         try:
             with torch.no_grad():
                 for batch in data:
-                    if self.forward is not None and grouping(self.groups) is not None:
+                    if self.forward is not None and rows_belong_together(self.groups):
                         grouped = grouped_batch((batch,), {}, self.groups)
                         self._chunks(self._forward_groups, grouped.unit_count, grouped, named, totals)
                     elif self.forward is not None:
