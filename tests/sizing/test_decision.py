@@ -69,6 +69,44 @@ def test_one_size_measured_is_probed_once_at_a_smaller_size():
     assert not again.probe and again.items > size * 0.9
 
 
+def test_one_size_measured_at_one_row_is_probed_at_two_rows_where_no_fewer_is_left():
+    # 300 MiB measured at one row reads as 300 MiB per row (the fixed part unknown), bent up by the failure so
+    # that 2 rows fit and 3 do not: the proposal, (1 - margin) of 2, runs that one row again, and the probe of a
+    # smaller size has no fewer rows to run, so it measures one row more
+    bound = 300.0 * 2**20 * 976 + 50.0 * 2**20 * 976 * 975
+    findings = Findings(evidence(start=976, fits=[1], failures=[(976, bound)]), ((1.0, 300.0 * 2**20),))
+    choice = choose(findings, 1000 * 2**20, 1.0, SETTINGS)
+    assert choice.probe and choice.items == 2.0 and "to learn how the need grows" in choice.rule, choice
+    again = choose(Findings(findings.evidence, findings.measured, Trust(probed=True)), 1000 * 2**20, 1.0, SETTINGS)
+    assert not again.probe
+
+
+def test_a_bend_from_an_error_far_above_does_not_hold_the_size_at_the_largest_measured_one():
+    # 5 MiB + 64 B * size**3, measured at 7, 8 and 9 rows (the line says tens of thousands fit), and failures
+    # far above: a bend steep enough to say 10 rows would not fit would hold the size where it is forever; the
+    # bracket measures between them instead (a size halving's search reaches too)
+    def cube(size):
+        return 5.0 * 2**20 + 64.0 * size**3
+
+    budget = 1000.0 * 2**20
+    failures = [(10**7, cube(10**7)), (9765, cube(9765) * 10**5)]
+    findings = Findings(
+        evidence(start=10**7, fits=[7, 8, 9], failures=failures, budget=budget),
+        tuple((float(s), cube(s)) for s in (9, 7, 8)),
+        Trust(probed=True),
+    )
+    choice = choose(findings, budget, 1.0, SETTINGS)
+    assert 9 * SETTINGS.far < choice.items < 9765 and "only the bend" in choice.rule, choice
+    # a bend that only trims what the measured line allows keeps the model's proposal
+    line = Need(5.0 * 2**20, 2**20)
+    near = Findings(
+        evidence(start=4000, fits=[900], failures=[(4000, line.need(4000) * 4)], budget=budget),
+        ((900.0, line.need(900)), (500.0, line.need(500))),
+        Trust(probed=True),
+    )
+    assert "only the bend" not in choose(near, budget, 1.0, SETTINGS).rule
+
+
 def test_the_bracket_disposes_a_failure_caps_the_model_and_halving_bounds_the_search():
     # the line says 98304 rows fit, but 60000 failed under this budget, needing at least 1.1 GiB: the model bends
     # above 40000 to explain it, and nothing at or above 60000 is tried again

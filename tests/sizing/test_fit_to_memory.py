@@ -288,6 +288,31 @@ def test_where_the_model_is_wrong_the_bracket_still_never_loses_to_halving(
     assert fit[-1][0] >= least * best, (fit, best)
 
 
+# needs that grow faster than a square, from starts thousands of times too large: an error far above bends the
+# model steeply, and it must still measure its way up to where halving ends, not settle at a row or a few
+FAR_SHAPES = {
+    "cube": lambda s: [5 * MiB, 64 * s**3],
+    "cube and a large fixed part": lambda s: [300 * MiB, 64 * s**3],
+    "fourth power": lambda s: [5 * MiB, s**4],
+}
+
+
+@pytest.mark.parametrize("shape", list(FAR_SHAPES))
+@pytest.mark.parametrize("times_m", [40, 400, 4000, 40000])
+def test_from_a_start_far_too_large_it_measures_its_way_up_to_at_least_halvings_size(shape, times_m, monkeypatch):
+    """Over 30 calls from `times_m` times M: no more OOMs than halving, a final size at least halving's (or
+    0.9 of M where halving happens to land above that) and at least 0.8 of M, settled."""
+    monkeypatch.setitem(SHAPES, shape, FAR_SHAPES[shape])
+    capacity = 1000 * MiB
+    best = largest_for(shape, capacity)
+    memory = SimulatedMemory(capacity)
+    fit = shaped_calls(FitToMemory(meter=memory), memory, shape, 30, best * times_m)
+    halving = shaped_calls(Halving(), SimulatedMemory(capacity), shape, 30, best * times_m)
+    assert sum(o for _, o in fit) <= sum(o for _, o in halving), (fit, halving, best)
+    assert max(min(halving[-1][0], 0.9 * best), 0.8 * best) <= fit[-1][0] <= best, (fit, halving, best)
+    assert [o for _, o in fit[-10:]] == [0] * 10 and len({size for size, _ in fit[-10:]}) == 1, "settled"
+
+
 def test_a_curve_of_another_power_is_fitted_where_neither_a_line_nor_a_square_follows():
     fits = [(float(s), 2**20 + s**3 / 1000) for s in (2000, 6000, 9000, 12000)]
     model = fit_need(fits)
@@ -300,6 +325,16 @@ def test_an_error_above_the_measured_sizes_bends_the_model_only_above_them():
     model = fit_need(fits, [(16000.0, 16000 * 16384.0 + 4 * MiB)])
     assert [model.need(s) for s, _ in fits] == pytest.approx([b for _, b in fits]), "the measurements stay"
     assert model.need(16000) >= 16000 * 16384.0 + 4 * MiB and model.knee == 15000
+
+
+def test_the_bend_follows_the_nearest_error_above_the_measured_sizes():
+    # a need growing like a cube: the nearest error's bound says most of the sizes just above the knee; a bend
+    # through the farthest one's would say a size just above the knee needs more than that nearest error did
+    fits = [(8.0, 64 * 8.0**3), (9.0, 64 * 9.0**3)]
+    near, far = (300.0, 64 * 300.0**3), (9765.0, 64 * 9765.0**3)
+    model = fit_need(fits, [far, near])
+    assert model.knee == 9 and model.need(300) >= near[1] and model.need(9765) > near[1]
+    assert model.need(10) < near[1] / 1000, model
 
 
 @pytest.mark.parametrize("shape", ["linear", "large fixed part", "quadratic"])

@@ -8,7 +8,7 @@ name does with the call site's size.
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple, Optional, Sequence, Tuple
 
 from toma.sizing.bracket import SAME_BUDGET, Bracket, Evidence, Failure, bracket_text
@@ -135,7 +135,38 @@ def _modelled(
         return Choice(items, f"bisection: model {model} was wrong at {findings.trust.doubted / scale:.0f}")
     if largest < low:  # it says a size that fit would not: near M, which is at least that size
         return Choice(low, f"the largest size that fit, which model {model} says is too large")
-    return _trusted(findings, model, largest, search, scale, settings, doubting)
+    choice = _trusted(findings, model, largest, search, scale, settings, doubting)
+    measured = [size for size, _ in findings.measured]
+    if _pinned_by_a_guess(model, budget, largest, choice, search, scale, settings, measured):
+        # the bend is an error's guess, never measured: where it holds the size at the largest one measured
+        # while halving still has a size above it, measure between them (an error there halving pays too)
+        return Choice(
+            search.searched, f"bisection: only the bend of model {model} keeps the size near {low / scale:.0f}"
+        )
+    return choice
+
+
+def _pinned_by_a_guess(
+    model: Need,
+    budget: float,
+    largest: float,
+    choice: Choice,
+    search: _Search,
+    scale: float,
+    settings: FitSettings,
+    measured: Sequence[float],
+) -> bool:
+    """The model's proposal is within `far` of the largest size measured only because of its bend (what an
+    error far above says, in the steepest way), and a failure lies more than twice above: the size would
+    never move from there to learn how the need really grows."""
+    low, high = search.bracket.low, search.bracket.high
+    if model.bend <= 0 or choice.probe or not low < search.searched < high or high <= 2 * low:
+        return False
+    proposed = settings.rows(choice.items, scale) * scale  # the rows it would run
+    # a size measured already (within noise) teaches nothing new, and the bend, not the measured line, is
+    # what holds it there: without it the model would allow more than twice the size
+    known = any(abs(proposed - size) <= settings.noise * size for size in measured)
+    return known and proposed <= settings.far * low and replace(model, bend=0.0).largest_within(budget) > 2 * largest
 
 
 def _trusted(
@@ -159,10 +190,12 @@ def _trusted(
         rule = f"{rule} (far above the sizes measured: {spare:.0%} to spare first)"
     items = (1 - spare) * min(largest, high - scale)
     alone = max(sizes) < 1.1 * min(sizes) and not findings.trust.probed and not doubting
-    if alone and abs(items - sizes[-1]) < 0.1 * sizes[-1]:
-        # one size says nothing of the fixed part: measure another, once
-        rule = f"a smaller size, to learn how the need grows beside model {model}"
-        return Choice(settings.learn * sizes[-1], rule, probe=True)
+    same_rows = settings.rows(items, scale) == settings.rows(sizes[-1], scale)
+    if alone and (same_rows or abs(items - sizes[-1]) < 0.1 * sizes[-1]):
+        # one size says nothing of the fixed part: measure another, once (one row more where no fewer is left)
+        probe = _learning_size(sizes[-1], largest, scale, settings)
+        if probe is not None:
+            return Choice(probe, f"another size, to learn how the need grows beside model {model}", probe=True)
     for size in findings.evidence.halving_below(high, scale):
         if size <= items:
             break
@@ -171,6 +204,16 @@ def _trusted(
         if size <= search.upper and size <= (1 - spare / 2) * largest:
             return Choice(size, f"halving's size, which model {model} predicts to fit")
     return Choice(items, rule)
+
+
+def _learning_size(measured: float, largest: float, scale: float, settings: FitSettings) -> Optional[float]:
+    """The size that measures the slope beside the one size measured: `learn` of it, or where that runs the
+    same rows, one row more where the model says it fits (None: neither)."""
+    smaller = settings.learn * measured
+    if settings.rows(smaller, scale) < settings.rows(measured, scale):
+        return smaller
+    larger = (settings.rows(measured, scale) + 1) * scale
+    return larger if larger <= largest else None
 
 
 def _step_up(

@@ -197,14 +197,14 @@ def fit_need(fits: Sequence[Point], bounds: Sequence[Point] = ()) -> Optional[Ne
     for size, bound in bounds:  # an error at or below a size that fit (memory moved): the fixed part is larger
         if 0 < size <= top and bound > model.need(size) * (1 + 1e-6):  # not for rounding
             model = replace(model, fixed=model.fixed + bound - model.need(size))
-    # an error above: the need bends up from the largest measured size, as much as the steepest error says
+    # an error above: the need bends up from the largest measured size, as much as the nearest error says
+    # (the one that says most of the sizes between: a bend through a far error's bound rises too steeply
+    # near the knee for a need that grows faster than a square, and the nearest error's bend reaches every
+    # farther size's budget anyway)
+    above = [(size, bound) for size, bound in bounds if size > top and bound > model.need(size) * (1 + 1e-6)]
+    nearest = min((size for size, _ in above), default=0.0)
     bend = max(
-        [
-            (bound - model.need(size)) / (size * (size - top))
-            for size, bound in bounds
-            if size > top and bound > model.need(size) * (1 + 1e-6)
-        ],
-        default=0.0,
+        [(bound - model.need(size)) / (size * (size - top)) for size, bound in above if size == nearest], default=0.0
     )
     if bend > 0:
         model = replace(model, bend=bend, knee=top)
