@@ -3,6 +3,7 @@
 import gc
 import io
 import json
+import weakref
 
 import pytest
 import torch
@@ -63,6 +64,61 @@ def test_sgd_equals_a_dense_embedding_with_sgd():
         ((reference(indices) - target) ** 2).sum().backward()
         optimizer.step()
     torch.testing.assert_close(train_hosted(module), reference.weight.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_lookups_no_backward_reaches_are_freed_with_their_output_and_never_stepped():
+    # evaluation without torch.no_grad(): each lookup's rows live only as long as its output
+    module = hosted(lambda params: torch.optim.SGD(params, lr=0.05))
+    reference = torch.nn.Embedding(N, D)
+    with torch.no_grad():
+        reference.weight.copy_(module.weight)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.05)
+    freed = []
+    for indices, _ in batches(steps=20, seed=5):
+        output = module(indices)
+        (leaf,) = [node.variable for node, _ in output.grad_fn.next_functions if node is not None]
+        freed.append(weakref.ref(leaf))
+        del output, leaf
+    gc.collect()
+    assert all(ref() is None for ref in freed) and module._pending == []
+    module.step()  # nothing a backward pass reached: nothing changes
+    torch.testing.assert_close(module.weight, reference.weight.detach())
+    # the next training step updates that batch's rows only, as the dense table's does
+    for indices, target in batches(steps=1, seed=6):
+        ((reference(indices) - target) ** 2).sum().backward()
+        optimizer.step()
+    torch.testing.assert_close(train_hosted(module, steps=1, seed=6), reference.weight.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_two_backward_passes_through_one_lookup_step_their_summed_gradient_once():
+    module = hosted(lambda params: torch.optim.SGD(params, lr=0.05))
+    reference = torch.nn.Embedding(N, D)
+    with torch.no_grad():
+        reference.weight.copy_(module.weight)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.05)
+    indices, target = next(batches(steps=1, seed=7))
+    for table in (module, reference):
+        loss = ((table(indices) - target) ** 2).sum()
+        loss.backward(retain_graph=True)
+        (2 * loss).backward()
+    optimizer.step()
+    module.step()
+    assert module._pending == []
+    torch.testing.assert_close(module.weight, reference.weight.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_lookup_made_before_zero_grad_and_backpropagated_after_it_is_stepped():
+    # as with nn.Embedding: zero_grad() discards the gradients so far; a backward pass after it counts
+    module = hosted(lambda params: torch.optim.SGD(params, lr=0.05))
+    before = module.weight.clone()
+    discarded = module(torch.tensor([1, 2])).sum()
+    discarded.backward()
+    kept = module(torch.tensor([3])).sum()
+    module.zero_grad()
+    kept.backward()
+    module.step()
+    changed = (module.weight != before).any(1).nonzero().flatten().tolist()
+    assert changed == [3]
 
 
 def lazy_reference(update, weight, steps=50):
@@ -285,10 +341,9 @@ def test_a_table_of_2m_rows_trains_with_only_the_touched_rows_on_the_device():
     for _ in range(3):
         indices = torch.randint(0, 2_000_000, (4096,), generator=generator)
         touched.update(indices.tolist())
-        loss = module(indices).pow(2).sum()
+        module(indices).pow(2).sum().backward()
         (rows,) = [rows for _, rows in module._pending]
         assert rows.shape == (len(torch.unique(indices)), 64) == (module.resident_rows, 64)
-        loss.backward()
         module.step()
     assert all(table.shape == (2_000_000, 64) for table in module._rows.values())
     changed = (module.weight[:1000] != before).any(1)

@@ -19,6 +19,7 @@ from toma.core.runner import Runner
 from toma.core.steps import RangeStep
 from toma.memory.backends import backend_for
 from toma.offload import pinned
+from toma.offload.first_gradient import on_first_gradient
 from toma.offload.row_optimizer import RowState, clone, initial_state, probe, step_rows
 from toma.sizing.defaults import CALLS
 from toma.sizing.policies import SizePolicy, check_policy
@@ -103,7 +104,8 @@ class HostedEmbedding(nn.Module):
         self.register_buffer("weight", weight)
         self._rows: Optional[Dict[str, torch.Tensor]] = None  # per-row state tables, made at the first step
         self._shared: Optional[Dict[str, Any]] = None  # state for all rows, as the last step left it
-        self._pending: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (rows' ids, device rows) since the last step
+        # (rows' ids, device rows) of the lookups a backward pass reached since the last step
+        self._pending: List[Tuple[torch.Tensor, torch.Tensor]] = []
         self._prefetched: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Pending]] = None
         self._transfers = Transfers(self.device)
         self._sizes = GlobalBatchsizeCache()
@@ -196,13 +198,15 @@ class HostedEmbedding(nn.Module):
         self.resident_rows = int(unique.numel())
         if torch.is_grad_enabled():
             rows.requires_grad_(True)
-            self._pending.append((unique, rows))
+            # queued for step() when a backward pass reaches it: a lookup none reaches is freed with its output
+            on_first_gradient(rows, self, lambda module, reached: module._pending.append((unique, reached)))
         return F.embedding(inverse.to(self.device).reshape(indices.shape), rows)
 
     # --- updating rows -----------------------------------------------------------------------------------
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Forget the rows looked up since the last step (and their gradients)."""
+        """Forget the gradients the rows looked up got since the last step. A parent module's `zero_grad()` does
+        not reach them (the table is no parameter): call this one too where gradients are discarded unstepped."""
         self._pending = []
         super().zero_grad(set_to_none)
 
