@@ -116,7 +116,12 @@ def test_default_policy_is_halving_and_a_setting_the_forms_read_at_call_time():
     assert explicit.batch(plain, 64, toma_cache_type=NoBatchsizeCache) == 40 and sizes == [64, 57, 51, 45, 40]
     assert "DEFAULT_POLICY" not in vars(toma_package)
     with pytest.raises(TypeError, match="DEFAULT_POLICY"):
-        toma_package.DEFAULT_POLICY = None
+        toma_package.DEFAULT_POLICY = "halving"
+    toma_package.DEFAULT_POLICY = None  # each capability's own default again
+    assert isinstance(toma_package.DEFAULT_POLICY, Halving) and DEFAULTS.assigned is None
+    assert isinstance(DEFAULTS.accumulation.resolve(), FitToMemory), "not the forms' Halving"
+    sizes.clear()
+    assert run() == 32 and sizes == [64, 32]
 
 
 def test_decorated_functions_keep_their_identity():

@@ -67,3 +67,20 @@ def test_a_policy_class_instead_of_an_instance_is_refused_where_it_is_given():
         check_policy(Halving, "policy")
     with pytest.raises(TypeError, match="policy must be a sizing policy instance"):
         toma.toma.batch(initial_batchsize=8, policy=Halving)
+
+
+@pytest.mark.parametrize("value", ["yes", 1, 0.0, [None]])
+def test_distributed_that_is_no_flag_and_no_process_group_is_refused_where_it_is_given(value):
+    """Outside a process group such a value was taken for none; inside one, for a group, failing in a collective."""
+    import toma
+
+    data = torch.randn(3, 2)
+    for call, name in (
+        (lambda: toma.toma.map(lambda rows: rows, data, distributed=value), "distributed"),
+        (lambda: toma.toma.batch(initial_batchsize=4, distributed=value), "distributed"),
+        (lambda: toma.explicit.batch(lambda size: size, 4, toma_distributed=value), "toma_distributed"),
+    ):
+        with pytest.raises(TypeError, match=f"^{name} must be False, True .* or a torch.distributed process group"):
+            call()
+    for accepted in (False, True, None):  # outside a process group: nothing to agree on
+        assert toma.explicit.batch(lambda size: size, 4, toma_distributed=accepted) == 4

@@ -206,10 +206,27 @@ def test_a_policy_that_does_not_shrink_is_refused_instead_of_looping_forever():
         def shrink(self, size):
             return size
 
-    with pytest.raises(ValueError, match="must return a smaller size") as info:
+    with pytest.raises(ValueError, match="must return a smaller whole size") as info:
         explicit.batch(lambda bs: raise_fake_oom(), 8, toma_policy=Stubborn())
     assert isinstance(info.value.__context__, torch.OutOfMemoryError), "the OOM stays visible"
     assert not should_reduce_batch_size(info.value), "an outer toma layer does not retry a broken policy"
+
+
+@pytest.mark.parametrize("returned", [4.0, 4.5, True])
+def test_a_policy_that_shrinks_to_a_size_that_is_no_int_is_refused_before_the_work_sees_it(returned):
+    class Fractional(Halving):
+        def shrink(self, size):
+            return returned
+
+    seen = []
+
+    def work(batch_size):
+        seen.append(batch_size)
+        raise_fake_oom()
+
+    with pytest.raises(ValueError, match="whole size") as info:
+        explicit.batch(work, 8, toma_policy=Fractional())
+    assert seen == [8] and repr(returned) in str(info.value)
 
 
 class _RecordingPolicy(LearningPolicy, Halving):

@@ -14,13 +14,25 @@ from toma.memory.cpu import (
 from helpers import COLLECT_TOMA_LOG, run_python
 
 
-@pytest.mark.parametrize("value, error", [(0, ValueError), (-1, ValueError), ("8", TypeError), (True, TypeError)])
+@pytest.mark.parametrize(
+    "value, error",
+    [
+        (0, ValueError),
+        (-1, ValueError),
+        (float("inf"), ValueError),
+        (float("nan"), ValueError),
+        ("8", TypeError),
+        (True, TypeError),
+    ],
+)
 def test_limit_rejects_bad_values(value, error):
     with pytest.raises(error, match="num_gigabytes"):
         set_cpu_memory_limit(value)
 
 
-@pytest.mark.parametrize("value, error", [(0, ValueError), (-0.5, ValueError), ("1", TypeError)])
+@pytest.mark.parametrize(
+    "value, error", [(0, ValueError), (-0.5, ValueError), (float("inf"), ValueError), ("1", TypeError)]
+)
 def test_headroom_rejects_bad_values(value, error):
     with pytest.raises(error, match="num_gigabytes"):
         set_cpu_memory_headroom(value)

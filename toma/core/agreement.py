@@ -34,6 +34,7 @@ __all__ = [
     "RankFailed",
     "AgreedStep",
     "agreement_for",
+    "check_distributed",
     "is_distributed",
 ]
 
@@ -279,6 +280,19 @@ class AgreedStep(Step):
                 undo=lambda: self.step.rewind(mark),
             )
         )
+
+
+def check_distributed(distributed: Any, name: str) -> Any:
+    """The decorators' `distributed=` option as given, or a TypeError naming it: False/None, True, or a process
+    group (anything else would be taken for a group only once ranks run, or never outside one)."""
+    if distributed is None or isinstance(distributed, bool):
+        return distributed
+    if dist.is_available() and isinstance(distributed, dist.ProcessGroup):
+        return distributed
+    raise TypeError(
+        f"{name} must be False, True (the default process group) or a torch.distributed process group, "
+        f"got {distributed!r}"
+    )
 
 
 def agreement_for(distributed: Any) -> Optional[Agreement]:

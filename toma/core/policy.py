@@ -4,6 +4,7 @@ receive, and the shrink step every form shares.
 Concrete policies live in `toma.sizing`; a new policy is a new subclass there.
 """
 
+import numbers
 from typing import Any, Generic, Optional, Protocol, TypeVar, Union
 
 import torch
@@ -100,14 +101,19 @@ def shrink_below(policy: SizePolicy, size: int, failed: int) -> Optional[int]:
     when the chunk was shorter than `size`."""
     while True:
         smaller = policy.shrink(size)
-        if smaller is not None and not 1 <= smaller < size:
+        if smaller is not None and not (_whole(smaller) and 1 <= smaller < size):
             raise ValueError(
-                f"{policy!r}.shrink({size}) returned {smaller!r}: a policy must return a smaller size "
-                "of at least 1, or None when there is none"
+                f"{policy!r}.shrink({size}) returned {smaller!r}: a policy must return a smaller whole size "
+                "(an int) of at least 1, or None when there is none"
             )
         if smaller is None or smaller < failed:
             return smaller
         size = smaller
+
+
+def _whole(size: Any) -> bool:
+    """An integer that is not a bool (a float size would reach the user's `range(batch_size)`)."""
+    return isinstance(size, numbers.Integral) and not isinstance(size, bool)
 
 
 class DefaultPolicy(Protocol):
@@ -120,10 +126,10 @@ class DefaultPolicy(Protocol):
 
 def checked_size(policy: SizePolicy, smaller: Optional[int], failed: int) -> Optional[int]:
     """A learning policy's next size after `failed` ran out of memory, refused unless it is smaller and at least 1."""
-    if smaller is not None and not 1 <= smaller < failed:
+    if smaller is not None and not (_whole(smaller) and 1 <= smaller < failed):
         raise ValueError(
             f"{policy!r}.after_oom returned {smaller!r} after {failed} ran out of memory: a policy must return a "
-            "smaller size of at least 1, or None when there is none"
+            "smaller whole size (an int) of at least 1, or None when there is none"
         )
     return smaller
 

@@ -12,7 +12,7 @@ import types
 from typing import Any, Callable, Dict, Hashable, Optional, Sequence, Type, TypeVar, cast
 
 from toma.core import engine
-from toma.core.agreement import AgreedStep, Agreement, agreement_for
+from toma.core.agreement import AgreedStep, Agreement, agreement_for, check_distributed
 from toma.core.arguments import innermost_function
 from toma.core.caches import (
     BatchsizeCache,
@@ -75,7 +75,8 @@ class Runner:
         self.default = default
         self.cache_type = None if cache_type is None else check_cache_type(cache_type, f"{prefix}cache_type")
         self.policy: Optional[SizePolicy] = check_policy(policy, f"{prefix}policy")
-        self.context, self.distributed = context, distributed
+        self.context = context
+        self.distributed = check_distributed(distributed, f"{prefix}distributed")
         self.observers = engine.OBSERVERS if observers is None else Observers(observers)
         self._fixed = cache
         self._own: Optional[BoundedDict] = BoundedDict(16) if own_caches and cache is None else None

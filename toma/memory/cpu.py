@@ -3,6 +3,7 @@
 import ctypes
 import gc
 import logging
+import math
 import sys
 import time
 from typing import TYPE_CHECKING, Any, Optional
@@ -71,8 +72,8 @@ def set_cpu_memory_limit(num_gigabytes: float) -> None:
     """
     if isinstance(num_gigabytes, bool) or not isinstance(num_gigabytes, (int, float)):
         raise TypeError(f"num_gigabytes must be a number of GiB, got {num_gigabytes!r}")
-    if not num_gigabytes > 0:
-        raise ValueError(f"num_gigabytes must be positive, got {num_gigabytes!r}")
+    if not 0 < num_gigabytes < math.inf:  # also NaN
+        raise ValueError(f"num_gigabytes must be a positive, finite number of GiB, got {num_gigabytes!r}")
     if resource is None:
         log.warning("set_cpu_memory_limit is not supported on %s; no limit set", sys.platform)
         return
@@ -136,8 +137,8 @@ def set_cpu_memory_headroom(num_gigabytes: float) -> int:
     """
     if isinstance(num_gigabytes, bool) or not isinstance(num_gigabytes, (int, float)):
         raise TypeError(f"num_gigabytes must be a number of GiB, got {num_gigabytes!r}")
-    if not num_gigabytes > 0:
-        raise ValueError(f"num_gigabytes must be positive, got {num_gigabytes!r}")
+    if not 0 < num_gigabytes < math.inf:  # also NaN
+        raise ValueError(f"num_gigabytes must be a positive, finite number of GiB, got {num_gigabytes!r}")
     cap = settled_address_space() + int(num_gigabytes * 2**30)
     set_cpu_memory_limit(cap / 2**30)
     return cap

@@ -75,19 +75,18 @@ class DefaultPolicies:
     def capabilities(self) -> Dict[str, CapabilityDefault]:
         return {entry.name: entry for entry in (self.calls, self.accumulation, self.accelerate)}
 
-    def assign(self, policy: SizePolicy) -> None:
-        """`toma.DEFAULT_POLICY = policy`: from the next run on, the policy of every capability's runs given none."""
-        checked = check_policy(policy, "DEFAULT_POLICY")
-        if checked is None:
-            raise TypeError("DEFAULT_POLICY must be a sizing policy such as toma.Halving(), got None")
-        self.assigned = checked
+    def assign(self, policy: Optional[SizePolicy]) -> None:
+        """`toma.DEFAULT_POLICY = policy`: from the next run on, the policy of every capability's runs given none;
+        `= None` gives each capability its own default again."""
+        self.assigned = check_policy(policy, "DEFAULT_POLICY")
 
     def __repr__(self) -> str:
         lines = [f"{entry.name}: {entry.resolve()!r} ({entry.users})" for entry in self.capabilities.values()]
         assigned = "none" if self.assigned is None else repr(self.assigned)
         lines.append(
             f"assigned over all: {assigned}. Change one call with policy= (toma_policy= on explicit.*, TomaTrainer; "
-            "policy= on toma.Trainer, MicroBatching, HostedEmbedding); every capability with toma.DEFAULT_POLICY = ..."
+            "policy= on toma.Trainer, MicroBatching, HostedEmbedding); every capability with toma.DEFAULT_POLICY = ... "
+            "(= None: each its own again)"
         )
         return "DefaultPolicies(\n  " + "\n  ".join(lines) + "\n)"
 
@@ -104,6 +103,7 @@ def get_default_policy() -> SizePolicy:
     return CALLS.resolve()
 
 
-def set_default_policy(policy: SizePolicy) -> None:
-    """What assigning `toma.DEFAULT_POLICY` does: every capability's policy where none is given, from now on."""
+def set_default_policy(policy: Optional[SizePolicy]) -> None:
+    """What assigning `toma.DEFAULT_POLICY` does: every capability's policy where none is given, from now on
+    (None: each capability's own again)."""
     DEFAULTS.assign(policy)
