@@ -110,6 +110,21 @@ def test_an_output_that_cannot_be_joined_is_a_clear_error(output, message):
         tm.map(output, torch.randn(10, 2), initial_step=4)
 
 
+@pytest.mark.parametrize("initial_step", [None, 4])
+def test_the_result_never_aliases_the_inputs_whether_one_chunk_or_several(initial_step):
+    # a function that returns its input, a view of it, or a new tensor: the result is new memory either way
+    data = torch.randn(10, 3)
+    kept = data.clone()
+    identity, view, computed = tm.map(
+        lambda rows: (rows, rows[:, :2], rows * 2), data, device="cpu", initial_step=initial_step,
+        cache_type=NoBatchsizeCache,
+    )  # fmt: skip
+    assert torch.equal(identity, kept) and torch.equal(view, kept[:, :2]) and torch.equal(computed, kept * 2)
+    identity.add_(1)
+    view.add_(1)
+    assert torch.equal(data, kept), "writing to the result leaves the input as it was"
+
+
 def test_chunks_whose_outputs_disagree_are_a_clear_error():
     with pytest.raises(TypeError, match="cannot be joined"):
         tm.map(lambda c: c[:, : int(c[0, 0]) % 2 + 1], torch.arange(8.0).reshape(8, 1).repeat(1, 2), initial_step=1)

@@ -226,6 +226,8 @@ class MapStep(RangeStep):
             if self.timer is not None:
                 self._timed(start, stop)
             out = self._padded_back(self.func(*inputs), start)
+            if start == 0 and stop >= self.end:  # one chunk: the result is new memory, as a join of several is
+                out = _unshared(out, inputs)
             del inputs
             if self.timer is not None and stop >= self.end:
                 self.timer.end()
@@ -270,3 +272,20 @@ class MapStep(RangeStep):
             return joined
         back = torch.tensor(restore_order(self.tokens.order), dtype=torch.long)
         return map_tensors(joined, lambda tensor: tensor.index_select(0, back.to(tensor.device)))
+
+
+def _unshared(out: Any, inputs: Any) -> Any:
+    """`out` with a copy of each tensor that shares memory with a tensor of `inputs` (a function that returns
+    its input, or a view of it): what `toma.map` returns never aliases what it was given."""
+    given = {_memory(leaf) for leaf in leaf_values(inputs) if isinstance(leaf, torch.Tensor)}
+    given.discard(None)
+    if not given:
+        return out
+    return map_tensors(out, lambda tensor: tensor.detach().clone() if _memory(tensor) in given else tensor)
+
+
+def _memory(tensor: torch.Tensor) -> Optional[int]:
+    """Where a strided tensor's storage starts (None for sparse and other layouts, which hold none to share)."""
+    if tensor.layout != torch.strided:
+        return None
+    return int(tensor.untyped_storage().data_ptr())
