@@ -411,6 +411,43 @@ def test_growth_never_reaches_a_size_that_failed_under_the_same_budget_and_a_res
     assert "halving: nothing measured explains the error" in first_run, "and the rule that chose the size"
 
 
+class SeenAs(SimulatedMemory):
+    """A device of `capacity` bytes whose budget reads as `seen` (memory another user takes, say)."""
+
+    def __init__(self, capacity, seen):
+        super().__init__(capacity)
+        self.seen = seen
+
+    def begin(self):
+        mark = super().begin()
+        return Mark(mark.start, self.seen - self.in_use)
+
+
+def test_a_restart_that_sees_more_memory_keeps_what_the_last_run_measured_at_its_final_size(tmp_path):
+    """The size file keeps the first measurement at the size a run settled on (not only the sizes that led to
+    it): a restart whose budget reads 10% larger (memory it cannot use after all) tries a larger size, fails,
+    and retries no lower than that size (where only smaller sizes were kept, the bracket's halving ceiling can
+    hold it far below, as a real CPU run did: 0.82 of M for good after a restart)."""
+    from toma import remember_sizes
+
+    capacity = 1024 * MiB
+    best = largest_fitting(capacity)
+    remember_sizes(tmp_path / "sizes.db")
+    try:
+        runs = []
+        for seen in (capacity, int(1.1 * capacity)):
+            memory = SeenAs(capacity, seen)
+            batchsize_cache._caches_by_context.entries.clear()  # a new process: nothing cached
+            runs.append(run_calls(FitToMemory(meter=memory), memory, 8, asked=1 << 18))
+    finally:
+        remember_sizes(None)
+    first, restart = runs
+    settled = first[-1][0]
+    assert 0.93 * best <= settled <= best and [o for _, o in first[3:]] == [0] * 5, first
+    assert sum(o for _, o in restart) == 1, restart
+    assert all(settled <= size <= best for size, _ in restart), "never below the size that fit last time"
+
+
 def test_the_size_file_lists_the_bracket(tmp_path, capsys):
     from toma import remember_sizes
     from toma.__main__ import main as toma_cli

@@ -64,6 +64,9 @@ def _learned(state: CallState[S], learner: LearningPolicy, observers: Observers)
     if change:
         for changed in observers.changed:
             changed(state, change)
+    elif state.confirmed:
+        for confirmed in observers.confirmed:
+            confirmed(state)
 
 
 def _because(reason: str) -> str:

@@ -33,6 +33,9 @@ class Observer:
     def changed(self, state: CallState[Any], change: str) -> None:
         """A learning policy changed the entry's size after an attempt fit (`change` says how, for a log line)."""
 
+    def confirmed(self, state: CallState[Any]) -> None:
+        """A learning policy kept the entry's size after an attempt whose measurement was news (`state.confirmed`)."""
+
     def retrying(self, state: CallState[Any]) -> None:
         """An attempt at `state.size` ran out of memory (here or, agreed, on another rank), its traceback gone;
         the entry is at `state.next_size`, the size of the retry, and `state.reason`/`state.detail` say why."""
@@ -94,7 +97,7 @@ class Observers:
     """The observers of a run as the hooks each event calls: only those an observer overrides, found once (when a
     Runner is built), so an event nobody listens to costs the hot path nothing."""
 
-    __slots__ = ("observers", "starters", "predicted", "changed", "retrying")
+    __slots__ = ("observers", "starters", "predicted", "changed", "confirmed", "retrying")
 
     def __init__(self, observers: Sequence[Observer]) -> None:
         for observer in observers:
@@ -104,6 +107,7 @@ class Observers:
         self.starters = tuple(o for o in observers if _overrides(o, "starting"))  # asked `wants_start` first
         self.predicted = _overriding(observers, "predicted")
         self.changed = _overriding(observers, "changed")
+        self.confirmed = _overriding(observers, "confirmed")
         self.retrying = _overriding(observers, "retrying")
 
 

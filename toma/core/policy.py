@@ -62,7 +62,8 @@ class LearningPolicy(SizePolicy):
 
     def succeeded(self, call: "CallState[Any]") -> Optional[str]:
         """The attempt fit (`call.ran`: the rows of its first chunk, `call.token`: its measurement); a description
-        of a size change to log, or None."""
+        of a size change to log, or None (with `call.confirmed` set where the size stays but what was learned is
+        new, such as the first measurement at a size it moved to)."""
         return None
 
     def observed(self, call: "CallState[Any]") -> None:
@@ -139,7 +140,8 @@ class CallState(Generic[S]):
 
     Per run: `device` (where the work runs, when the run needs to know), `scale` (items per row, for a policy
     that sizes by items), `recalled` (the size file gave the entry its size in this run), `quick` (a settled call
-    site: no start, no measurement). Per attempt: `size`, `token` (the policy's measurement), `ran` (rows of the
+    site: no start, no measurement), `confirmed` (a learning policy kept the size after a measurement that was
+    news to it: worth keeping in the size file). Per attempt: `size`, `token` (the policy's measurement), `ran` (rows of the
     first chunk, when news to the entry), `attempts`. After an out-of-memory error: `failed` (the work that ran
     out), `error` (only while the engine handles it: the failed attempt's frames must not outlive the handler),
     `next_size`, `reason` and `detail` (the log line's words). `failures` counts this run's own OOMs.
@@ -162,6 +164,7 @@ class CallState(Generic[S]):
     quick: bool = False
     device: Optional[torch.device] = None
     recalled: bool = False
+    confirmed: bool = False
     token: Optional[Token] = None
     failures: int = 0
     failed: Optional[int] = None

@@ -2,7 +2,7 @@
 
 `toma.remember_sizes(path)` (or the environment variable `TOMA_SIZES=<path>`) turns it on. A cache entry
 that a call site uses for the first time starts from the stored size; a size that changes (an OOM, a
-measured growth) is written at once. Keys are stable across runs and processes: the function's module and
+measured growth) is written at once, and so is a learning policy's first measurement at a size it kept. Keys are stable across runs and processes: the function's module and
 qualified name, the call site's file and line, the device (kind, name, total memory) and the world size.
 Many processes may share a file (WAL mode, short transactions). A file that cannot be read or written
 costs one WARNING on the `toma` logger; the job then runs without persistence. The hot path (a call whose

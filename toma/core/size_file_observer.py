@@ -62,6 +62,11 @@ class SizeFileObserver(Observer):
     def changed(self, state: CallState[Any], change: str) -> None:
         self._remember(state)
 
+    def confirmed(self, state: CallState[Any]) -> None:
+        """The size stayed, measured for the first time: the file keeps that evidence (a restart under a little
+        more memory then knows this size fit, not only the sizes that led to it)."""
+        self._remember(state)
+
     def retrying(self, state: CallState[Any]) -> None:
         self._remember(state)
 

@@ -226,6 +226,7 @@ class FitToMemory(LearningPolicy):
         state.probed(decision.probe)
         best = decision.size
         if best is None:  # a change within the noise
+            call.confirmed = state.quiet == 0 and used is not None  # the first measurement at this size
             state.kept(self.settings)
             return None
         entry.set(best)
