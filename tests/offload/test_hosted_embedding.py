@@ -53,12 +53,17 @@ def test_adam_equals_sparse_adam_on_a_sparse_embedding():
     torch.testing.assert_close(train_hosted(module), reference.weight.detach(), rtol=1e-5, atol=1e-6)
 
 
-def test_sgd_equals_a_dense_embedding_with_sgd():
+def sgd_and_its_dense_reference():
+    """A hosted table with SGD, and `nn.Embedding` + SGD from the same values."""
     module = hosted(lambda params: torch.optim.SGD(params, lr=0.05))
     reference = torch.nn.Embedding(N, D)
     with torch.no_grad():
         reference.weight.copy_(module.weight)
-    optimizer = torch.optim.SGD(reference.parameters(), lr=0.05)
+    return module, reference, torch.optim.SGD(reference.parameters(), lr=0.05)
+
+
+def test_sgd_equals_a_dense_embedding_with_sgd():
+    module, reference, optimizer = sgd_and_its_dense_reference()
     for indices, target in batches():
         optimizer.zero_grad()
         ((reference(indices) - target) ** 2).sum().backward()
@@ -68,11 +73,7 @@ def test_sgd_equals_a_dense_embedding_with_sgd():
 
 def test_lookups_no_backward_reaches_are_freed_with_their_output_and_never_stepped():
     # evaluation without torch.no_grad(): each lookup's rows live only as long as its output
-    module = hosted(lambda params: torch.optim.SGD(params, lr=0.05))
-    reference = torch.nn.Embedding(N, D)
-    with torch.no_grad():
-        reference.weight.copy_(module.weight)
-    optimizer = torch.optim.SGD(reference.parameters(), lr=0.05)
+    module, reference, optimizer = sgd_and_its_dense_reference()
     freed = []
     for indices, _ in batches(steps=20, seed=5):
         output = module(indices)
@@ -91,11 +92,7 @@ def test_lookups_no_backward_reaches_are_freed_with_their_output_and_never_stepp
 
 
 def test_two_backward_passes_through_one_lookup_step_their_summed_gradient_once():
-    module = hosted(lambda params: torch.optim.SGD(params, lr=0.05))
-    reference = torch.nn.Embedding(N, D)
-    with torch.no_grad():
-        reference.weight.copy_(module.weight)
-    optimizer = torch.optim.SGD(reference.parameters(), lr=0.05)
+    module, reference, optimizer = sgd_and_its_dense_reference()
     indices, target = next(batches(steps=1, seed=7))
     for table in (module, reference):
         loss = ((table(indices) - target) ** 2).sum()
@@ -192,11 +189,7 @@ def test_the_output_has_the_shape_and_values_of_an_embedding_lookup():
 
 
 def test_two_lookups_before_a_step_add_their_gradients():
-    module = hosted(lambda params: torch.optim.SGD(params, lr=0.05))
-    reference = torch.nn.Embedding(N, D)
-    with torch.no_grad():
-        reference.weight.copy_(module.weight)
-    optimizer = torch.optim.SGD(reference.parameters(), lr=0.05)
+    module, reference, optimizer = sgd_and_its_dense_reference()
     first, second = torch.tensor([1, 2, 3]), torch.tensor([3, 4])
     (module(first).sum() + (module(second) ** 2).sum()).backward()
     module.step()
