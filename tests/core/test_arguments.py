@@ -84,3 +84,14 @@ def test_distributed_that_is_no_flag_and_no_process_group_is_refused_where_it_is
             call()
     for accepted in (False, True, None):  # outside a process group: nothing to agree on
         assert toma.explicit.batch(lambda size: size, 4, toma_distributed=accepted) == 4
+
+
+@pytest.mark.parametrize("context", [["a"], {"run": 1}])
+def test_an_unhashable_context_is_refused_where_it_is_given(context):
+    import toma
+
+    with pytest.raises(TypeError, match="^context must be hashable"):
+        toma.toma.batch(initial_batchsize=4, context=context)
+    with pytest.raises(TypeError, match="^toma_context must be hashable"):
+        toma.explicit.batch(lambda size: size, 4, toma_context=context)
+    assert toma.explicit.batch(lambda size: size, 4, toma_context=("a", 1)) == 4

@@ -91,3 +91,33 @@ def test_describe_call_site_names_the_first_frame_outside_toma():
     assert describe_call_site().startswith(f"{__file__}:")
     assert describe_call_site().endswith("in test_describe_call_site_names_the_first_frame_outside_toma")
     assert stacktrace._is_toma_frame(stacktrace.sys._getframe(0)) is False
+
+
+def test_code_run_after_other_code_was_freed_is_a_new_call_site_even_where_its_id_is_reused():
+    """Notebook cells run one after another, each new code (here `exec`, each cell its own file name): a cell's
+    code may take the address of a freed one, and must not start from that one's learned size."""
+    import gc
+
+    import torch
+
+    from toma import toma
+
+    tried = []
+
+    @toma.batch(initial_batchsize=512)
+    def run(batchsize, limit):
+        tried.append(batchsize)
+        if batchsize > limit:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    starts, ids = [], set()
+    for cell, limit in enumerate([100, 10_000, 10_000, 10_000, 10_000, 10_000]):
+        namespace = {"run": run}
+        exec(compile(f"def cell():\n    return run({limit})\n", f"<cell {cell}>", "exec"), namespace)
+        ids.add(id(namespace["cell"].__code__))
+        tried.clear()
+        namespace["cell"]()
+        starts.append(tried[0])
+        del namespace
+        gc.collect()
+    assert starts == [512] * 6, (starts, f"{len(ids)} distinct code ids over 6 cells")

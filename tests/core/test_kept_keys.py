@@ -16,7 +16,7 @@ import pytest
 from toma import StacktraceMemoryBatchsizeCache, toma
 from toma.core import call_sites
 from toma.core.call_sites import call_site_key
-from toma.core.kept_keys import MAX_KEPT, KeptKeys
+from toma.core.kept_keys import MAX_KEPT, KeptKeys, code_identity
 
 from helpers import REPO
 
@@ -28,7 +28,7 @@ def walked(frame, max_frames=16):
     """The key by a plain walk from `frame`, the reference (its own frame's offset is where it was called from)."""
     key = []
     while frame is not None and len(key) < 2 * max_frames:
-        key += [id(frame.f_code), frame.f_lasti]
+        key += [code_identity(frame.f_code), frame.f_lasti]
         frame = frame.f_back
     return tuple(key)
 
@@ -237,7 +237,7 @@ def test_a_watermark_still_cuts_the_key_and_leaves_the_kept_ones():
     for watermarked in (False, True, False, False):
         with call_sites.watermark() if watermarked else contextlib.nullcontext():
             keys.append(here())
-    assert len(keys[1]) == 4 and keys[1][2] == id(frame.f_code), "this frame is the outermost"
+    assert len(keys[1]) == 4 and keys[1][2] == code_identity(frame.f_code), "this frame is the outermost"
     assert len(keys[0]) > 4 and keys[0] == keys[2] == keys[3]
 
 

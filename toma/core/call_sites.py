@@ -14,7 +14,7 @@ import threading
 from types import FrameType
 from typing import Any, Callable, List, Optional, Set, Tuple, TypeVar
 
-from toma.core.kept_keys import KeptKeys, kept_key
+from toma.core.kept_keys import KeptKeys, code_identity, kept_key
 
 __all__ = ["get_simple_traceback", "watermark", "set_watermark", "call_site_key", "describe_call_site"]
 
@@ -147,9 +147,9 @@ def set_watermark(func: F) -> F:
 def call_site_key(max_frames: int = 16) -> Tuple[int, ...]:
     """A hashable key for where toma was called from: the innermost `max_frames` frames outside toma.
 
-    A frame is identified by its code object and the offset of the call instruction (`id(f_code)`,
-    `f_lasti`): ints read and hash several times faster than file names or line numbers (`f_lineno` is
-    computed from a line table on every access). Two calls on one line are two call sites. Frames that run
+    A frame is identified by its code object and the offset of the call instruction (`code_identity(f_code)`,
+    its id mixed with its file and first line, and `f_lasti`): ints hash several times faster than file names
+    or line numbers in the key (`f_lineno` is computed from a line table on every access). Two calls on one line are two call sites. Frames that run
     on keep their part of the key (`KeptKeys`), so a loop's calls read it instead of walking the stack.
     """
     frame = _first_caller_frame(sys._getframe(1))
@@ -173,7 +173,7 @@ def _walked_key(frame: Optional[FrameType], max_frames: int) -> Tuple[int, ...]:
     while frame is not None and remaining > 0:
         if frame is stop and not keep:
             break
-        append(id(frame.f_code))
+        append(code_identity(frame.f_code))
         append(frame.f_lasti)
         if frame is stop:
             break

@@ -8,10 +8,10 @@ they are next driven, so they keep nothing.
 """
 
 import inspect
-from types import FrameType
+from types import CodeType, FrameType
 from typing import Any, List, Optional, Tuple
 
-__all__ = ["KeptKeys", "kept_key"]
+__all__ = ["KeptKeys", "kept_key", "code_identity"]
 
 
 # How many keys one frame keeps at most (one per call instruction of its own, one per path from a frame inside it)
@@ -43,6 +43,13 @@ class KeptKeys(dict):  # type: ignore[type-arg]
 
 # A generator's or coroutine's frame is resumed from wherever it is next driven: its callers can change.
 _RESUMABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR | inspect.CO_ITERABLE_COROUTINE
+
+
+def code_identity(code: CodeType) -> int:
+    """A frame's code in a call site's key: its id, mixed with where it was written. The id alone is reused by
+    the next code object made once this one is freed (a notebook cell run again, `exec`), whose calls would
+    then share the freed code's cache entries; a new cell or file is a new call site, as in toma 1.1.0."""
+    return hash((id(code), code.co_filename, code.co_firstlineno))
 
 
 def kept_key(frame: Optional[FrameType], max_frames: int) -> Tuple[int, ...]:
@@ -78,7 +85,7 @@ def kept_key(frame: Optional[FrameType], max_frames: int) -> Tuple[int, ...]:
                         kept[path] = [key, 0]
                     _keep(inner, key[2 * depth - 2 :], max_frames - depth + 1)
                     return key
-        head.append(id(walked.f_code))
+        head.append(code_identity(walked.f_code))
         head.append(walked.f_lasti)
         inner, walked = walked, walked.f_back
         depth += 1

@@ -47,6 +47,15 @@ def _function_context(func: Callable[..., Any]) -> Hashable:
     return cast(Hashable, type(target))  # a callable object: identified by its class, keeping no instance alive
 
 
+def _check_context(context: Any, name: str) -> Optional[Hashable]:
+    """`context=` as given, or a TypeError naming it where it cannot key a cache (a list, a dict)."""
+    try:
+        hash(context)
+    except TypeError:
+        raise TypeError(f"{name} must be hashable (it keys the size cache), got {context!r}") from None
+    return context  # type: ignore[no-any-return]
+
+
 class Runner:
     """Runs steps through the engine with options checked once (`prefix`: `toma_` for the plain calls' names).
 
@@ -75,7 +84,7 @@ class Runner:
         self.default = default
         self.cache_type = None if cache_type is None else check_cache_type(cache_type, f"{prefix}cache_type")
         self.policy: Optional[SizePolicy] = check_policy(policy, f"{prefix}policy")
-        self.context = context
+        self.context = _check_context(context, f"{prefix}context")
         self.distributed = check_distributed(distributed, f"{prefix}distributed")
         self.observers = engine.OBSERVERS if observers is None else Observers(observers)
         self._fixed = cache
