@@ -47,7 +47,7 @@ _RESUMABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENE
 
 def code_identity(code: CodeType) -> int:
     """A frame's code in a call site's key: its id, mixed with where it was written. The id alone is reused by
-    the next code object made once this one is freed (a notebook cell run again, `exec`), whose calls would
+    the next code object made once this one is freed (an edited notebook cell, `exec`), whose calls would
     then share the freed code's cache entries; a new cell or file is a new call site, as in toma 1.1.0."""
     return hash((id(code), code.co_filename, code.co_firstlineno))
 
