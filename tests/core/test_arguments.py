@@ -94,4 +94,7 @@ def test_an_unhashable_context_is_refused_where_it_is_given(context):
         toma.toma.batch(initial_batchsize=4, context=context)
     with pytest.raises(TypeError, match="^toma_context must be hashable"):
         toma.explicit.batch(lambda size: size, 4, toma_context=context)
+    decorated = toma.toma.batch(initial_batchsize=4)(lambda size: size)
+    with pytest.raises(TypeError, match="^toma_context must be hashable"):
+        decorated(toma_context=context)
     assert toma.explicit.batch(lambda size: size, 4, toma_context=("a", 1)) == 4

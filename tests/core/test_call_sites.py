@@ -94,8 +94,8 @@ def test_describe_call_site_names_the_first_frame_outside_toma():
 
 
 def test_code_run_after_other_code_was_freed_is_a_new_call_site_even_where_its_id_is_reused():
-    """Notebook cells run one after another, each new code (here `exec`, each cell its own file name): a cell's
-    code may take the address of a freed one, and must not start from that one's learned size."""
+    """Code made one after another (notebook cells, `exec`, a reloaded module), each new: its code object may
+    take the address of a freed one, and must not start from that one's learned size."""
     import gc
 
     import torch
@@ -113,7 +113,8 @@ def test_code_run_after_other_code_was_freed_is_a_new_call_site_even_where_its_i
     starts, ids = [], set()
     for cell, limit in enumerate([100, 10_000, 10_000, 10_000, 10_000, 10_000]):
         namespace = {"run": run}
-        exec(compile(f"def cell():\n    return run({limit})\n", f"<cell {cell}>", "exec"), namespace)
+        # one file name and first line for all (`exec` of a string): only the code object tells them apart
+        exec(compile(f"def cell():\n    return run({limit})\n", "<string>", "exec"), namespace)
         ids.add(id(namespace["cell"].__code__))
         tried.clear()
         namespace["cell"]()

@@ -148,8 +148,8 @@ def call_site_key(max_frames: int = 16) -> Tuple[int, ...]:
     """A hashable key for where toma was called from: the innermost `max_frames` frames outside toma.
 
     A frame is identified by its code object and the offset of the call instruction (`code_identity(f_code)`,
-    its id mixed with its file and first line, and `f_lasti`): ints hash several times faster than file names
-    or line numbers in the key (`f_lineno` is computed from a line table on every access). Two calls on one line are two call sites. Frames that run
+    a number no other code object gets, and `f_lasti`): ints hash several times faster than file names or line
+    numbers in the key (`f_lineno` is computed from a line table on every access). Two calls on one line are two call sites. Frames that run
     on keep their part of the key (`KeptKeys`), so a loop's calls read it instead of walking the stack.
     """
     frame = _first_caller_frame(sys._getframe(1))

@@ -7,9 +7,12 @@ and a new frame at the same address starts without one. Generators and coroutine
 they are next driven, so they keep nothing.
 """
 
+import functools
 import inspect
+import itertools
+import weakref
 from types import CodeType, FrameType
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 __all__ = ["KeptKeys", "kept_key", "code_identity"]
 
@@ -45,11 +48,30 @@ class KeptKeys(dict):  # type: ignore[type-arg]
 _RESUMABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR | inspect.CO_ITERABLE_COROUTINE
 
 
+# Each code object met on a call path, by id: its serial number, and a weak reference that tells whether the
+# object at that id is still the one numbered (ids are reused once an object is freed)
+_serials: Dict[int, Tuple["weakref.ref[CodeType]", int]] = {}
+_next_serial = itertools.count(1)
+
+
 def code_identity(code: CodeType) -> int:
-    """A frame's code in a call site's key: its id, mixed with where it was written. The id alone is reused by
-    the next code object made once this one is freed (an edited notebook cell, `exec`), whose calls would
-    then share the freed code's cache entries; a new cell or file is a new call site, as in toma 1.1.0."""
-    return hash((id(code), code.co_filename, code.co_firstlineno))
+    """A frame's code in a call site's key: a number no other code object ever gets, even one made at the same
+    address after this one was freed (an edited notebook cell, `exec`, a reloaded module), so new code is a new
+    call site and never starts from the size freed code learned. A dict look-up by id on the hot path."""
+    address = id(code)
+    known = _serials.get(address)
+    if known is not None and known[0]() is code:
+        return known[1]
+    serial = next(_next_serial)
+    _serials[address] = (weakref.ref(code, functools.partial(_forget, address, serial)), serial)
+    return serial
+
+
+def _forget(address: int, serial: int, _: Any) -> None:
+    """A numbered code object was freed: drop its number (unless a newer object at its address has one)."""
+    known = _serials.get(address)
+    if known is not None and known[1] == serial:
+        del _serials[address]
 
 
 def kept_key(frame: Optional[FrameType], max_frames: int) -> Tuple[int, ...]:

@@ -147,6 +147,8 @@ class Runner:
         the step so that every attempt ends in the ranks' agreement (checked per call: the group may start after
         the Runner was built)."""
         policy = self.policy or self.default.current  # resolved_policy(), on the hot path
+        if context is not None:  # a call's own `toma_context=`, checked where it is given
+            _check_context(context, "toma_context")
         entry = self.cache(step.func, context, TOKEN_BUDGET if step.size_name == TOKEN_BUDGET else "").get_batchsize(
             initial
         )
