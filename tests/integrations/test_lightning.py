@@ -476,6 +476,10 @@ def test_bad_options_are_refused_early_naming_the_argument():
         MicroBatching(policy="halving")
     with pytest.raises(ValueError, match="weight"):
         MicroBatching(weight=len, reduction="sum")
+    for flag in ("distributed", "log_micro_batch", "pack_tokens"):  # on/off settings: a bool, nothing read as one
+        for value in ("yes", "x", 1, None):
+            with pytest.raises(TypeError, match=f"^{flag} must be True or False"):
+                MicroBatching(**{flag: value})
 
 
 # --- as a plain run, on what Lightning's own tests exercise ---------------------------------------------------

@@ -187,7 +187,8 @@ class MicroBatching(Callback):
             split_for_padding=split_for_padding,
             levers=levers,
         )
-        self.distributed, self.log_micro_batch = bool(distributed), bool(log_micro_batch)
+        self.distributed = check_flag(distributed, "distributed")
+        self.log_micro_batch = check_flag(log_micro_batch, "log_micro_batch")
         self.pack_tokens = check_flag(pack_tokens, "pack_tokens")
         self.stats = AccumulationStats()
         self.cache = GlobalBatchsizeCache()  # one size per callback, wherever the step runs from
