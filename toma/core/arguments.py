@@ -3,11 +3,12 @@
 import functools
 import inspect
 import operator
-from typing import Any, Optional
+from typing import Any, Hashable, Optional
 
 import torch
 
 __all__ = [
+    "check_context",
     "check_size",
     "check_index",
     "check_tensor_dimension",
@@ -20,6 +21,15 @@ __all__ = [
 def _is_bool(value: Any) -> bool:
     """True for bools, including a boolean tensor (which `operator.index` would turn into 0 or 1)."""
     return isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool)
+
+
+def check_context(context: Any, name: str) -> Optional[Hashable]:
+    """A `context=` the user gave, or a TypeError naming it where it cannot key a cache (a list, a dict)."""
+    try:
+        hash(context)
+    except TypeError:
+        raise TypeError(f"{name} must be hashable (it keys the size cache), got {context!r}") from None
+    return context  # type: ignore[no-any-return]
 
 
 def check_size(value: Any, name: str) -> int:

@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, Hashable, Optional, Sequence, Type, Type
 
 from toma.core import engine
 from toma.core.agreement import AgreedStep, Agreement, agreement_for, check_distributed
-from toma.core.arguments import innermost_function
+from toma.core.arguments import check_context, innermost_function
 from toma.core.caches import (
     BatchsizeCache,
     BoundedDict,
@@ -47,15 +47,6 @@ def _function_context(func: Callable[..., Any]) -> Hashable:
     return cast(Hashable, type(target))  # a callable object: identified by its class, keeping no instance alive
 
 
-def _check_context(context: Any, name: str) -> Optional[Hashable]:
-    """`context=` as given, or a TypeError naming it where it cannot key a cache (a list, a dict)."""
-    try:
-        hash(context)
-    except TypeError:
-        raise TypeError(f"{name} must be hashable (it keys the size cache), got {context!r}") from None
-    return context  # type: ignore[no-any-return]
-
-
 class Runner:
     """Runs steps through the engine with options checked once (`prefix`: `toma_` for the plain calls' names).
 
@@ -84,7 +75,7 @@ class Runner:
         self.default = default
         self.cache_type = None if cache_type is None else check_cache_type(cache_type, f"{prefix}cache_type")
         self.policy: Optional[SizePolicy] = check_policy(policy, f"{prefix}policy")
-        self.context = _check_context(context, f"{prefix}context")
+        self.context = context  # checked where the user gave it (`toma.forms.call_runners.calls`)
         self.distributed = check_distributed(distributed, f"{prefix}distributed")
         self.observers = engine.OBSERVERS if observers is None else Observers(observers)
         self._fixed = cache
@@ -148,7 +139,7 @@ class Runner:
         the Runner was built)."""
         policy = self.policy or self.default.current  # resolved_policy(), on the hot path
         if context is not None:  # a call's own `toma_context=`, checked where it is given
-            _check_context(context, "toma_context")
+            check_context(context, "toma_context")
         entry = self.cache(step.func, context, TOKEN_BUDGET if step.size_name == TOKEN_BUDGET else "").get_batchsize(
             initial
         )

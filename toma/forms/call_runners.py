@@ -3,8 +3,9 @@ the forms' default policy, and a call's initial size."""
 
 from typing import Any, Hashable, Optional
 
-from toma.core.arguments import check_size
+from toma.core.arguments import check_context, check_size
 from toma.core.caches import NoBatchsizeCache
+from toma.core.call_sites import call_site_key
 from toma.core.policy import DefaultPolicy
 from toma.core.runner import CacheType, Runner
 from toma.sizing.defaults import CALLS
@@ -19,9 +20,15 @@ def calls(
     distributed: Any = False,
     prefix: str = "",
     default: DefaultPolicy = CALLS,
+    per_call_site: bool = False,
 ) -> Runner:
     """The Runner of a form's calls, its options checked once (`prefix`: `toma_` for the plain calls' names);
-    `default`: the capability's policy (`toma.sizing.defaults`), the forms' unless the form accumulates."""
+    `default`: the capability's policy (`toma.sizing.defaults`), the forms' unless the form accumulates;
+    `per_call_site`: no context keys the cache by where toma was called from (the inline forms, `toma.map`)."""
+    if context is not None:
+        check_context(context, f"{prefix}context")
+    elif per_call_site:
+        context = call_site_key()
     return Runner(
         default, cache_type=cache_type, context=context, policy=policy, distributed=distributed, prefix=prefix
     )

@@ -6,7 +6,6 @@ from typing import Any, Callable, Hashable, Optional, TypeVar, cast
 import torch
 
 from toma.core.arguments import check_dimension, check_function, check_index, check_size, check_tensor_dimension
-from toma.core.call_sites import call_site_key
 from toma.core.policy import SizePolicy
 from toma.core.runner import Runner
 from toma.core.steps import BatchStep, ChunkStep, RangeStep
@@ -18,7 +17,7 @@ R = TypeVar("R")
 
 
 def _runner(cache_type: CacheType, context: Optional[Hashable], policy: Any, distributed: Any) -> Runner:
-    return calls(cache_type, call_site_key() if context is None else context, policy, distributed)
+    return calls(cache_type, context, policy, distributed, per_call_site=True)
 
 
 class execute:

@@ -31,7 +31,6 @@ from toma.core.caches import (
     NoBatchsizeCache,
     StacktraceMemoryBatchsizeCache,
 )
-from toma.core.call_sites import call_site_key
 from toma.core.policy import SizePolicy
 from toma.core.runner import Runner
 from toma.core.signatures import (
@@ -366,5 +365,5 @@ class toma(metaclass=SettingsNamespace):
         target = check_device(device, "device")
         output = check_device(output_device, "output_device")
         initial = None if initial_step is None else check_size(initial_step, "initial_step")
-        runner = calls(cache_type, call_site_key() if context is None else context, policy, distributed)
+        runner = calls(cache_type, context, policy, distributed, per_call_site=True)
         return run_map(func, inputs, target, output, initial, runner, checked_lengths)
