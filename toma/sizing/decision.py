@@ -156,8 +156,8 @@ def _pinned_by_a_guess(
     settings: FitSettings,
     measured: Sequence[float],
 ) -> bool:
-    """The model's proposal is within `far` of the largest size measured only because of its bend (what an
-    error far above says, in the steepest way), and a failure lies more than twice above: the size would
+    """The model's proposal is within `far` of the largest size measured only because of its bend (what the
+    nearest error above says, a guess no attempt measured), and a failure lies more than twice above: the size would
     never move from there to learn how the need really grows."""
     low, high = search.bracket.low, search.bracket.high
     if model.bend <= 0 or choice.probe or not low < search.searched < high or high <= 2 * low:
