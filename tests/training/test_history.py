@@ -84,11 +84,12 @@ def test_epoch_tally_means_over_what_the_steps_averaged_over_and_keeps_full_batc
     assert tally.sizes == [4, 1] and tally.micro_batch == 2
 
 
-def test_epoch_tally_of_summed_losses_is_their_mean_per_step_and_of_nothing_counted_zero():
+def test_epoch_tally_of_summed_losses_is_their_sum_per_row_and_of_nothing_counted_zero():
+    """Per row, as `evaluate` gives a summed loss: the training and evaluation losses on one scale."""
     summed = EpochTally(mean=False)
     summed.add(torch.tensor(4.0), 2.0, 2, micro_batch=None, full=False)
-    summed.add(torch.tensor(6.0), 2.0, 2, micro_batch=2, full=True)
-    assert summed.loss() == pytest.approx(5.0) and summed.micro_batch == 2
+    summed.add(torch.tensor(6.0), 2.0, 3, micro_batch=2, full=True)
+    assert summed.loss() == pytest.approx(10.0 / 5) and summed.micro_batch == 2
     empty = EpochTally(mean=True)
     empty.add(torch.tensor(float("nan")), 0.0, 3, micro_batch=3, full=True)
     assert empty.loss() == 0.0

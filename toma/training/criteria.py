@@ -12,7 +12,7 @@ from torch.nn.modules.loss import _Loss
 
 from toma.accumulation.options import AccumulationOptions
 
-__all__ = ["check_criterion", "criterion_weight", "for_criterion", "TargetCount"]
+__all__ = ["check_criterion", "criterion_weight", "for_criterion", "metric_weight", "TargetCount"]
 
 
 # A criterion's own reduction, as the Trainer's `reduction=` calls it: KLDivLoss's "batchmean" is a mean over rows.
@@ -38,15 +38,16 @@ def check_criterion(loss_fn: Any, reduction: str) -> None:
 
 class TargetCount:
     """`weight=` for a class-index criterion: the targets it does not ignore, each counted by its class weight,
-    the count its mean divides by. Probabilities as targets are averaged over rows."""
+    the count its mean divides by (`by_class=False`: each counted once, what a metric such as accuracy averages
+    over). Probabilities as targets are averaged over rows."""
 
-    def __init__(self, criterion: Union[nn.CrossEntropyLoss, nn.NLLLoss]) -> None:
-        self.criterion = criterion
+    def __init__(self, criterion: Union[nn.CrossEntropyLoss, nn.NLLLoss], by_class: bool = True) -> None:
+        self.criterion, self.by_class = criterion, by_class
 
     def __call__(self, inputs: Any, targets: Any) -> Any:
         if not isinstance(targets, torch.Tensor) or targets.is_floating_point():
             return len(targets)
-        class_weight = self.criterion.weight
+        class_weight = self.criterion.weight if self.by_class else None
         if isinstance(class_weight, torch.Tensor):  # counted on its device: all micro-batches' counts in one sync
             targets = targets.to(class_weight.device)
         kept: torch.Tensor = targets != self.criterion.ignore_index
@@ -55,13 +56,24 @@ class TargetCount:
         return class_weight[targets.masked_fill(~kept, 0)].mul(kept).sum()
 
     def __repr__(self) -> str:
-        return f"the targets {type(self.criterion).__name__} counts"
+        counted = "counts" if self.by_class else "does not ignore"
+        return f"the targets {type(self.criterion).__name__} {counted}"
 
 
 def criterion_weight(loss_fn: Any, reduction: str) -> Optional[Callable[..., Any]]:
     """The count `loss_fn`'s mean divides by, as a `weight=` function; None: rows."""
     if reduction == "mean" and isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)):
         return TargetCount(loss_fn)
+    return None
+
+
+def metric_weight(loss_fn: Any, weight: Optional[Callable[..., Any]]) -> Optional[Callable[..., Any]]:
+    """What `evaluate`'s metrics are averaged over: `weight=`'s count, else the targets a class-index criterion
+    does not ignore, each once (not by its class weight: accuracy counts every target alike); None: rows."""
+    if weight is not None:
+        return weight
+    if isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)):
+        return TargetCount(loss_fn, by_class=False)
     return None
 
 

@@ -2,7 +2,7 @@
 step on the trainer's evaluation Runner), averaged over rows or over what `weight` counts."""
 
 import dataclasses
-from typing import Any, Callable, Dict, Iterable, List, Optional, Union
+from typing import Any, Callable, Dict, Iterable, Optional, Union
 
 import torch
 
@@ -30,12 +30,13 @@ class Evaluation:
     device: torch.device
     runner: Runner
     groups: Optional[Groups] = None
+    metric_weight: Optional[Callable[..., Any]] = None  # what a metric's value is averaged over; None: rows
 
     def run(self, data: Iterable[Any], named: Dict[str, Metric]) -> Dict[str, float]:
         """The loss and the `named` metrics over `data`, without gradients, the model in eval mode for the pass."""
         was_training = self.model.training
         self.model.eval()
-        totals = {"loss": 0.0, **{name: 0.0 for name in named}, "_seen": 0.0}
+        totals = {"loss": 0.0, **{name: 0.0 for name in named}, "_seen": 0.0, "_counted": 0.0}
         try:
             with torch.no_grad():
                 for batch in data:
@@ -45,38 +46,44 @@ class Evaluation:
                     elif self.forward is not None:
                         self._chunks(self._forward_rows, rows(batch), batch, named, totals)
                     else:
-                        self._batch(batch, named, totals)
+                        pair = grouped_batch(call_arguments(batch, False), {}, self.groups)
+                        self._chunks(self._criterion_part, pair.unit_count, pair, named, totals)
         finally:
             self.model.train(was_training)
-        seen = totals.pop("_seen")
+        seen, counted = totals.pop("_seen"), totals.pop("_counted")
         if seen == 0:
             raise ValueError("data yielded no batches (or nothing to count): there is nothing to evaluate")
-        return {name: total / seen for name, total in totals.items()}
+        loss = totals.pop("loss") / seen
+        return {"loss": loss, **{name: total / counted if counted > 0 else 0.0 for name, total in totals.items()}}
 
-    def _batch(self, batch: Any, named: Dict[str, Metric], totals: Dict[str, float]) -> None:
-        """An `(inputs, targets)` batch: the model's outputs in chunks, joined, then the loss and metrics of the
-        whole batch."""
-        inputs, targets = call_arguments(batch, False)
-        n = rows(inputs)
-        count = self._count(inputs, targets) if self.weight is not None else float(n)
-        outputs: List[torch.Tensor] = []
-        self._chunks(self._predict_rows, n, inputs, outputs)
-        output = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
-        targets = to_device(targets, self.device, non_blocking=True)
+    def _criterion_part(
+        self,
+        start: int,
+        stop: int,
+        batch: Union[ArgumentBatch, GroupedBatch],
+        named: Dict[str, Metric],
+        totals: Dict[str, float],
+    ) -> None:
+        """Rows (or groups) `[start, stop)` of an `(inputs, targets)` batch: `loss_fn(model(inputs), targets)` and
+        the metrics of the chunk, so that a criterion or metric out of memory is retried smaller as the model is,
+        and the model's outputs (a tensor, a dict, a tuple) are never joined."""
+        (inputs, targets), _ = batch.arguments(start, stop)
+        rows_ = batch.rows_between(start, stop)
+        count = self._count(inputs, targets) if self.weight is not None else float(rows_)
+        if count == 0:
+            return
+        counted = float(self.metric_weight(inputs, targets)) if self.metric_weight is not None else float(rows_)
+        inputs, targets = to_device((inputs, targets), self.device, non_blocking=True)
+        output = self.model(inputs)
         loss = check_scalar(self.loss_fn(output, targets), "loss_fn(model(inputs), targets)")  # type: ignore[misc]
-        if count > 0:
-            totals["loss"] += loss.item() * (count if self.reduction == "mean" else 1)
-            for name, metric in named.items():
-                totals[name] += float(metric(output, targets)) * count
-        totals["_seen"] += count
+        results = {"loss": loss.detach().float().item() * (count if self.reduction == "mean" else 1)}
+        results.update({name: float(metric(output, targets)) * counted for name, metric in named.items()})
+        self._add(totals, results, count, counted)
 
     def _chunks(self, func: Callable[..., None], rows_: int, *args: Any) -> None:
         """`func(start, stop, *args)` over `[0, rows_)` in chunks that fit (the trainer's evaluation size)."""
         step = EvaluationChunks(func, 0, rows_, args, {}, name="Trainer.evaluate", device=self.device)
         self.runner.perform(step, WHOLE_BATCHES)
-
-    def _predict_rows(self, start: int, stop: int, inputs: Any, outputs: List[torch.Tensor]) -> None:
-        outputs.append(self.model(to_device(take(inputs, start, stop), self.device, non_blocking=True)))
 
     def _forward_rows(
         self, start: int, stop: int, batch: Any, named: Dict[str, Metric], totals: Dict[str, float]
@@ -106,10 +113,16 @@ class Evaluation:
             logits = logits_of(output)
             targets = to_device(self.targets(part), self.device, non_blocking=True)
             results.update({name: float(metric(logits, targets)) * count for name, metric in named.items()})
-        # Only a chunk that finished counts: one that runs out of memory half-way is redone whole.
+        self._add(totals, results, count, count)
+
+    @staticmethod
+    def _add(totals: Dict[str, float], results: Dict[str, float], count: float, counted: float) -> None:
+        """A finished chunk's results into `totals`: one that runs out of memory half-way is redone whole, so only
+        a chunk that finished counts, once. `count`: what its loss averaged over; `counted`: its metrics."""
         for name, value in results.items():
             totals[name] += value
         totals["_seen"] += count
+        totals["_counted"] += counted
 
     def _count(self, *parts: Any) -> float:
         return float(self.weight(*parts))  # type: ignore[misc]

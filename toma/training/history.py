@@ -35,11 +35,11 @@ class EpochTally:
             self.micro_batch = micro_batch
 
     def loss(self) -> float:
-        """The epoch's loss: a mean over what the steps averaged over, or the steps' summed losses per step."""
+        """The epoch's loss per item: a mean over what the steps averaged over, or a summed loss over the rows it
+        summed (as `evaluate` gives it, so that the training and evaluation losses compare)."""
         total = float(torch.stack(self.weighted).sum())
-        if self.mean:
-            return total / sum(self.weights) if sum(self.weights) > 0 else 0.0
-        return total / len(self.sizes)
+        counted = sum(self.weights) if self.mean else sum(self.sizes)
+        return total / counted if counted > 0 else 0.0
 
 
 def _parse(text: str) -> Any:

@@ -1,7 +1,7 @@
 """What a training batch and a model's output hold for the Trainer: the loss, the logits and the targets, and the
 metrics computed from them."""
 
-from typing import Any, Callable, Dict, Mapping, Sequence, Union
+from typing import Any, Callable, Dict, Iterable, Mapping, Sequence, Union
 
 import torch
 
@@ -23,19 +23,23 @@ METRICS: Dict[str, Metric] = {"accuracy": accuracy}
 def check_metrics(metrics: Union[None, Mapping[str, Any], Sequence[Any]]) -> Dict[str, Metric]:
     if metrics is None:
         return {}
-    if isinstance(metrics, str):
+    if isinstance(metrics, str) or callable(metrics):  # one metric, by name or as a function
         metrics = [metrics]
+    if not isinstance(metrics, Iterable):
+        raise TypeError(f"metrics must be a list of metrics (names or functions) or a dict of them, got {metrics!r}")
     if isinstance(metrics, Mapping):
         named = dict(metrics)
     else:
         named = {}
         for metric in metrics:
-            if isinstance(metric, str):
-                if metric not in METRICS:
-                    raise ValueError(f"metrics: unknown metric {metric!r}; the built-in ones are {sorted(METRICS)}")
-                named[metric] = METRICS[metric]
-            else:
-                named[getattr(metric, "__name__", type(metric).__name__)] = metric
+            if isinstance(metric, str) and metric not in METRICS:
+                raise ValueError(f"metrics: unknown metric {metric!r}; the built-in ones are {sorted(METRICS)}")
+            name = metric if isinstance(metric, str) else getattr(metric, "__name__", type(metric).__name__)
+            if name in named:
+                raise ValueError(f"metrics: two metrics named {name!r}; give them names with a dict {{name: metric}}")
+            named[name] = METRICS[metric] if isinstance(metric, str) else metric
+    if "loss" in named:
+        raise ValueError("metrics: 'loss' is the name of evaluate's own loss; give the metric another name")
     for name, metric in named.items():
         if not callable(metric):
             raise TypeError(f"metrics[{name!r}] must be a function (outputs, targets) -> value, got {metric!r}")

@@ -24,7 +24,7 @@ from toma.memory import MemoryHistory
 from toma.memory.backends import backend_for
 from toma.sizing.defaults import ACCUMULATION
 from toma.sizing.policies import SizePolicy, check_policy
-from toma.training.criteria import for_criterion
+from toma.training.criteria import for_criterion, metric_weight
 from toma.training.data import logical_batch, steps_per_epoch
 from toma.training.evaluation import Evaluation
 from toma.training.history import EpochTally, TrainingHistory
@@ -120,6 +120,7 @@ class Trainer:
         self.optimizer, self.loss_fn, self.forward, self.train_data = optimizer, loss_fn, forward, train_data
         self.scaler, self.reduction, self.weight = scaler, self.accumulation.reduction, self.accumulation.weight
         self.targets = targets or default_targets
+        self._metric_weight = metric_weight(loss_fn, weight) if forward is None else weight
         self.device = place(self.model, device)
         self.callbacks, self.verbose, self.file = list(callbacks), verbose, file
         self._start_state(given)
@@ -360,10 +361,11 @@ class Trainer:
     def evaluate(
         self, data: Iterable[Any], metrics: Union[None, Mapping[str, Metric], Sequence[Union[str, Metric]]] = None
     ) -> Dict[str, float]:
-        """The loss (and `metrics(outputs, targets)`) over `data`, without gradients, each batch computed in
-        chunks that fit (found like any toma.range step). Returns {"loss": ..., metric name: ...} averaged
-        over rows, or over what `weight` counts. With `forward=`, metrics get the output's logits and the
-        batch's targets (`batch["labels"]`, the second of a pair, or `targets(batch)`)."""
+        """The loss (and `metrics(outputs, targets)`) over `data`, without gradients, each batch's model, loss and
+        metrics computed in chunks that fit (found like any toma.range step). Returns {"loss": ..., metric name:
+        ...}: the loss averaged as training's, metrics over rows, `weight`'s counts or a criterion's targets.
+        With `forward=`, metrics get the output's logits and the batch's targets (`batch["labels"]`, the second
+        of a pair, or `targets(batch)`)."""
         named = check_metrics(metrics)
         evaluation = Evaluation(
             self.model,
@@ -375,6 +377,7 @@ class Trainer:
             self.device,
             self._evaluation,
             self.accumulation.groups,
+            self._metric_weight,
         )
         return evaluation.run(data, named)
 

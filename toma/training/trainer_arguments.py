@@ -3,7 +3,7 @@ trains on."""
 
 __all__ = ["check_eval_data", "check_functions", "check_run", "place"]
 
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
@@ -28,15 +28,23 @@ def check_functions(
         raise TypeError(f"targets must be a function batch -> the batch's targets (for metrics), got {targets!r}")
 
 
-def check_run(verbose: int, callbacks: Sequence[object], train_data: Iterable[Any]) -> None:
+def check_run(verbose: int, callbacks: Iterable[object], train_data: Iterable[Any]) -> None:
     """Early, clear errors for what a Trainer's run shows and calls, and for training data known to be empty."""
-    if verbose not in VERBOSITY:
+    if not isinstance(verbose, int) or verbose not in VERBOSITY:  # 1.0 and "1" are not verbosities
         raise ValueError(f"verbose must be 0 (silent), 1 (a line per epoch) or 2 (a progress bar), got {verbose!r}")
+    if not isinstance(callbacks, Iterable) or isinstance(callbacks, (str, bytes)) or _has_hooks(callbacks):
+        raise TypeError(f"callbacks must be a list of toma.Callback objects, got {callbacks!r}")
     for callback in callbacks:
-        if not any(callable(getattr(callback, hook, None)) for hook in ("on_step_end", "on_epoch_end")):
+        if isinstance(callback, type):
+            raise TypeError(f"callbacks must hold Callback objects, not classes: got {callback!r}; pass an instance")
+        if not _has_hooks(callback):
             raise TypeError(f"callbacks must have on_step_end or on_epoch_end, got {callback!r}")
     if known_length(train_data) == 0:
         raise ValueError("train_data is empty: there is nothing to train on")
+
+
+def _has_hooks(callback: object) -> bool:
+    return any(callable(getattr(callback, hook, None)) for hook in ("on_step_end", "on_epoch_end"))
 
 
 def check_eval_data(eval_data: Any, epochs: int) -> None:

@@ -1,0 +1,161 @@
+"""`Trainer.evaluate` (toma.training.evaluation): the criterion and the metrics run per chunk, inside the retry, so
+that whatever runs out of memory is redone smaller and the results are those of the whole data, whatever the
+loader's batches, the chunks, or what the model returns."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from toma import Callback, Trainer
+from toma.training.trainer import accuracy
+
+from helpers import raise_fake_oom
+
+ROWS, FEATURES, CLASSES = 32, 6, 3
+
+
+@pytest.fixture
+def data():
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(ROWS, FEATURES, generator=generator), torch.randint(0, CLASSES, (ROWS,), generator=generator)
+
+
+def batches(inputs, targets, size):
+    return [(inputs[i : i + size], targets[i : i + size]) for i in range(0, len(targets), size)]
+
+
+def linear():
+    torch.manual_seed(0)
+    return nn.Linear(FEATURES, CLASSES)
+
+
+def trainer_for(model, loss_fn, train, **options):
+    return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, train, verbose=0, **options)
+
+
+def test_a_criterion_out_of_memory_in_evaluation_is_retried_smaller_and_fit_goes_on(data):
+    """Only the criterion runs out of memory (above 5 rows): training and evaluation both retry it, and the
+    evaluation loss is the whole data's."""
+    inputs, targets = data
+    seen = []
+
+    def criterion(outputs, targets_):
+        seen.append((torch.is_grad_enabled(), len(targets_)))
+        if len(targets_) > 5:
+            raise_fake_oom()
+        return F.cross_entropy(outputs, targets_)
+
+    model = linear()
+    history = trainer_for(model, criterion, batches(inputs, targets, 8), batch_size=16).fit(
+        1, eval_data=batches(inputs, targets, 8)
+    )
+    with torch.no_grad():
+        expected = F.cross_entropy(model(inputs), targets).item()
+    assert history.epochs[0]["eval_loss"] == pytest.approx(expected, rel=1e-6)
+    assert max(rows for grad, rows in seen if not grad) <= 8 and any(not grad and rows <= 5 for grad, rows in seen)
+
+
+@pytest.mark.parametrize("output", ["dict", "tuple"])
+def test_a_model_returning_a_dict_or_tuple_is_evaluated_in_chunks_after_an_out_of_memory_error(data, output):
+    """Outputs are never joined: a chunked batch of a model that returns a dict or a tuple gives the whole loss."""
+    inputs, targets = data
+
+    class Wrapped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = linear()
+
+        def forward(self, x):
+            if not torch.is_grad_enabled() and len(x) > 8:
+                raise_fake_oom()
+            logits = self.inner(x)
+            return {"logits": logits} if output == "dict" else (logits, x)
+
+    def criterion(outputs, targets_):
+        return F.cross_entropy(outputs["logits"] if output == "dict" else outputs[0], targets_)
+
+    def hits(outputs, targets_):
+        return accuracy(outputs["logits"] if output == "dict" else outputs[0], targets_)
+
+    model = Wrapped()
+    results = trainer_for(model, criterion, batches(inputs, targets, 8), batch_size=16).evaluate(
+        [(inputs, targets)], metrics=[hits]
+    )
+    with torch.no_grad():
+        logits = model.inner(inputs)
+    assert results["loss"] == pytest.approx(F.cross_entropy(logits, targets).item(), rel=1e-6)
+    assert results["hits"] == pytest.approx(accuracy(logits, targets).item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("size", [32, 8, 4, 5])
+def test_class_weights_weight_the_loss_and_not_the_accuracy_whatever_the_loaders_batches(data, size):
+    """The loss is the class-weighted criterion's over all the data; accuracy counts each target once (the ignored
+    ones not at all), so neither depends on how the evaluation data is batched."""
+    inputs, targets = data
+    targets = targets.clone()
+    targets[::7] = -100
+    criterion = nn.CrossEntropyLoss(weight=torch.tensor([1.0, 5.0, 0.2]))
+    model = linear()
+    trainer = trainer_for(model, criterion, [(inputs, targets)], batch_size=16)
+    results = trainer.evaluate(batches(inputs, targets, size), metrics=["accuracy"])
+    with torch.no_grad():
+        logits = model(inputs)
+    kept = targets != -100
+    assert results["loss"] == pytest.approx(criterion(logits, targets).item(), rel=1e-6)
+    assert results["accuracy"] == pytest.approx((logits.argmax(-1) == targets)[kept].float().mean().item(), rel=1e-6)
+
+
+def test_a_summed_loss_is_per_row_in_training_and_in_evaluation(data):
+    """With reduction="sum" the epoch's loss and the evaluation loss are on one scale: the summed loss per row
+    (a short last step included), so with a learning rate of 0 they are equal."""
+    inputs, targets = data
+    model = linear()
+    trainer = Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.0), nn.CrossEntropyLoss(reduction="sum"),
+        batches(inputs, targets, 8)[:3] + [(inputs[24:30], targets[24:30])], batch_size=16, verbose=0,
+        reduction="sum",
+    )  # fmt: skip
+    history = trainer.fit(1, eval_data=[(inputs[:30], targets[:30])])
+    with torch.no_grad():
+        expected = F.cross_entropy(model(inputs[:30]), targets[:30]).item()
+    assert history.epochs[0]["loss"] == pytest.approx(expected, rel=1e-6)
+    assert history.epochs[0]["eval_loss"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_metrics_are_checked_where_given(data):
+    inputs, targets = data
+    trainer = trainer_for(linear(), nn.CrossEntropyLoss(), [(inputs, targets)], batch_size=16)
+    single = trainer.evaluate([(inputs, targets)], metrics=accuracy)  # one function, as one name is
+    assert set(single) == {"loss", "accuracy"}
+    with pytest.raises(ValueError, match="two metrics named '<lambda>'"):
+        trainer.evaluate([(inputs, targets)], metrics=[lambda o, t: 0.0, lambda o, t: 1.0])
+    with pytest.raises(ValueError, match="'loss' is the name of evaluate's own loss"):
+        trainer.evaluate([(inputs, targets)], metrics={"loss": accuracy})
+    with pytest.raises(TypeError, match="metrics must be a list"):
+        trainer.fit(1, eval_data=[(inputs, targets)], metrics=3)
+
+
+class Hook(Callback):
+    def on_epoch_end(self, trainer):
+        pass
+
+
+@pytest.mark.parametrize(
+    "callbacks, message",
+    [([Hook], "not classes"), (Hook(), "must be a list"), ("on_epoch_end", "must be a list")],
+)
+def test_callbacks_that_are_not_a_list_of_objects_are_refused_when_the_trainer_is_made(data, callbacks, message):
+    inputs, targets = data
+    with pytest.raises(TypeError, match=message):
+        trainer_for(linear(), nn.CrossEntropyLoss(), [(inputs, targets)], batch_size=16, callbacks=callbacks)
+
+
+@pytest.mark.parametrize("verbose", [1.0, "1", None])
+def test_a_verbosity_that_is_not_0_1_or_2_is_refused(data, verbose):
+    inputs, targets = data
+    with pytest.raises(ValueError, match="verbose must be 0"):
+        Trainer(
+            linear(), torch.optim.SGD(linear().parameters(), lr=0.1), nn.CrossEntropyLoss(), [(inputs, targets)],
+            batch_size=16, verbose=verbose,
+        )  # fmt: skip
