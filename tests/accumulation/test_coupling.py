@@ -171,6 +171,24 @@ def test_the_check_runs_once_per_call_site_and_leaves_nothing_behind(caplog):
         assert torch.equal(a, b), "BatchNorm's statistics count the training passes only"
 
 
+def test_a_refused_check_leaves_batchnorm_as_it_was_when_the_function_puts_the_model_in_training_mode():
+    """The model comes in eval mode and the loss function calls `model.train()`: the check's passes still count
+    nothing in BatchNorm's statistics once the coupled loss is refused."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
+    model.eval()
+    before = [buffer.clone() for buffer in model.buffers()]
+
+    def in_batch_scores(inputs):
+        model.train()
+        embedded = F.normalize(model(inputs), dim=-1)
+        return torch.logsumexp(embedded @ embedded.T, dim=-1).mean()
+
+    with pytest.raises(CoupledRows):
+        toma.accumulate(model=model, initial_micro_batch=8)(in_batch_scores)(torch.randn(16, 4))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.buffers()))
+
+
 def test_a_check_that_runs_out_of_memory_says_so_and_the_batch_trains(caplog):
     model = encoder()
     queries, documents = pairs_data()

@@ -81,13 +81,50 @@ def test_an_error_that_is_not_oom_leaves_the_buffers_as_they_were():
         assert torch.equal(buffer, before[name]), name
 
 
-def test_buffers_of_modules_in_eval_mode_are_left_alone():
+def test_buffers_of_modules_in_eval_mode_are_saved_too():
+    """The function may switch the model to training mode itself: the mode when the call starts says nothing."""
     model = bn_dropout_model()
-    model[1].eval()
-    stash = BufferStash(model)
-    assert stash.slots == []
-    model.train()
+    model.eval()
     assert {name for _, name, _ in BufferStash(model).slots} == {"running_mean", "running_var", "num_batches_tracked"}
+
+
+def test_a_function_that_puts_the_model_in_training_mode_itself_counts_only_the_attempt_that_finished():
+    """The model comes in eval mode (an evaluation before); the function calls `model.train()`: the failed
+    attempt's forward passes do not count in BatchNorm's statistics, as if the call had fit at 4 rows."""
+    inputs, targets = data()
+
+    def call(model, initial):
+        @toma.accumulate(model=model, initial_micro_batch=initial, groups="rows", cache_type=NoBatchsizeCache)
+        def compute_loss(inputs, targets):
+            model.train()
+            out = model(inputs)
+            if len(inputs) > 16:
+                raise_fake_oom()
+            return F.cross_entropy(out, targets)
+
+        model.eval()
+        torch.manual_seed(5)
+        compute_loss(inputs, targets)
+        return model[1]
+
+    retried, reference = call(bn_dropout_model(), 64), call(bn_dropout_model(), 16)
+    assert int(retried.num_batches_tracked) == int(reference.num_batches_tracked) == 4
+    torch.testing.assert_close(retried.running_mean, reference.running_mean, rtol=0, atol=0)
+    torch.testing.assert_close(retried.running_var, reference.running_var, rtol=0, atol=0)
+
+
+def test_a_hosted_embeddings_table_is_not_copied_for_a_retry(monkeypatch):
+    """Its forward pass changes no buffer (its rows queue as pending state): copying a table of millions of rows
+    once per call would cost its size in host memory and time. BatchNorm's statistics beside it are saved."""
+    saved = []
+    real_save = BufferStash.save
+    monkeypatch.setattr(BufferStash, "save", lambda self: (saved.append(self.names()), real_save(self)))
+    table = HostedEmbedding(1000, 4, optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+    model = nn.ModuleDict({"table": table, "norm": nn.BatchNorm1d(4)})
+    ids = torch.randint(0, 1000, (8,))
+    toma.accumulate(model=model, initial_micro_batch=4, groups="rows")(lambda ids: model["norm"](table(ids)).sum())(ids)
+    assert saved == [["running_mean", "running_var", "num_batches_tracked"]]
+    assert BufferStash(model).names() == ["running_mean", "running_var", "num_batches_tracked"]
 
 
 def test_the_buffer_stash_puts_back_values_and_the_tensor_objects():

@@ -1,8 +1,8 @@
 """Undoing what a failed attempt did, so that its retry starts from the same state: `Rollback`, the interface,
 and the rollbacks besides gradients (those are `toma.accumulation.gradients.GradientStash`).
 
-- `BufferStash`: the persistent buffers of modules in training mode (BatchNorm's running mean and variance
-  and `num_batches_tracked`), which every forward pass updates: a retry must not count the failed forward
+- `BufferStash`: the persistent buffers of the model's modules (BatchNorm's running mean and variance and
+  `num_batches_tracked`), which every forward pass in training mode updates: a retry must not count the failed forward
   passes again.
 - `RandomRollback` (over `RandomState`): the random number generators (CPU and the accelerator devices in use),
   so that a retried attempt draws the same dropout masks as one that fit at the final size from the same seed
@@ -133,15 +133,18 @@ BufferSlot = Tuple[torch.nn.Module, str, torch.Tensor]
 
 
 def buffer_slots(module: torch.nn.Module) -> List[BufferSlot]:
-    """The persistent buffers of `module` itself (not its children) when it is in training mode."""
-    if not module.training or not module._buffers:
+    """The persistent buffers of `module` itself (not its children), whatever its mode now: the function may
+    call `model.train()` (after an evaluation left the model in eval mode) before its forward pass. None of a
+    `PendingState` module: what its forward pass changes is its pending state (a `HostedEmbedding`'s table,
+    a buffer of millions of rows, changes only in its own step)."""
+    if not module._buffers or is_pending_state(module):
         return []
     skipped = module._non_persistent_buffers_set
     return [(module, name, b) for name, b in module._buffers.items() if b is not None and name not in skipped]
 
 
 class BufferStash(Rollback):
-    """The persistent buffers of `model`'s modules in training mode (the state a forward pass updates:
+    """The persistent buffers of `model`'s modules, in whatever mode (the state a forward pass updates:
     BatchNorm's statistics, an EMA, spectral norm's vectors), copied once per call and put back after a
     failed attempt. Non-persistent buffers are caches a module rebuilds (rotary tables, causal masks): they
     are neither copied nor touched, and neither is a buffer the attempt replaced by one of another shape."""

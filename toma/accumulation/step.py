@@ -59,10 +59,10 @@ def _walk(model: torch.nn.Module) -> Tuple[List[torch.Tensor], List[BufferSlot],
             if p is not None and p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
                 params.append(p)
-        if module.training and module._buffers:
-            slots += buffer_slots(module)
         if is_pending_state(module):
             pending.append(module)
+        elif module._buffers:
+            slots += buffer_slots(module)
     return params, slots, pending
 
 
