@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from toma import CoupledRows, Halving, NoBatchsizeCache, toma
+from toma import CoupledRows, Halving, NoBatchsizeCache, explicit, toma
 
 from helpers import raise_fake_oom, run_python
 
@@ -45,6 +45,89 @@ def test_in_batch_negatives_split_by_an_oom_are_refused_before_anything_trains()
         loss(queries, documents)
     assert "in-batch negatives" in str(raised.value)
     assert all(p.grad is None for p in model.parameters()), "nothing of the split batch trained"
+
+
+@pytest.mark.parametrize("form", ["decorated", "inline", "explicit"])
+def test_a_refused_loss_is_refused_at_every_later_call_and_never_trains_split(form):
+    """Catching `CoupledRows` and calling again (a retry loop, a notebook cell run twice) must not train it."""
+    model = encoder()
+    queries, documents = pairs_data()
+
+    def loss(queries, documents):
+        return info_nce(model, queries, documents)
+
+    decorated = toma.accumulate(model=model, initial_micro_batch=8)(loss)
+    for _ in range(3):
+        with pytest.raises(CoupledRows):
+            if form == "decorated":
+                decorated(queries, documents)
+            elif form == "inline":
+                toma.accumulate(model=model, initial_micro_batch=8)(loss)(queries, documents)
+            else:
+                explicit.accumulate(loss, model, 8, queries, documents)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_loss_function_wrapped_anew_at_every_call_is_checked_once():
+    """`explicit.accumulate` and an inline `toma.accumulate(...)(f)(...)` wrap the function at every call: the
+    check is the function's (its code's), so it runs once (three passes without gradients), not once per call;
+    another function is checked on its own."""
+    model = encoder()
+    inputs, targets = torch.randn(12, 16), torch.randint(0, 8, (12,))
+    unchecked = []
+
+    def first(inputs, targets):
+        if not torch.is_grad_enabled():
+            unchecked.append("first")
+        return F.cross_entropy(model(inputs), targets)
+
+    def second(inputs, targets):
+        if not torch.is_grad_enabled():
+            unchecked.append("second")
+        return F.cross_entropy(model(inputs), targets)
+
+    for _ in range(3):
+        toma.accumulate(model=model, initial_micro_batch=4)(first)(inputs, targets)
+    for _ in range(3):
+        explicit.accumulate(second, model, 4, inputs, targets)
+    assert unchecked == ["first"] * 3 + ["second"] * 3
+
+
+def test_the_same_function_under_other_settings_is_checked_again():
+    """A token mean passes the check with weight= counting its tokens; the same function's code without weight= (or
+    with another reduction) is another check, and refused."""
+    model = encoder()
+    inputs = torch.randn(12, 16)
+    targets = torch.randint(0, 8, (12, 3))
+    targets[::2, 1:] = -100  # rows count 1 or 3 targets
+
+    def token_mean(inputs, targets):
+        logits = model(inputs)[:, None, :].expand(-1, 3, -1)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    def counted(inputs, targets):
+        return (targets != -100).sum()
+
+    explicit.accumulate(token_mean, model, 4, inputs, targets, toma_weight=counted)
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(CoupledRows, match="weight= does not count"):
+        explicit.accumulate(token_mean, model, 4, inputs, targets)
+    with pytest.raises(CoupledRows):
+        toma.accumulate(model=model, initial_micro_batch=4, reduction="sum")(token_mean)(inputs, targets)
+
+
+@pytest.mark.parametrize("given, loss_reduction", [("mean", "sum"), ("sum", "mean")])
+def test_a_loss_reduced_otherwise_than_reduction_says_is_refused_naming_reduction(given, loss_reduction):
+    model = encoder()
+    inputs, targets = torch.randn(12, 16), torch.randint(0, 8, (12,))
+    step = toma.accumulate(model=model, initial_micro_batch=4, reduction=given)(
+        lambda inputs, targets: F.cross_entropy(model(inputs), targets, reduction=loss_reduction)
+    )
+    with pytest.raises(CoupledRows, match=f"the loss is a {loss_reduction}, .*pass reduction='{loss_reduction}'"):
+        step(inputs, targets)
+    with pytest.raises(CoupledRows) as coupled:
+        toma.accumulate(model=model, initial_micro_batch=8)(lambda q, d: info_nce(model, q, d))(*pairs_data())
+    assert "reduction=" not in str(coupled.value), "a loss that couples rows is not told to change its reduction"
 
 
 def test_how_far_a_split_trains_from_the_full_batch_when_told_the_rows_are_independent():

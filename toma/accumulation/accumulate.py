@@ -11,7 +11,7 @@ from typing import Any, Callable, Hashable, List, NamedTuple, Optional
 
 import torch
 
-from toma.accumulation.coupling import CoupledRows, SplitCheck
+from toma.accumulation.coupling import CoupledRows, SplitCheck, split_check_of
 from toma.accumulation.misuse import AccumulationMisuse
 from toma.accumulation.options import (
     REDUCTIONS,
@@ -110,7 +110,9 @@ def accumulate(
         runner.resolved_policy(),
         total,
         None if stats is None else stats.packing,
-        SplitCheck() if stats is None else stats.split_check,
+        split_check_of(func, options.reduction, options.weight, options.lengths)
+        if stats is None
+        else stats.split_check,
     )
     state = None
     timing = stats is not None and stats.lever_cost.timing  # only the first calls of each kind are timed

@@ -1,16 +1,18 @@
-"""Before a call site's first split of a logical batch trains anything: is the batch's loss what its parts add up to?
+"""Before a loss function's first split of a logical batch trains anything: is the batch's loss what its parts add up
+to?
 
 toma's micro-batches give the full batch's gradients when the batch's loss is the weighted sum of its units'
 (rows', groups', packed sequences') losses, weighted as toma weights them. A loss that relates rows to each
 other (in-batch negatives, a contrastive or listwise loss, a statistic of the batch, a sort over it) is not, and
 neither is a mean over something other than what `weight=` counts: split, either trains something else without a
-word. So once per call site, at the start of the first attempt that splits a batch, toma runs the first
-micro-batch's units without gradients and with the model in eval mode (no dropout draws), once together and once
-as two halves, and compares the first loss with the halves' losses weighted as the micro-batches would be. A
-difference beyond rounding raises `CoupledRows`, which names the difference and the remedies; everything the
+word. So once per loss function (its code, where a form wraps it anew at each call), at the start of the first
+attempt that splits a batch, toma runs the first micro-batch's units without gradients and with the model in eval
+mode (no dropout draws), once together and once as two halves, and compares the first loss with the halves' losses
+weighted as the micro-batches would be. A difference beyond rounding raises `CoupledRows` (again at every later
+split: a refused loss is never trained split), which names the difference and the remedies; everything the
 check changed (random state, a trainer's metric lists, modules' pending state) is rolled back with it.
 
-It costs one extra forward pass over one micro-batch, without gradients, once per call site (see
+It costs one extra forward pass over one micro-batch, without gradients, once per loss function (see
 `benchmarks/split_check.py`). It is skipped where the rows' relation is declared (`groups=`). Where the micro-batch's
 units run out of memory even without gradients, the attempt fails as any other and the next, smaller one is
 checked; where micro-batches hold one unit and two do not fit, or the function fails without gradients or in eval
@@ -18,15 +20,18 @@ mode (a model that returns predictions there), a warning says the loss was not c
 several ranks each checks on its own: the passes of every gradient sync run no collective.
 """
 
+import functools
 import logging
 import math
-from typing import Any, Callable, List, Optional, Tuple
+import weakref
+from types import CodeType
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from toma.core.oom import should_reduce_batch_size
 
-__all__ = ["CoupledRows", "SplitCheck", "check_split_once", "tolerance"]
+__all__ = ["CoupledRows", "SplitCheck", "check_split_once", "split_check_of", "tolerance"]
 
 log = logging.getLogger("toma")
 
@@ -38,11 +43,11 @@ class CoupledRows(ValueError):
     train something else. Raised before anything of the split batch trains."""
 
 
-INCONCLUSIVE = 8  # checks whose parts all gave the same loss, after which the call site is taken as checked
+INCONCLUSIVE = 8  # checks whose parts all gave the same loss, after which the loss is taken as checked
 
 
 class SplitCheck:
-    """One call site's check: done once it is conclusive (its outcome kept for the stats: the relative difference
+    """One loss function's check: done once it is conclusive (its outcome kept for the stats: the relative difference
     found). A check whose parts all gave the same loss (a loss that is constant at the start, as DPO's while the
     policy is its reference) says nothing, and the next split checks again, up to `INCONCLUSIVE` times."""
 
@@ -63,6 +68,47 @@ class SplitCheck:
         return (self.done, self.difference, self.inconclusive) == (other.done, other.difference, other.inconclusive)
 
     __hash__ = None  # type: ignore[assignment]  # it changes once checked
+
+
+# The split checks of each loss function's code, by the settings that decide what its parts must add up to, for
+# the forms that wrap a function anew at every call (`explicit.accumulate`, an inline `toma.accumulate(model=m)(f)`)
+_checks: "weakref.WeakKeyDictionary[CodeType, Dict[Tuple[Any, ...], SplitCheck]]" = weakref.WeakKeyDictionary()
+
+
+def _code_of(func: Any) -> Optional[CodeType]:
+    """The code that computes `func`'s result: a function's, a bound method's, a partial's function's; None for a
+    callable of another kind (an object with `__call__`)."""
+    while isinstance(func, functools.partial):
+        func = func.func
+    func = getattr(func, "__func__", func)
+    code = getattr(func, "__code__", None)
+    return code if isinstance(code, CodeType) else None
+
+
+def _setting_key(setting: Any) -> Any:
+    """A setting as a key: a plain value as it is, a function by its code (a lambda made anew at each call is the
+    same weight), another object by its identity."""
+    if setting is None or isinstance(setting, (str, bool, int, float)):
+        return setting
+    code = _code_of(setting)
+    return code if code is not None else (type(setting), id(setting))
+
+
+def split_check_of(func: Callable[..., Any], *settings: Any) -> SplitCheck:
+    """The check kept for `func`'s code under `settings` (the reduction, `weight=`, `lengths=`: what the parts
+    must add up to), so that a loss function is checked once however often it is wrapped (each
+    `explicit.accumulate` call, an inline `toma.accumulate(...)(f)`); a new check where it has no code."""
+    code = _code_of(func)
+    if code is None:
+        return SplitCheck()
+    key = tuple(_setting_key(setting) for setting in settings)
+    checks = _checks.get(code)
+    if checks is None:
+        checks = _checks[code] = {}
+    check = checks.get(key)
+    if check is None:
+        check = checks[key] = SplitCheck()
+    return check
 
 
 def tolerance(model: torch.nn.Module) -> float:
@@ -145,7 +191,15 @@ def check_split_once(
     parts_sum = _parts_sum(first, second, weights, summed)
     if parts_sum is None:
         return  # a half counts nothing: the comparison says nothing; the next split is checked
-    _judge(check, model, name, (stop - start, piece.unit_name), whole, first, second, parts_sum, summed)
+    units = (stop - start, piece.unit_name)
+    try:
+        _judge(check, model, name, units, whole, first, second, parts_sum, summed)
+    except CoupledRows:
+        # the parts add up as the other reduction adds them: the loss is a sum given as a mean, or the other way
+        other = _parts_sum(first, second, weights, not summed)
+        if other is None or _relative_difference(whole, other) > tolerance(model):
+            raise
+        raise _coupled_rows(name, units, whole, parts_sum, summed, check.difference, other_reduction=True) from None
 
 
 def _part_losses(
@@ -232,26 +286,41 @@ def _judge(
         check.done = check.inconclusive >= INCONCLUSIVE
         log.debug("toma: %s: its parts gave the same loss; the next split checks again", name)
         return
-    check.done = True
     if math.isnan(difference) or difference > allowed:
+        # not done: a caller that catches the error and calls again is refused again, never trained split
         raise _coupled_rows(name, units, whole, parts_sum, summed, difference)
+    check.done = True
     log.info(
         "toma: %s: its loss is what its parts add up to (checked once: relative difference %.2g)", name, difference
     )
 
 
 def _coupled_rows(
-    name: str, units: Tuple[int, str], whole: float, parts_sum: float, summed: bool, difference: float
+    name: str,
+    units: Tuple[int, str],
+    whole: float,
+    parts_sum: float,
+    summed: bool,
+    difference: Optional[float],
+    other_reduction: bool = False,
 ) -> CoupledRows:
-    """The error that names the difference found and the remedies."""
+    """The error that names the difference found and the remedies (`other_reduction`: the halves add up as the
+    other `reduction=` adds them, which is then the remedy)."""
+    given, other = ("sum", "mean") if summed else ("mean", "sum")
+    cause = (
+        f"The halves' losses do add up to the whole's as reduction={other!r} adds them: the loss is a {other}, "
+        f"not the {given} that reduction={given!r} says; pass reduction={other!r}. Otherwise, it"
+        if other_reduction
+        else "It"
+    )
     return CoupledRows(
         f"{name}: the loss of {units[0]} {units[1]} together is {whole:.6g}, but its two halves' losses "
         f"{'added' if summed else 'weighted by what each averages over'} give {parts_sum:.6g} (a relative "
         f"difference of {difference:.2g}): the loss is not what its parts add up to, so training it in "
-        "micro-batches would train something else. It relates rows to each other (in-batch negatives, a "
+        f"micro-batches would train something else. {cause} relates rows to each other (in-batch negatives, a "
         "contrastive or listwise loss, a batch statistic, a sort over the batch), or it averages over something "
         "weight= does not count. Say how the rows belong together with groups= ('pairs' for DPO's chosen and "
         "rejected rows, a function giving each row's group, 'batch' to never split a batch), give weight= what "
         "the loss averages over, or, if the difference is acceptable (a per-micro-batch auxiliary loss), pass "
-        "groups='rows'. Checked once, before anything of a split batch trained"
+        "groups='rows'. Checked before anything of a split batch trained; a refused loss is refused at every call"
     )

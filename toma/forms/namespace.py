@@ -20,6 +20,7 @@ from typing import (
 import torch
 
 from toma.accumulation.accumulate import AccumulationStats
+from toma.accumulation.coupling import split_check_of
 from toma.accumulation.options import AccumulationOptions
 from toma.batching.splitting import whole
 from toma.batching.tokens import check_lengths
@@ -132,7 +133,9 @@ def _accumulation_binding(
     (its `stats` attribute)."""
 
     def bind(func: Callable[..., Any], runner: Runner) -> Bound:
-        stats = AccumulationStats()
+        # the split check is the function's: an inline toma.accumulate(...)(f) wraps it anew at each call
+        check = split_check_of(func, accumulation.reduction, accumulation.weight, accumulation.lengths)
+        stats = AccumulationStats(split_check=check)
 
         def call(initial: Optional[int], args: Args, kwargs: Kwargs, context: Optional[Hashable]) -> torch.Tensor:
             return run_accumulate(func, accumulation, runner, initial, args, kwargs, context, stats)
