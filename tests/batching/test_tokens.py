@@ -148,3 +148,16 @@ def test_bad_lengths_are_named():
             TokenBatch(ArgumentBatch((ids,), {}), lambda ids: returned)
     with pytest.raises(ValueError, match=r"must be \(rows, width\)"):
         TokenBatch(ArgumentBatch((), dict(input_ids=ids, attention_mask=mask[:, :, None])), "attention_mask")
+
+
+@pytest.mark.parametrize("name", ["input_ids", "labels", "doubled"])
+def test_lengths_naming_a_tensor_that_is_not_a_0_1_mask_is_refused_naming_it(name):
+    """Token ids or labels are not a mask: taken as one, every row would count as full (nothing packed) or as what
+    its ids happen to be; bool and float 0/1 masks are masks."""
+    ids, mask = right_padded([3, 9, 5], width=10)
+    batch = {"input_ids": ids, "labels": ids.masked_fill(mask == 0, -100), "doubled": mask * 2}
+    batch.update(attention_mask=mask, as_bool=mask.bool(), as_float=mask.float())
+    with pytest.raises(ValueError, match=f"lengths='{name}' must name a 0/1 mask .* holds other values"):
+        TokenBatch(ArgumentBatch((batch,), {}), name, FILL)
+    for mask_name in ("attention_mask", "as_bool", "as_float"):
+        assert TokenBatch(ArgumentBatch((batch,), {}), mask_name, FILL).longest == 9

@@ -84,7 +84,14 @@ def _say_once(text: str) -> None:
 
 
 def _mask_layout(name: str, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> _Layout:
-    present = _find_mask(name, args, kwargs).detach().to("cpu") != 0
+    mask = _find_mask(name, args, kwargs).detach().to("cpu")
+    present = mask != 0
+    if mask.dtype != torch.bool and not bool((present == (mask == 1)).all()):
+        found = sorted({int(v) if float(v).is_integer() else float(v) for v in mask.unique()[:6].tolist()})
+        raise ValueError(
+            f"lengths={name!r} must name a 0/1 mask (1: a real token, 0: padding), but {name!r} holds other values "
+            f"({', '.join(map(str, found))}, ...): token ids or labels are not a mask; name the attention mask"
+        )
     width = present.shape[1]
     positions = torch.arange(width)
     end = torch.where(present, positions, -1).max(1).values + 1  # one past the last real position
