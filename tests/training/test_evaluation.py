@@ -159,3 +159,25 @@ def test_a_verbosity_that_is_not_0_1_or_2_is_refused(data, verbose):
             linear(), torch.optim.SGD(linear().parameters(), lr=0.1), nn.CrossEntropyLoss(), [(inputs, targets)],
             batch_size=16, verbose=verbose,
         )  # fmt: skip
+
+
+def test_metrics_that_forward_cannot_feed_are_refused_at_the_first_step_not_after_an_epoch(data):
+    """With `forward=` returning a bare loss, `fit(metrics=...)` has no logits to compute them from: it says so
+    before the first optimizer step instead of after a whole epoch trained."""
+    inputs, targets = data
+    model = linear()
+    passes = []
+
+    def forward(batch):
+        passes.append(len(batch[0]))
+        return F.cross_entropy(model(batch[0]), batch[1])
+
+    trainer = Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), None, batches(inputs, targets, 8), batch_size=8,
+        verbose=0, forward=forward,
+    )  # fmt: skip
+    with pytest.raises(TypeError, match="metrics with forward= need forward"):
+        trainer.fit(1, eval_data=[(inputs, targets)], metrics=["accuracy"])
+    assert passes == [8] and trainer.global_step == 0
+    trainer.fit(1)  # without metrics, the same forward= trains
+    assert trainer.global_step == 4

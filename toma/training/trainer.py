@@ -35,6 +35,7 @@ from toma.training.outputs import (
     check_metrics,
     check_scalar,
     default_targets,
+    logits_of,
     loss_of,
 )
 from toma.training.progress import Progress
@@ -135,6 +136,7 @@ class Trainer:
         self.last_loss: Optional[torch.Tensor] = None
         self.stats = AccumulationStats()
         self._nothing_learned, self._nothing_reason = 0, ""  # steps with nothing to learn from, and why the last
+        self._logits_needed = False  # whether the next training forward= output is checked for the metrics' logits
         # One cached size per trainer, wherever and at whatever free memory a step runs: once the search
         # has settled, every later step starts at the size that worked.
         self._training = Runner(ACCUMULATION, policy=policy, cache=GlobalBatchsizeCache())
@@ -168,7 +170,11 @@ class Trainer:
     def _micro_batch_loss(self, *batch: Any) -> torch.Tensor:
         batch = to_device(batch, self.device, non_blocking=True)
         if self.forward is not None:
-            return loss_of(self.forward(batch[0]))
+            output = self.forward(batch[0])
+            if self._logits_needed:  # fit's metrics need them: said at the first step, not after an epoch
+                logits_of(output)
+                self._logits_needed = False
+            return loss_of(output)
         inputs, targets = batch
         return check_scalar(self.loss_fn(self.model(inputs), targets), "loss_fn(model(inputs), targets)")  # type: ignore[misc]
 
@@ -337,6 +343,7 @@ class Trainer:
                 "a list, or another iterable that starts over"
             )
         check_eval_data(eval_data, epochs)
+        self._logits_needed = bool(named_metrics) and eval_data is not None and self.forward is not None
         progress = Progress(self.verbose, self.file)
         try:
             for shown in range(epochs):
