@@ -181,3 +181,18 @@ def test_metrics_that_forward_cannot_feed_are_refused_at_the_first_step_not_afte
     assert passes == [8] and trainer.global_step == 0
     trainer.fit(1)  # without metrics, the same forward= trains
     assert trainer.global_step == 4
+
+
+@pytest.mark.parametrize("with_forward", [False, True])
+def test_a_float64_models_evaluation_loss_keeps_its_precision(data, with_forward):
+    inputs, targets = data
+    model = linear().double()
+    inputs = inputs.double()
+    options = dict(forward=lambda batch: F.cross_entropy(model(batch[0]), batch[1])) if with_forward else {}
+    trainer = trainer_for(
+        model, None if with_forward else nn.CrossEntropyLoss(), [(inputs, targets)], batch_size=16, **options
+    )
+    results = trainer.evaluate(batches(inputs, targets, 8))
+    with torch.no_grad():
+        expected = F.cross_entropy(model(inputs), targets).item()
+    assert results["loss"] == pytest.approx(expected, rel=1e-13)

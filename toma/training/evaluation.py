@@ -76,7 +76,7 @@ class Evaluation:
         inputs, targets = to_device((inputs, targets), self.device, non_blocking=True)
         output = self.model(inputs)
         loss = check_scalar(self.loss_fn(output, targets), "loss_fn(model(inputs), targets)")  # type: ignore[misc]
-        results = {"loss": loss.detach().float().item() * (count if self.reduction == "mean" else 1)}
+        results = {"loss": loss.detach().item() * (count if self.reduction == "mean" else 1)}
         results.update({name: float(metric(output, targets)) * counted for name, metric in named.items()})
         self._add(totals, results, count, counted)
 
@@ -108,7 +108,7 @@ class Evaluation:
         if count == 0:
             return
         output = self.forward(to_device(part, self.device, non_blocking=True))  # type: ignore[misc]
-        results = {"loss": loss_of(output).detach().float().item() * (count if self.reduction == "mean" else 1)}
+        results = {"loss": loss_of(output).detach().item() * (count if self.reduction == "mean" else 1)}
         if named:
             logits = logits_of(output)
             targets = to_device(self.targets(part), self.device, non_blocking=True)
