@@ -2,7 +2,7 @@
 step on the trainer's evaluation Runner), averaged over rows or over what `weight` counts."""
 
 import dataclasses
-from typing import Any, Callable, Dict, Iterable, Optional, Union
+from typing import Any, Callable, Dict, Iterable, Optional, Tuple, Union
 
 import torch
 
@@ -42,12 +42,12 @@ class Evaluation:
                 for batch in data:
                     if self.forward is not None and rows_belong_together(self.groups):
                         grouped = grouped_batch((batch,), {}, self.groups)
-                        self._chunks(self._forward_groups, grouped.unit_count, grouped, named, totals)
+                        self._chunks(self._units, grouped.unit_count, grouped, self._forward_part, named, totals)
                     elif self.forward is not None:
                         self._chunks(self._forward_rows, rows(batch), batch, named, totals)
                     else:
                         pair = grouped_batch(call_arguments(batch, False), {}, self.groups)
-                        self._chunks(self._criterion_part, pair.unit_count, pair, named, totals)
+                        self._chunks(self._units, pair.unit_count, pair, self._criterion_part, named, totals)
         finally:
             self.model.train(was_training)
         seen, counted = totals.pop("_seen"), totals.pop("_counted")
@@ -57,18 +57,12 @@ class Evaluation:
         return {"loss": loss, **{name: total / counted if counted > 0 else 0.0 for name, total in totals.items()}}
 
     def _criterion_part(
-        self,
-        start: int,
-        stop: int,
-        batch: Union[ArgumentBatch, GroupedBatch],
-        named: Dict[str, Metric],
-        totals: Dict[str, float],
+        self, arguments: Tuple[Any, ...], rows_: int, named: Dict[str, Metric], totals: Dict[str, float]
     ) -> None:
-        """Rows (or groups) `[start, stop)` of an `(inputs, targets)` batch: `loss_fn(model(inputs), targets)` and
-        the metrics of the chunk, so that a criterion or metric out of memory is retried smaller as the model is,
-        and the model's outputs (a tensor, a dict, a tuple) are never joined."""
-        (inputs, targets), _ = batch.arguments(start, stop)
-        rows_ = batch.rows_between(start, stop)
+        """One chunk `(inputs, targets)` of a batch: `loss_fn(model(inputs), targets)` and the metrics of the chunk,
+        so that a criterion or metric out of memory is retried smaller as the model is, and the model's outputs (a
+        tensor, a dict, a tuple) are never joined."""
+        inputs, targets = arguments
         count = self._count(inputs, targets) if self.weight is not None else float(rows_)
         if count == 0:
             return
@@ -88,22 +82,26 @@ class Evaluation:
     def _forward_rows(
         self, start: int, stop: int, batch: Any, named: Dict[str, Metric], totals: Dict[str, float]
     ) -> None:
-        self._forward_part(take(batch, start, stop), stop - start, named, totals)
+        self._forward_part((take(batch, start, stop),), stop - start, named, totals)
 
-    def _forward_groups(
-        self,
+    @staticmethod
+    def _units(
         start: int,
         stop: int,
         batch: Union[ArgumentBatch, GroupedBatch],
+        part: Callable[..., None],
         named: Dict[str, Metric],
         totals: Dict[str, float],
     ) -> None:
-        """Groups `[start, stop)` of a `forward=` batch whose rows belong together: never cut apart."""
-        (part,), _ = batch.arguments(start, stop)
-        self._forward_part(part, batch.rows_between(start, stop), named, totals)
+        """Units `[start, stop)` of a batch (rows, or groups never cut apart) to `part`, with their rows."""
+        arguments, _ = batch.arguments(start, stop)
+        part(arguments, batch.rows_between(start, stop), named, totals)
 
-    def _forward_part(self, part: Any, rows_: int, named: Dict[str, Metric], totals: Dict[str, float]) -> None:
-        """One chunk of a `forward=` batch: its loss and metrics added to `totals` once it has finished."""
+    def _forward_part(
+        self, arguments: Tuple[Any, ...], rows_: int, named: Dict[str, Metric], totals: Dict[str, float]
+    ) -> None:
+        """One chunk `(batch,)` of a `forward=` batch: its loss and metrics added to `totals` once it has finished."""
+        (part,) = arguments
         count = self._count(part) if self.weight is not None else float(rows_)
         if count == 0:
             return
