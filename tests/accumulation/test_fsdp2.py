@@ -580,9 +580,10 @@ finish(dict(rank=rank, rows=[list(row[:3]) for row in SizeStore(path).rows()]))
 def test_the_size_file_keys_a_sharded_models_size_by_its_sharding_and_the_world_size(tmp_path):
     code = f"import os; os.environ['TOMA_TEST_DIR'] = {str(tmp_path)!r}\n" + SIZE_FILE
     for output in run_ranks(code, 2, timeout=180):
-        (site, device, size), *others = json.loads(output.strip().splitlines()[-1])["rows"]
+        result = json.loads(output.strip().splitlines()[-1])
+        (site, device, size), *others = result["rows"]
         assert not others and site.endswith("[FSDP2: 4 units sharded over 2 ranks]"), site
-        assert device.endswith("world=2") and size == 2
+        assert device.endswith(f"world=2:rank={result['rank']}") and size == 2
 
 
 TRAINER = (

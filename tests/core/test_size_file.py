@@ -2,7 +2,9 @@
 
 import json
 import logging
+import multiprocessing
 import sqlite3
+import time
 
 import pytest
 import torch
@@ -10,7 +12,7 @@ import torch
 from toma import GlobalBatchsizeCache, explicit, remember_sizes
 from toma.core.size_file import SizeStore
 
-from helpers import raise_fake_oom, run_pythons
+from helpers import raise_fake_oom, run_pythons, run_ranks
 
 RUN = """
 import json, logging, os, sys
@@ -191,3 +193,64 @@ def test_a_token_budget_is_remembered_under_its_own_key_not_a_row_counts(tmp_pat
     explicit.accumulate(loss, model, 4, inputs, toma_lengths="attention_mask", attention_mask=mask)
     (site, _, size, _, _), *others = SizeStore(str(path)).rows()
     assert not others and site.endswith("[token budget]") and "<locals>.loss called from" in site and size <= 8
+
+
+def _open_and_write_at(path, start, rank, results):
+    while time.time() < start:  # every process opens the new file at the same moment, as a job's ranks do
+        pass
+    store = SizeStore(path)
+    store.put(f"key {rank}", "site", "device", rank + 1, None, ())
+    results.put(store.broken)
+
+
+@pytest.mark.slow
+def test_processes_that_open_a_new_file_at_the_same_moment_all_use_it(tmp_path):
+    """SQLite answers "database is locked" at once to a change of journal mode while another process holds a lock,
+    without waiting: the ranks of a job opening the file at their first call lost it, all but one."""
+    context = multiprocessing.get_context("fork")
+    for trial in range(4):
+        path, results = str(tmp_path / f"sizes-{trial}.db"), context.Queue()
+        start = time.time() + 0.3
+        processes = [context.Process(target=_open_and_write_at, args=(path, start, r, results)) for r in range(3)]
+        for process in processes:
+            process.start()
+        for process in processes:
+            process.join(timeout=60)
+        assert [results.get(timeout=5) for _ in processes] == [False] * 3
+        assert sorted(row[2] for row in SizeStore(path).rows()) == [1, 2, 3]
+
+
+DDP_RESTART = """
+import datetime, json, os, torch, torch.distributed as dist, torch.nn as nn
+from toma import toma
+torch.set_num_threads(1)
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+rank = dist.get_rank()
+torch.manual_seed(1)
+model = nn.parallel.DistributedDataParallel(nn.Linear(4, 3))
+sizes = []
+@toma.accumulate(model=model, initial_micro_batch=16)
+def loss(x):
+    if torch.is_grad_enabled():
+        sizes.append(len(x))
+        if rank == 1 and len(x) > 4:  # rank 1 alone runs out of memory above 4 rows
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+    return model(x).pow(2).mean()
+loss(torch.randn(16, 4))
+print(json.dumps(dict(sizes=sizes, retries=loss.stats.oom_retries)))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_ranks_sharing_a_file_restart_at_the_size_they_agreed_on(tmp_path):
+    """Rank 0 fit at 16 rows where rank 1 did not: each keeps its own, and a restart's ranks agree on rank 1's 4
+    at once (one key for both let rank 0's 16 win: every restart paid rank 1's two out-of-memory errors again)."""
+    code = f"import os; os.environ['TOMA_SIZES'] = {str(tmp_path / 'sizes.db')!r}\n" + DDP_RESTART
+    first = [json.loads(out.strip().splitlines()[-1]) for out in run_ranks(code, 2, timeout=120)]
+    assert [run["retries"] for run in first] == [2, 2]
+    second = [json.loads(out.strip().splitlines()[-1]) for out in run_ranks(code, 2, timeout=120)]
+    assert second == [dict(sizes=[4, 4, 4, 4], retries=0)] * 2
+    devices = sorted(row[1] for row in SizeStore(str(tmp_path / "sizes.db")).rows())
+    assert [device.rsplit(":", 2)[1:] for device in devices] == [["world=2", "rank=0"], ["world=2", "rank=1"]]

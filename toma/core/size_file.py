@@ -3,8 +3,9 @@
 `toma.remember_sizes(path)` (or the environment variable `TOMA_SIZES=<path>`) turns it on. A cache entry
 that a call site uses for the first time starts from the stored size; a size that changes (an OOM, a
 measured growth) is written at once, and so is a learning policy's first measurement at a size it kept. Keys are stable across runs and processes: the function's module and
-qualified name, the call site's file and line, the device (kind, name, total memory) and the world size.
-Many processes may share a file (WAL mode, short transactions). A file that cannot be read or written
+qualified name, the call site's file and line, the device (kind, name, total memory), the world size and the
+rank (each rank keeps what it learned; a restart's ranks agree on the smallest). Many processes may share a file
+(WAL mode, short transactions, opened together without a "database is locked"). A file that cannot be read or written
 costs one WARNING on the `toma` logger; the job then runs without persistence. The hot path (a call whose
 entry is known and whose size does not change) never touches the file.
 """
@@ -41,6 +42,26 @@ CREATE TABLE IF NOT EXISTS toma_sizes (
 _LEVERS_SEPARATOR = ", "  # between the names of the memory levers a size was learned with
 
 
+_WAIT_S = 30.0  # how long a write waits for another process's
+
+
+def _wal_mode(connection: sqlite3.Connection) -> None:
+    """Put the file in WAL mode, waiting for the other processes that open it at the same moment: SQLite answers
+    "database is locked" at once to a change of journal mode while another connection holds a lock (the ranks of
+    a job started together all open a new file at their first call), without its busy timeout."""
+    deadline = time.monotonic() + _WAIT_S
+    pause = 0.005
+    while True:
+        try:
+            connection.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as error:
+            if "locked" not in str(error) or time.monotonic() > deadline:
+                raise
+        time.sleep(pause)
+        pause = min(pause * 2, 0.2)
+
+
 class SizeStore:
     """One SQLite file of remembered sizes. Every method swallows storage errors after one WARNING."""
 
@@ -54,8 +75,8 @@ class SizeStore:
         if self._connection is None:
             if os.path.isdir(self.path):
                 raise sqlite3.OperationalError("it is a directory")
-            connection = sqlite3.connect(self.path, timeout=30, check_same_thread=False, isolation_level=None)
-            connection.execute("PRAGMA journal_mode=WAL")
+            connection = sqlite3.connect(self.path, timeout=_WAIT_S, check_same_thread=False, isolation_level=None)
+            _wal_mode(connection)
             connection.execute(_SCHEMA)
             columns = {row[1] for row in connection.execute("PRAGMA table_info(toma_sizes)")}
             if "levers" not in columns:  # a file written before the levers were kept
@@ -143,14 +164,16 @@ def active_store() -> Optional[SizeStore]:
 
 def device_key(device: Any = None) -> str:
     """The device a size was learned on, as its backend names it (for a CUDA device its name and memory, for
-    the CPU its address-space limit: what decides which sizes fit), and the world size. `device` None (not
-    known): `toma.memory.backends.default_device()`, the current CUDA device in a process that uses CUDA."""
-    world = 1
+    the CPU its address-space limit: what decides which sizes fit), the world size and the rank (a rank's sizes
+    are its own: one that ran out of memory alone remembers it; the ranks agree on the smallest when they start).
+    `device` None (not known): `toma.memory.backends.default_device()`, the current CUDA device in a process that
+    uses CUDA."""
+    world, rank = 1, ""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        world = torch.distributed.get_world_size()
+        world, rank = torch.distributed.get_world_size(), f":rank={torch.distributed.get_rank()}"
     if device is None:
         device = default_device()
-    return f"{backend_for(device).identity(device)}:world={world}"
+    return f"{backend_for(device).identity(device)}:world={world}{rank}"
 
 
 def describe_model(learned: Optional[LearnedState]) -> Optional[str]:
