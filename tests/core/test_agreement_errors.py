@@ -66,3 +66,42 @@ def test_a_collectives_out_of_memory_error_on_one_rank_stops_every_rank_without_
         assert result["retries"] == 0
         assert result["seconds"] < 10, "the ranks stop at once, not at the process group's timeout"
         assert all(result["grads"]), "every rank's gradients are restored"
+
+
+BOTH_FAIL = """
+import datetime, json, os
+import torch, torch.distributed as dist
+from toma import toma
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+rank = dist.get_rank()
+OWN = {0: ValueError("rank 0's own bug"), 1: KeyError("rank 1's own bug"), 2: None}
+
+@toma.batch(initial_batchsize=8, distributed=True)
+def work(batchsize):
+    if OWN[rank] is not None:
+        raise OWN[rank]
+    if rank == 2 and batchsize > 1:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+    return batchsize
+
+try:
+    work()
+    outcome = "finished"
+except Exception as error:
+    outcome = f"{type(error).__name__}: {error}" + (" (its own)" if error is OWN[rank] else "")
+print(json.dumps(dict(outcome=outcome)), flush=True)
+dist.barrier()
+dist.destroy_process_group()
+os._exit(0)
+"""
+
+
+@pytest.mark.slow
+def test_ranks_that_fail_at_the_same_attempt_each_raise_their_own_error():
+    """Two ranks fail with errors of their own at once, a third runs out of memory: each failing rank raises its
+    own error object (rank 0 raised RankFailed blaming rank 1, its own only as the cause); the third stops with
+    RankFailed naming a failed rank."""
+    results = [json.loads(out.strip().splitlines()[-1])["outcome"] for out in run_ranks(BOTH_FAIL, 3, timeout=90)]
+    assert results[0] == "ValueError: rank 0's own bug (its own)"
+    assert results[1] == 'KeyError: "rank 1\'s own bug" (its own)'
+    assert results[2].startswith("RankFailed: toma: rank 1 failed with an error that is not out of memory")

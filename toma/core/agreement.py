@@ -230,8 +230,10 @@ class Agreement:
         if agreed > 0:
             reason = f"rank {self.rank} ran out of memory" if oom else "another rank ran out of memory"
             raise AgreedRetry(agreed, reason) from error
-        if agreed == proposal:
-            return  # this rank's own error decides: the caller re-raises it untouched
+        if proposal < 0:
+            # this rank failed for good itself (an error not out of memory, or out of memory at its smallest size):
+            # it raises its own error, untouched, whatever other rank failed at the same attempt
+            return
         failed = -agreed - 1
         if failed >= self.world_size:
             raise RankFailed(
