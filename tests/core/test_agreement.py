@@ -490,3 +490,35 @@ def test_nccl_ranks_whose_current_device_is_0_agree_on_their_own_gpus():
     lines = [out.strip().splitlines()[-1].split(" ", 3) for out in outputs]
     assert [line[:3] for line in lines] == [["done", "0", "0"], ["done", "1", "0"]]
     assert lines[0][3] == lines[1][3], "the same averaged gradients on both ranks"
+
+
+SUBGROUP = """
+import datetime, json, os
+import torch, torch.distributed as dist
+from toma import toma
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+rank = dist.get_rank()
+pair = dist.new_group([0, 1])  # on rank 2: torch's placeholder for a rank outside the group
+sizes = []
+
+@toma.batch(initial_batchsize=8, distributed=pair)
+def work(batchsize):
+    sizes.append(batchsize)
+    if rank == 1 and batchsize > 2:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+    return batchsize
+
+print(json.dumps(dict(result=work(), sizes=sizes)), flush=True)
+dist.barrier()
+dist.destroy_process_group()
+os._exit(0)
+"""
+
+
+@pytest.mark.slow
+def test_a_rank_outside_the_process_group_runs_on_its_own():
+    """The ranks of the group agree on every size; a rank outside it (given torch's placeholder by `new_group`)
+    runs alone, as torch's collectives there do nothing (it was refused: "got -100")."""
+    results = [json.loads(out.strip().splitlines()[-1]) for out in run_ranks(SUBGROUP, 3, timeout=90)]
+    assert results[0] == results[1] == dict(result=2, sizes=[8, 4, 2])
+    assert results[2] == dict(result=8, sizes=[8])

@@ -287,7 +287,7 @@ class AgreedStep(Step):
 def check_distributed(distributed: Any, name: str) -> Any:
     """The decorators' `distributed=` option as given, or a TypeError naming it: False/None, True, or a process
     group (anything else would be taken for a group only once ranks run, or never outside one)."""
-    if distributed is None or isinstance(distributed, bool):
+    if distributed is None or isinstance(distributed, bool) or _not_a_member(distributed):
         return distributed
     if dist.is_available() and isinstance(distributed, dist.ProcessGroup):
         return distributed
@@ -297,10 +297,20 @@ def check_distributed(distributed: Any, name: str) -> Any:
     )
 
 
+def _not_a_member(distributed: Any) -> bool:
+    """What `dist.new_group` returns on a rank outside the group (torch's placeholder): this rank agrees with no
+    one, as torch's collectives on it do nothing, so the option does nothing here."""
+    return (
+        dist.is_available()
+        and type(distributed) is int
+        and distributed == getattr(dist.GroupMember, "NON_GROUP_MEMBER", None)
+    )
+
+
 def agreement_for(distributed: Any) -> Optional[Agreement]:
     """The decorators' `distributed=` option: False/None for none, True for the default process group, or a
     process group. Outside a process group of several ranks there is nothing to agree on."""
-    if distributed is None or distributed is False:
+    if distributed is None or distributed is False or _not_a_member(distributed):
         return None
     group = None if distributed is True else distributed
     return Agreement(group) if is_distributed(group) else None
