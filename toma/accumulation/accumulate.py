@@ -11,7 +11,7 @@ from typing import Any, Callable, Hashable, List, NamedTuple, Optional
 
 import torch
 
-from toma.accumulation.coupling import CoupledRows, SplitCheck, split_check_of
+from toma.accumulation.coupling import CoupledRows, SplitCheck
 from toma.accumulation.misuse import AccumulationMisuse
 from toma.accumulation.options import (
     REDUCTIONS,
@@ -22,6 +22,7 @@ from toma.accumulation.options import (
     check_scaler,
     check_weight,
 )
+from toma.accumulation.per_function import learned_about
 from toma.accumulation.step import AccumulateStep
 from toma.batching.logical import LogicalBatch
 from toma.batching.micro_batch_cost import MicroBatchCost
@@ -103,17 +104,9 @@ def accumulate(
     framework's loss already accounts for the ranks (`TomaTrainer`)."""
     runner = sizing.runner
     stats = sizing.stats
-    step = AccumulateStep(
-        func,
-        batch,
-        options,
-        runner.resolved_policy(),
-        total,
-        None if stats is None else stats.packing,
-        split_check_of(func, options.reduction, options.weight, options.lengths)
-        if stats is None
-        else stats.split_check,
-    )
+    # without stats of its own (explicit.accumulate), what is learned about the function is kept for its code
+    kept = stats if stats is not None else learned_about(func, options.reduction, options.weight, options.lengths)
+    step = AccumulateStep(func, batch, options, runner.resolved_policy(), total, kept.packing, kept.split_check)
     state = None
     timing = stats is not None and stats.lever_cost.timing  # only the first calls of each kind are timed
     started = _clock(step.device) if timing else 0.0

@@ -20,18 +20,15 @@ mode (a model that returns predictions there), a warning says the loss was not c
 several ranks each checks on its own: the passes of every gradient sync run no collective.
 """
 
-import functools
 import logging
 import math
-import weakref
-from types import CodeType
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
 from toma.core.oom import should_reduce_batch_size
 
-__all__ = ["CoupledRows", "SplitCheck", "check_split_once", "split_check_of", "tolerance"]
+__all__ = ["CoupledRows", "SplitCheck", "check_split_once", "tolerance"]
 
 log = logging.getLogger("toma")
 
@@ -68,47 +65,6 @@ class SplitCheck:
         return (self.done, self.difference, self.inconclusive) == (other.done, other.difference, other.inconclusive)
 
     __hash__ = None  # type: ignore[assignment]  # it changes once checked
-
-
-# The split checks of each loss function's code, by the settings that decide what its parts must add up to, for
-# the forms that wrap a function anew at every call (`explicit.accumulate`, an inline `toma.accumulate(model=m)(f)`)
-_checks: "weakref.WeakKeyDictionary[CodeType, Dict[Tuple[Any, ...], SplitCheck]]" = weakref.WeakKeyDictionary()
-
-
-def _code_of(func: Any) -> Optional[CodeType]:
-    """The code that computes `func`'s result: a function's, a bound method's, a partial's function's; None for a
-    callable of another kind (an object with `__call__`)."""
-    while isinstance(func, functools.partial):
-        func = func.func
-    func = getattr(func, "__func__", func)
-    code = getattr(func, "__code__", None)
-    return code if isinstance(code, CodeType) else None
-
-
-def _setting_key(setting: Any) -> Any:
-    """A setting as a key: a plain value as it is, a function by its code (a lambda made anew at each call is the
-    same weight), another object by its identity."""
-    if setting is None or isinstance(setting, (str, bool, int, float)):
-        return setting
-    code = _code_of(setting)
-    return code if code is not None else (type(setting), id(setting))
-
-
-def split_check_of(func: Callable[..., Any], *settings: Any) -> SplitCheck:
-    """The check kept for `func`'s code under `settings` (the reduction, `weight=`, `lengths=`: what the parts
-    must add up to), so that a loss function is checked once however often it is wrapped (each
-    `explicit.accumulate` call, an inline `toma.accumulate(...)(f)`); a new check where it has no code."""
-    code = _code_of(func)
-    if code is None:
-        return SplitCheck()
-    key = tuple(_setting_key(setting) for setting in settings)
-    checks = _checks.get(code)
-    if checks is None:
-        checks = _checks[code] = {}
-    check = checks.get(key)
-    if check is None:
-        check = checks[key] = SplitCheck()
-    return check
 
 
 def tolerance(model: torch.nn.Module) -> float:

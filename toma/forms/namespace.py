@@ -20,8 +20,8 @@ from typing import (
 import torch
 
 from toma.accumulation.accumulate import AccumulationStats
-from toma.accumulation.coupling import split_check_of
 from toma.accumulation.options import AccumulationOptions
+from toma.accumulation.per_function import learned_about
 from toma.batching.splitting import whole
 from toma.batching.tokens import check_lengths
 from toma.batching.transfer import check_device
@@ -133,9 +133,9 @@ def _accumulation_binding(
     (its `stats` attribute)."""
 
     def bind(func: Callable[..., Any], runner: Runner) -> Bound:
-        # the split check is the function's: an inline toma.accumulate(...)(f) wraps it anew at each call
-        check = split_check_of(func, accumulation.reduction, accumulation.weight, accumulation.lengths)
-        stats = AccumulationStats(split_check=check)
+        # what is learned about the function is its code's: an inline toma.accumulate(...)(f) wraps it at each call
+        learned = learned_about(func, accumulation.reduction, accumulation.weight, accumulation.lengths)
+        stats = AccumulationStats(packing=learned.packing, split_check=learned.split_check)
 
         def call(initial: Optional[int], args: Args, kwargs: Kwargs, context: Optional[Hashable]) -> torch.Tensor:
             return run_accumulate(func, accumulation, runner, initial, args, kwargs, context, stats)
