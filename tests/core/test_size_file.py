@@ -254,3 +254,8 @@ def test_ranks_sharing_a_file_restart_at_the_size_they_agreed_on(tmp_path):
     assert second == [dict(sizes=[4, 4, 4, 4], retries=0)] * 2
     devices = sorted(row[1] for row in SizeStore(str(tmp_path / "sizes.db")).rows())
     assert [device.rsplit(":", 2)[1:] for device in devices] == [["world=2", "rank=0"], ["world=2", "rank=1"]]
+
+
+def test_an_empty_path_is_refused_not_kept_in_a_temporary_database():
+    with pytest.raises(ValueError, match="path must name a file"):
+        remember_sizes("")

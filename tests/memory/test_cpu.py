@@ -275,3 +275,17 @@ def test_an_out_of_memory_error_leaves_the_cap_whole():
     growth = [(vms - first) / 2**20 for vms in later]
     assert len(later) == 2 and all(abs(mib) < 16 for mib in growth), f"address space after each OOM: {growth} MiB"
     assert result["size"] == 256, "256 MiB fits in 288 MiB of headroom"
+
+
+def test_a_limit_given_as_a_numpy_number_reaches_setrlimit(monkeypatch):
+    """Any real number of GiB, numpy's integers too (np.float64 passed and np.int64 was refused)."""
+    import numpy as np
+
+    from toma.memory import cpu
+
+    limits = []
+    monkeypatch.setattr(cpu.resource, "setrlimit", lambda kind, values: limits.append(values))
+    monkeypatch.setattr(cpu.resource, "getrlimit", lambda kind: (cpu.resource.RLIM_INFINITY,) * 2)
+    for value in (np.int64(2), np.float64(2.0), 2):
+        set_cpu_memory_limit(value)
+    assert limits == [(2 * 2**30, 2 * 2**30)] * 3

@@ -1056,3 +1056,18 @@ def test_a_need_per_item_measured_as_nothing_sets_no_bound_instead_of_overflowin
 
     assert FitSettings().rows(float("inf"), 4.0) == UNBOUNDED_ROWS
     assert FitSettings().rows(8.0, 4.0) == 2
+
+
+def test_sizes_of_its_own_take_int_like_values_and_refuse_others_by_name():
+    """`minimum=` and `measure_every=` as every size of toma's: numpy integers accepted, floats and bools refused."""
+    import numpy as np
+
+    policy = FitToMemory(minimum=np.int64(2), measure_every=np.int64(8))
+    assert (policy.minimum, policy.measure_every) == (2, 8) and type(policy.minimum) is int
+    for name, value, error in [
+        ("minimum", 1.0, TypeError),
+        ("measure_every", True, TypeError),
+        ("minimum", 0, ValueError),
+    ]:
+        with pytest.raises(error, match=f"^{name} must be a positive int"):
+            FitToMemory(**{name: value})

@@ -147,6 +147,8 @@ def remember_sizes(path: Optional[str]) -> Optional[SizeStore]:
     _environment_checked = True
     if path is not None and not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path must be a file path, got {path!r}")
+    if path is not None and not os.fspath(path):  # SQLite would keep the sizes in a temporary file, then drop it
+        raise ValueError("path must name a file (None stops remembering sizes), got ''")
     _store = None if path is None else SizeStore(os.fspath(path))
     return _store
 

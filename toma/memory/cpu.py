@@ -4,6 +4,7 @@ import ctypes
 import gc
 import logging
 import math
+import numbers
 import sys
 import time
 from typing import TYPE_CHECKING, Any, Optional
@@ -60,6 +61,16 @@ def get_available_cpu_memory() -> int:
     return int(available)
 
 
+def _gigabytes(num_gigabytes: Any) -> float:
+    """A number of GiB as given: a positive, finite real number, numpy's included (not a bool)."""
+    if isinstance(num_gigabytes, bool) or not isinstance(num_gigabytes, numbers.Real):
+        raise TypeError(f"num_gigabytes must be a number of GiB, got {num_gigabytes!r}")
+    value = float(num_gigabytes)
+    if not 0 < value < math.inf:  # also NaN
+        raise ValueError(f"num_gigabytes must be a positive, finite number of GiB, got {num_gigabytes!r}")
+    return value
+
+
 def set_cpu_memory_limit(num_gigabytes: float) -> None:
     """Cap this process's address space (RLIMIT_AS) at `num_gigabytes` GiB, soft and hard limit alike.
 
@@ -70,10 +81,7 @@ def set_cpu_memory_limit(num_gigabytes: float) -> None:
     CPU-only processes, or set it well above the address space the process already has.
     Call `predictable_heap()` first, or freed memory and glibc's malloc arenas eat into the cap.
     """
-    if isinstance(num_gigabytes, bool) or not isinstance(num_gigabytes, (int, float)):
-        raise TypeError(f"num_gigabytes must be a number of GiB, got {num_gigabytes!r}")
-    if not 0 < num_gigabytes < math.inf:  # also NaN
-        raise ValueError(f"num_gigabytes must be a positive, finite number of GiB, got {num_gigabytes!r}")
+    num_gigabytes = _gigabytes(num_gigabytes)
     if resource is None:
         log.warning("set_cpu_memory_limit is not supported on %s; no limit set", sys.platform)
         return
@@ -135,10 +143,7 @@ def set_cpu_memory_headroom(num_gigabytes: float) -> int:
     The way to try out code under memory pressure: whatever the process holds already, it gets exactly
     this much more. `predictable_heap()` at the start makes the margin hold over time.
     """
-    if isinstance(num_gigabytes, bool) or not isinstance(num_gigabytes, (int, float)):
-        raise TypeError(f"num_gigabytes must be a number of GiB, got {num_gigabytes!r}")
-    if not 0 < num_gigabytes < math.inf:  # also NaN
-        raise ValueError(f"num_gigabytes must be a positive, finite number of GiB, got {num_gigabytes!r}")
+    num_gigabytes = _gigabytes(num_gigabytes)
     cap = settled_address_space() + int(num_gigabytes * 2**30)
     set_cpu_memory_limit(cap / 2**30)
     return cap

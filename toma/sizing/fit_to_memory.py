@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional, Tuple
 
 import torch
 
+from toma.core.arguments import check_size
 from toma.core.caches import Batchsize
 from toma.core.halving import halved
 from toma.core.policy import CallState, LearningPolicy, shrink_below
@@ -68,10 +69,7 @@ class FitToMemory(LearningPolicy):
         self.margin = check_margin(margin)
         if meter is not None and not isinstance(meter, MemoryMeter):
             raise TypeError(f"meter must be a toma.memory.meters.MemoryMeter, got {meter!r}")
-        if isinstance(measure_every, bool) or not isinstance(measure_every, int) or measure_every < 1:
-            raise ValueError(f"measure_every must be a positive int, got {measure_every!r}")
-        if isinstance(minimum, bool) or not isinstance(minimum, int) or minimum < 1:
-            raise ValueError(f"minimum must be a positive int, got {minimum!r}")
+        measure_every, minimum = check_size(measure_every, "measure_every"), check_size(minimum, "minimum")
         self.meter, self.measure_every, self.minimum = meter, measure_every, minimum
         self.settings = FitSettings(margin=self.margin, measure_every=measure_every, minimum=minimum)
         self._meter_for: Callable[[Optional[torch.device]], MemoryMeter] = (
