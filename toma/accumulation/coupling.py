@@ -147,15 +147,12 @@ def check_split_once(
     parts_sum = _parts_sum(first, second, weights, summed)
     if parts_sum is None:
         return  # a half counts nothing: the comparison says nothing; the next split is checked
-    units = (stop - start, piece.unit_name)
-    try:
-        _judge(check, model, name, units, whole, first, second, parts_sum, summed)
-    except CoupledRows:
-        # the parts add up as the other reduction adds them: the loss is a sum given as a mean, or the other way
-        other = _parts_sum(first, second, weights, not summed)
-        if other is None or _relative_difference(whole, other) > tolerance(model):
-            raise
-        raise _coupled_rows(name, units, whole, parts_sum, summed, check.difference, other_reduction=True) from None
+    # where the halves add up as the other reduction adds them, the loss is a sum given as a mean, or the other way
+    other = _parts_sum(first, second, weights, not summed)
+    other_reduction = other is not None and _relative_difference(whole, other) <= tolerance(model)
+    _judge(
+        check, model, name, (stop - start, piece.unit_name), whole, first, second, parts_sum, summed, other_reduction
+    )
 
 
 def _part_losses(
@@ -228,9 +225,11 @@ def _judge(
     second: float,
     parts_sum: float,
     summed: bool,
+    other_reduction: bool,
 ) -> None:
     """Record the relative difference between the whole's loss and its halves' sum on `check`: inconclusive where
-    the halves gave the same loss, done otherwise; `CoupledRows` where it is beyond rounding."""
+    the halves gave the same loss, done otherwise; `CoupledRows` where it is beyond rounding (`other_reduction`:
+    naming `reduction=` as the remedy)."""
     difference = _relative_difference(whole, parts_sum)
     allowed = tolerance(model)
     spread = _relative_difference(first, second)
@@ -244,7 +243,7 @@ def _judge(
         return
     if math.isnan(difference) or difference > allowed:
         # not done: a caller that catches the error and calls again is refused again, never trained split
-        raise _coupled_rows(name, units, whole, parts_sum, summed, difference)
+        raise _coupled_rows(name, units, whole, parts_sum, summed, difference, other_reduction)
     check.done = True
     log.info(
         "toma: %s: its loss is what its parts add up to (checked once: relative difference %.2g)", name, difference
@@ -257,8 +256,8 @@ def _coupled_rows(
     whole: float,
     parts_sum: float,
     summed: bool,
-    difference: Optional[float],
-    other_reduction: bool = False,
+    difference: float,
+    other_reduction: bool,
 ) -> CoupledRows:
     """The error that names the difference found and the remedies (`other_reduction`: the halves add up as the
     other `reduction=` adds them, which is then the remedy)."""

@@ -66,7 +66,9 @@ class Evaluation:
         count = self._count(inputs, targets) if self.weight is not None else float(rows_)
         if count == 0:
             return
-        counted = float(self.metric_weight(inputs, targets)) if self.metric_weight is not None else float(rows_)
+        counted = float(rows_)  # what the metrics average over, counted only where there are metrics
+        if named and self.metric_weight is not None:
+            counted = float(self.metric_weight(inputs, targets))
         inputs, targets = to_device((inputs, targets), self.device, non_blocking=True)
         output = self.model(inputs)
         loss = check_scalar(self.loss_fn(output, targets), "loss_fn(model(inputs), targets)")  # type: ignore[misc]
