@@ -207,7 +207,9 @@ def test_auto_reduces_after_every_micro_batch_once_the_held_gradients_leave_no_r
         assert result["difference"] < 1e-5, result
         first, *later = result["retries_after"]
         assert first >= 1 and later == [first, first], "retried in the first logical batch only: the switch stays"
-        assert result["sizes"][0] == 1, "it shrank to one row before it switched"
+        # it shrank to one row before it switched, then sized anew from where the call started (the held
+        # gradients' failures say nothing about the micro-batches once they are reduced after each)
+        assert result["sizes"][0] == 4, result
         assert result["scatters"] > 0, "reduce-scattered after micro-batches"
 
 

@@ -114,18 +114,29 @@ class ShardedUnits:
         self._settings: Optional[List[Tuple[Any, Any, Any]]] = None
         self._comms: Optional[List[Tuple[Any, Any, bool]]] = None  # each group's own, while agreements wrap them
 
-    def probe(self) -> None:
-        """Before the ranks agree to unshard: whether this rank can allocate what `hold` will (every unit's
-        unsharded parameters, and the largest unit's all-gather buffer), so that a rank short of memory says so in
-        the agreement rather than leaving the others in an all-gather. What it allocates is freed at once (a
-        CUDA allocator keeps it cached for the unshard)."""
+    def probe(self, gradients: bool = True) -> None:
+        """Before the ranks agree to unshard: whether this rank can allocate what the attempt holds whatever its
+        micro-batch size, so that a rank short of memory says so in the agreement rather than leaving the others in
+        an all-gather, or running out of memory at every size down to one row. Held: every unit's unsharded
+        parameters and the largest unit's all-gather buffer; with `gradients` (training) also the unsharded
+        gradients of the parameters that train (each one's, once its first backward pass reached it), the sums of
+        their shards and the largest unit's reduce-scatter buffers (`scatter_buffers`). What it allocates is freed
+        at once (a CUDA allocator keeps it cached for the unshard)."""
         needs: Dict[torch.device, int] = {}
         largest: Dict[torch.device, int] = {}
+        trained = {id(param) for _, params in self.trained for param in params} if gradients else set()
         for group in self.groups:
             held = 0
             for param in group.fsdp_params:
                 dtype = getattr(param, "param_dtype", None) or param.sharded_param.dtype
-                held += param.sharded_param.numel() * torch.empty((), dtype=dtype).element_size()
+                numel = param.sharded_param.numel()  # a DTensor's: the whole parameter's
+                held += numel * dtype.itemsize
+                if id(param) in trained:
+                    # the unsharded gradient (FSDP2 keeps it in the reduce dtype between backward passes, where
+                    # mixed precision gives one) and the sum of this rank's shard
+                    reduced = getattr(param, "reduce_dtype", None) or dtype
+                    held += numel * max(dtype.itemsize, reduced.itemsize)
+                    held += param.sharded_size.numel() * param.sharded_param.dtype.itemsize
             device = group.fsdp_params[0].sharded_param.device
             needs[device] = needs.get(device, 0) + held
             largest[device] = max(largest.get(device, 0), held)
@@ -136,8 +147,9 @@ class ShardedUnits:
             except Exception as error:
                 if not should_reduce_batch_size(error):
                     raise
+                what = "units unsharded, with their gradients" if gradients else "units unsharded"
                 message = (
-                    f"toma.accumulate with FSDP2: rank {self.rank} cannot hold the model's units unsharded "
+                    f"toma.accumulate with FSDP2: rank {self.rank} cannot hold the model's {what} "
                     f"({wanted / 2**20:.0f} MiB on {device}), which toma does for each logical batch so that no "
                     "collective runs inside a micro-batch; no micro-batch size changes that. Shard over more ranks, "
                     "or leave the parameters sharded: gradient_sync='sharded' (or 'auto', which goes on so)"
@@ -301,7 +313,7 @@ def held_unsharded(root: torch.nn.Module) -> Iterator[None]:
     units = ShardedUnits(root)
     failed: Optional[UnshardedDoesNotFit] = None
     try:
-        units.probe()
+        units.probe(gradients=False)
     except UnshardedDoesNotFit as error:
         failed = error
     device = units.params[0].sharded_param.device

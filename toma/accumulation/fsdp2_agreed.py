@@ -7,19 +7,20 @@ The wrappers keep the group's own communication (FSDP2's default, or what the us
 `set_custom_all_gather`/`set_custom_reduce_scatter`): its `allocate`, then the agreement, then its call.
 `toma.accumulation.fsdp2.ShardedUnits.agree_before_collectives` installs them for an attempt.
 
-Gloo (CPU tensors) allocates inside its all-gather and reduce-scatter copies of their output and input: that
-much is allocated and freed before the agreement, so a rank short of it says so there rather than failing inside
-the collective with the others waiting in it. An error inside a collective itself no agreement can cover: it is
-re-raised with a note naming the collective (the other ranks stop at the process group's timeout, or sooner where
-the connection drops)."""
+Gloo (CPU tensors) allocates inside its all-gather and reduce-scatter copies of their output and input: under an
+address-space limit, room for them is mapped and unmapped before the agreement, so a rank short of it says so
+there rather than failing inside the collective with the others waiting in it. An error inside a collective itself
+no agreement can cover: it is marked so (`toma.core.oom.failed_inside_collective`), never retried, and raised at
+once with a note naming the collective (the other ranks stop when the collective fails for them: where this
+rank's process ends, or at the process group's timeout)."""
 
-import errno
-import mmap
 from typing import Any, Callable, Sequence
 
 import torch
 
 from toma.core.agreement import Agreement
+from toma.core.oom import failed_inside_collective
+from toma.memory.reserve import fresh_room
 
 __all__ = ["CollectiveAgreements", "AgreedAllGather", "AgreedReduceScatter"]
 
@@ -48,27 +49,19 @@ def _room_for(output: torch.Tensor, input: torch.Tensor) -> None:
     and freed now, before the agreement (an out-of-memory error here is an ordinary failure of this rank's
     attempt)."""
     if output.device.type == "cpu":
-        # Fresh address space, mapped and unmapped: gloo allocates on its own threads, whose malloc arena need not
-        # have the free pieces of this thread's heap that a tensor allocated here could reuse; twice its copies,
-        # as a margin for what its threads' arenas take around them (one copy's room was seen not to be enough).
-        wanted = 2 * (output.nbytes + input.nbytes)
-        try:
-            mmap.mmap(-1, wanted).close()
-        except OSError as error:
-            if error.errno != errno.ENOMEM:
-                raise
-            raise MemoryError(f"no room for the {wanted} bytes kept for gloo inside FSDP2's next collective") from None
+        # Fresh address space (under an address-space limit): gloo allocates on its own threads, whose malloc arena
+        # need not have the free pieces of this thread's heap that a tensor allocated here could reuse; twice its
+        # copies, as a margin for what its threads' arenas take around them (one copy's room was seen not to be
+        # enough).
+        fresh_room(2 * (output.nbytes + input.nbytes), "gloo inside FSDP2's next collective")
 
 
 def _inside(name: str, collective: Callable[..., Any], **arguments: Any) -> Any:
-    """`collective(**arguments)`, an error inside it noted as one no agreement covers."""
+    """`collective(**arguments)`, an error inside it marked as one no agreement covers."""
     try:
         return collective(**arguments)
     except Exception as error:
-        error.add_note(
-            f"toma: this rank failed inside FSDP2's {name}, after every rank agreed to run it; the other ranks stop "
-            "when their process group times out (or loses this rank's connection)"
-        )
+        failed_inside_collective(error, f"FSDP2's {name}")
         raise
 
 

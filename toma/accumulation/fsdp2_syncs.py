@@ -97,7 +97,7 @@ class AgreeingFSDP2(GradientSync):
     def scope(self, last: bool) -> ContextManager[object]:
         return NOTHING
 
-    def finish(self) -> None:
+    def finish(self, params: Sequence[torch.Tensor]) -> None:
         self._buffers = self.units.scatter_buffers()  # before the ranks agree: see `ShardedUnits.scatter_buffers`
 
     def reduce(self, params: Sequence[torch.Tensor], weight: Optional[float]) -> None:
@@ -145,7 +145,7 @@ class ReducingFSDP2(AgreeingFSDP2):
         self.units.reduce_scatter(self._scale, buffers)
         self._done += 1
 
-    def finish(self) -> None:
+    def finish(self, params: Sequence[torch.Tensor]) -> None:
         while self._done < self._rounds:
             self.micro_batch_done()
 
@@ -199,7 +199,7 @@ class ShardedFSDP2(AgreeingFSDP2):
             self.agreements.joining = True
         return rounds
 
-    def finish(self) -> None:
+    def finish(self, params: Sequence[torch.Tensor]) -> None:
         pass
 
     def reduce(self, params: Sequence[torch.Tensor], weight: Optional[float]) -> None:

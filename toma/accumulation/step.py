@@ -78,6 +78,7 @@ class AccumulateStep(Step):
         return self.sync.layout
 
     finished = False  # the logical batch is one unit: redone whole after an out-of-memory error
+    first_asked: Optional[int] = None  # the size the call's first attempt was asked to run at
 
     def __init__(
         self,
@@ -207,6 +208,8 @@ class AccumulateStep(Step):
 
     def __call__(self, size: int) -> bool:
         self.attempts += 1
+        if self.first_asked is None:
+            self.first_asked = size  # the ranks agreed on it: the same on every rank
         asked, size = size, self.effective(size)
         self.size = size
         self.rollbacks.begin()
@@ -217,8 +220,10 @@ class AccumulateStep(Step):
                 self.rollbacks.undo()
             finally:
                 self.sync.reset()
-            if isinstance(error, AgreedRetry) and error.lighter:
-                self._lightened()
+            if isinstance(error, AgreedRetry) and error.lighter and self._lightened() and asked < self.first_asked:
+                # FSDP2's next mode: sizing starts again where this call started, not at the size the old one
+                # could not fit (the cause kept: the engine names it in the log line)
+                raise AgreedRetry(self.first_asked, error.reason, lighter=True, restart=True) from error.__cause__
             raise
         self.rollbacks.keep()
         self.result = result
@@ -228,13 +233,15 @@ class AccumulateStep(Step):
         """Whether the ranks may retry at the smallest size in a way that needs less memory (see `_lightened`)."""
         return self.sync.lighter or self.memory_levers.has_next()
 
-    def _lightened(self) -> None:
-        """Every rank agreed to retry at the smallest size in a way that needs less memory: FSDP2's gradients
-        reduce-scattered after every micro-batch where the sync has that, else the next memory lever."""
+    def _lightened(self) -> bool:
+        """Every rank agreed to retry at the smallest size in a way that needs less memory: FSDP2's next mode
+        where the sync has one (True: what the old mode's sizes taught does not hold for it), else the next memory
+        lever."""
         if self.sync.lighter:
             self.sync = self.sync.lightened()
-        else:
-            self.memory_levers.next()
+            return True
+        self.memory_levers.next()
+        return False
 
     def _agreed(self, asked: int, size: int) -> torch.Tensor:
         """The attempt, then, with other ranks, their agreement and the gradients' reduction (this call's only:
@@ -295,7 +302,7 @@ class AccumulateStep(Step):
             timer.end()
         if sync.collectives_in_passes:
             self._join(plan, sync.rounds_to_join(len(plan.running)), backward)
-        sync.finish()
+        sync.finish(self.params)
         self.failing_units = None
         if total is None:  # every micro-batch counted 0 items: nothing to learn from, no NaN
             return torch.zeros((), device=self.params[0].device if self.params else None)

@@ -11,7 +11,7 @@ from typing import ContextManager, Iterable, Optional, Sequence
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from toma.accumulation.gradient_collectives import all_reduce_gradients, broadcast_buffers
+from toma.accumulation.gradient_collectives import GradientBuckets, broadcast_buffers
 from toma.accumulation.plan import nothing_counted
 from toma.core.agreement import Agreement
 
@@ -82,9 +82,9 @@ class GradientSync(ABC):
     def micro_batch_done(self) -> None:
         """After each micro-batch's backward pass, where `each_micro_batch`."""
 
-    def finish(self) -> None:
-        """After the attempt's last micro-batch, before the ranks' agreement (what `reduce` needs allocated
-        there, where a rank that runs out of memory can still tell the others)."""
+    def finish(self, params: Sequence[torch.Tensor]) -> None:
+        """After the attempt's last micro-batch, before the ranks' agreement: what `reduce` needs of `params`'
+        gradients allocated there, where a rank that runs out of memory can still tell the others."""
 
     def lightened(self) -> "GradientSync":
         """The strategy to retry with, on every rank, after an out-of-memory error at the smallest size, where
@@ -141,15 +141,16 @@ class DDPNoSync(GradientSync):
 class AgreeingDDP(GradientSync):
     """DistributedDataParallel over several ranks: no collective inside the region that may be retried.
 
-    Every micro-batch runs under `no_sync()`; after the logical batch the ranks agree (one small all-reduce)
-    whether any ran out of memory, and only if none did are the gradients all-reduced, once, in buckets
-    (`toma.accumulation.gradient_collectives.all_reduce_gradients`). Letting DDP reduce during the last backward pass would overlap
+    Every micro-batch runs under `no_sync()`; the buckets are filled (`finish`), then the ranks agree (one small
+    all-reduce) whether any ran out of memory, and only if none did are the buckets all-reduced, once
+    (`toma.accumulation.gradient_collectives.GradientBuckets`): a rank short of memory for the buckets says so at the
+    agreement. Letting DDP reduce during the last backward pass would overlap
     communication with it, but a rank that runs out of memory there leaves the others' all-reduces unmatched:
     the hang this design exists to prevent. The lost overlap is the price (see the benchmark). DDP's reducer
     never runs, so nothing writes into the gradients set aside.
     """
 
-    __slots__ = ("model", "agreement")
+    __slots__ = ("model", "agreement", "_buckets")
 
     def __init__(self, model: DistributedDataParallel) -> None:
         self.model = model
@@ -157,19 +158,28 @@ class AgreeingDDP(GradientSync):
         # Set on construction (and by a synchronised forward pass outside toma), it makes the next forward
         # pass broadcast buffers; `reduce` does that outside the retried region instead.
         model.require_forward_param_sync = False
+        self._buckets: Optional[GradientBuckets] = None
 
     def scope(self, last: bool) -> ContextManager[object]:
         return self.model.no_sync()
 
+    def finish(self, params: Sequence[torch.Tensor]) -> None:
+        self._buckets = GradientBuckets(list(params))
+
     def reduce(self, params: Sequence[torch.Tensor], weight: Optional[float]) -> None:
         """Average this call's gradients over the ranks; with `weight` weigh each rank by its items, so the
         result is the mean over all of them rather than a mean of the ranks' means."""
-        all_reduce_gradients(list(params), self.model.process_group, scale=rank_scale(self.agreement, weight))
+        buckets, self._buckets = self._buckets, None
+        assert buckets is not None
+        buckets.all_reduce(self.model.process_group, scale=rank_scale(self.agreement, weight))
         if self.model.broadcast_buffers:
             # DDP would broadcast rank 0's buffers (BatchNorm statistics) in the next forward pass, a
             # collective inside the region that may be retried: a rank that skips its forward passes would
             # leave the others waiting. Broadcast them here, after the agreement, and keep DDP's off.
             broadcast_buffers(self.model)
+
+    def reset(self) -> None:
+        self._buckets = None  # a failed attempt's
 
 
 def rank_scale(agreement: Agreement, weight: Optional[float]) -> float:

@@ -13,6 +13,15 @@ rank's `after_attempt` meets):
   on; if any ran out of memory, all redo the attempt at the smallest size any of them proposed; if any
   failed, all stop: the failing rank raises its own error, the others a RankFailed naming it.
 
+Every rank must reach the agreement after an attempt that failed, wherever it failed: under an address-space
+limit (the CPU's real out-of-memory errors) an attempt runs with a few MiB of address space kept aside
+(`toma.memory.reserve`), given back the moment it ends, so that what runs then (the exception, the proposal, the
+agreement itself) finds room; the agreement's tensors are allocated once, before any attempt (on a full GPU a new
+one-number tensor can fail too); a proposal that cannot be worked out still reaches the others, as a stop. An
+error inside a collective (after every rank agreed to run it) is the one failure no agreement can follow: that
+rank raises at once, without waiting for the others, who are in the collective with it and stop when it
+fails there (or at the process group's timeout).
+
 A rank that dies, or is interrupted (KeyboardInterrupt is never held back for the agreement), leaves the
 others in the agreement's all-reduce until the process group's timeout (or gloo's lost connection)
 raises there.
@@ -23,9 +32,10 @@ from typing import Any, Callable, Optional, Protocol, TypeVar
 import torch
 import torch.distributed as dist
 
-from toma.core.oom import ControlException, should_reduce_batch_size
+from toma.core.oom import ControlException, inside_collective, should_reduce_batch_size
 from toma.core.policy import SizePolicy, shrink_below
 from toma.core.steps import Step
+from toma.memory.reserve import AddressSpaceReserve
 
 __all__ = [
     "Agreement",
@@ -62,11 +72,13 @@ class RankFailed(ControlException):
 
 class AgreedRetry(ControlException):
     """Raised on every rank when the ranks agreed to redo the attempt at `size` (some rank ran out of memory);
-    `lighter`: at the same size, in the way that needs less memory (see `Agreement.after_attempt`)."""
+    `lighter`: in the way that needs less memory (see `Agreement.after_attempt`); `restart`: a way whose memory
+    differs so much (FSDP2's parameters sharded) that what the sizes taught before no longer holds, so the sizing
+    starts again from `size`, larger than the one that failed."""
 
-    def __init__(self, size: int, reason: str, lighter: bool = False) -> None:
+    def __init__(self, size: int, reason: str, lighter: bool = False, restart: bool = False) -> None:
         super().__init__(f"the ranks agreed to retry at {size}: {reason}")
-        self.size, self.reason, self.lighter = size, reason, lighter
+        self.size, self.reason, self.lighter, self.restart = size, reason, lighter, restart
 
 
 def is_distributed(group: Any = None) -> bool:
@@ -106,6 +118,9 @@ class Agreement:
         self.work_device = device
         self._device: Optional[torch.device] = None
         self.exchange: Optional[MinExchange] = None
+        self.reserve = AddressSpaceReserve()  # held while an attempt runs: room for what runs after its error
+        self._numbers: Optional[torch.Tensor] = None  # the all-reduce's tensors: made once, before any failure
+        self._sums: Optional[torch.Tensor] = None
         # The size this rank proposes after an out-of-memory error, (size, failed, error) -> next or None: the
         # engine sets it to its run's `CallState.propose` (worked out once per attempt). None: the policy's shrink.
         self.propose: Optional[Callable[[int, int, BaseException], Optional[int]]] = None
@@ -121,17 +136,24 @@ class Agreement:
         """Where the agreed work runs, unless the agreement was told already (DDP's device comes first)."""
         if self.work_device is None and device is not None:
             self.work_device, self._device = device, None
+            self._numbers = self._sums = None
 
     def _min(self, value: int) -> int:
         if self.exchange is not None:
             return self.exchange.min(value)
-        tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
+        tensor = self._numbers
+        if tensor is None:  # the first agreement comes before any attempt: nothing has failed yet
+            tensor = self._numbers = torch.zeros(1, dtype=torch.int64, device=self.device)
+        tensor.fill_(value)
         dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
         return int(tensor.item())
 
     def sum(self, value: float) -> float:
         """`value` summed over the ranks (in float64: token counts stay exact)."""
-        tensor = torch.tensor([value], dtype=torch.float64, device=self.device)
+        tensor = self._sums
+        if tensor is None:
+            tensor = self._sums = torch.zeros(1, dtype=torch.float64, device=self.device)
+        tensor.fill_(value)
         dist.all_reduce(tensor, group=self.group)
         return float(tensor.item())
 
@@ -155,24 +177,38 @@ class Agreement:
         retry at `size` that way (`AgreedRetry.lighter`) instead of stopping (asked only then: it may cost a walk over
         the model)."""
         oom = error is not None and should_reduce_batch_size(error)
-        if error is None:
-            proposal = FINISHED
-        elif oom:
-            failed = size if failed is None else failed
-            try:
-                propose = self.propose
-                smaller = shrink_below(policy, size, failed) if propose is None else propose(size, failed, error)
-            except ValueError:
-                smaller = None
-            if smaller is not None:
-                proposal = smaller
-            elif lighter():
-                proposal = LIGHTER
-            else:  # out of memory at the smallest size: every rank stops (the most negative codes win the MIN)
-                proposal = -(1 + self.world_size + self.rank)
-        else:
-            proposal = -(1 + self.rank)
+        try:
+            proposal = self._proposal(size, error, oom, policy, failed, lighter)
+        except Exception:  # this rank fails here for good; the others are told so before it raises
+            self._min(-(1 + self.rank))
+            raise
         self._decide(self._min(proposal), proposal, size, oom, error)
+
+    def _proposal(
+        self,
+        size: int,
+        error: Optional[BaseException],
+        oom: bool,
+        policy: SizePolicy,
+        failed: Optional[int],
+        lighter: Callable[[], bool],
+    ) -> int:
+        """What this rank tells the others after an attempt at `size` (see `after_attempt`)."""
+        if error is None:
+            return FINISHED
+        if not oom:
+            return -(1 + self.rank)
+        failed = size if failed is None else failed
+        try:
+            propose = self.propose
+            smaller = shrink_below(policy, size, failed) if propose is None else propose(size, failed, error)
+        except ValueError:
+            smaller = None
+        if smaller is not None:
+            return smaller
+        if lighter():
+            return LIGHTER
+        return -(1 + self.world_size + self.rank)  # out of memory at the smallest size: every rank stops
 
     def reported(
         self,
@@ -189,13 +225,20 @@ class Agreement:
         caller): the result once all finished; this rank's error re-raised once told; AgreedRetry or RankFailed as
         agreed. `failed()`: the work that ran out of memory. `met_within`: the attempt meets the others itself
         (`before_attempt`, `all_finished`), so an AgreedRetry or RankFailed from there was agreed already. `undo`:
-        what a finished attempt takes back when another rank makes all redo it."""
+        what a finished attempt takes back when another rank makes all redo it. Under an address-space limit the
+        attempt runs with `reserve` held, given back before anything else runs after it. An error inside a
+        collective is raised at once: the others are in that collective, not at an agreement."""
         try:
-            result = attempt()
+            try:
+                self.reserve.hold()
+                result = attempt()
+            finally:
+                self.reserve.release()
         except ControlException if met_within else _Never:
             raise
         except Exception as error:
-            self.after_attempt(size, error, policy, failed(), lighter)
+            if not inside_collective(error):
+                self.after_attempt(size, error, policy, failed(), lighter)
             raise
         try:
             self.after_attempt(size, None, policy)

@@ -106,6 +106,10 @@ def _agreed(state: CallState[S], retry: AgreedRetry) -> None:
     state.failed = None  # an agreed retry records no failure at the entry, this rank's own OOM included
     cause = retry.__cause__
     state.reason = retry.reason + (f": {_first_line(cause)}" if cause is not None else "")
+    if retry.restart:  # a way to need less memory that makes what was learned without it moot: sizing anew
+        _forget_sizes(state.entry)
+        state.entry.set(retry.size)
+        return
     if state.proposed:  # this rank's own proposal: `state.detail` says why it chose it
         return
     learner = state.learner
@@ -116,8 +120,12 @@ def _agreed(state: CallState[S], retry: AgreedRetry) -> None:
 def _levers_changed(state: CallState[S], levers: Tuple[str, ...]) -> None:
     """A memory lever turned on: the entry remembers it with its size, and what was learned without it (the
     sizes that fit, failed, a policy's memory model) no longer holds, so sizing starts again under it."""
-    entry = state.entry
-    entry.levers = levers
+    state.entry.levers = levers
+    _forget_sizes(state.entry)
+
+
+def _forget_sizes(entry: Batchsize) -> None:
+    """What the entry learned of the sizes that fit and failed, and a policy's memory model of them."""
     entry.fitted = entry.failed = entry.learned = None
 
 

@@ -102,11 +102,14 @@ class HostMin:
     def min(self, value: int) -> int:
         """The smallest `value` the ranks gave to their agreement of this number (every rank's n-th call)."""
         code = encoded(operator.index(value))  # a value it cannot carry raises before the others could wait
-        self._sequence += 1
-        sequence = self._sequence & _SEQUENCE_MASK
+        # everything worked out before the store, which commits this rank to the agreement (an error before it,
+        # a MemoryError at its limit, leaves the agreement as if never called)
+        count = self._sequence + 1
+        sequence = count & _SEQUENCE_MASK
         base = 1 + (sequence & 1) * self.world_size  # a rank one agreement ahead writes the other bank
-        words = self._words
-        words[base + self.rank] = (sequence << _CODE_BITS) | code
+        words, word = self._words, (sequence << _CODE_BITS) | code
+        words[base + self.rank] = word
+        self._sequence = count
         lowest = _CODE_MASK
         for other in range(self.world_size):
             word = words[base + other]

@@ -12,6 +12,8 @@ from toma.memory.backends import backends
 __all__ = [
     "ControlException",
     "should_reduce_batch_size",
+    "failed_inside_collective",
+    "inside_collective",
     "register_oom_predicate",
     "unregister_oom_predicate",
     "release_memory",
@@ -84,10 +86,34 @@ def _causes(exception: BaseException) -> List[BaseException]:
 
 
 def _is_collective_error(exception: BaseException) -> bool:
-    """An error of torch.distributed's communication (a collective, the store, the network), not a local one."""
-    return isinstance(exception, _COLLECTIVE_ERRORS) or (
-        isinstance(exception, RuntimeError) and _NCCL_MARKER in str(exception).lower()
+    """An error of torch.distributed's communication (a collective, the store, the network), not a local one, or
+    any error raised inside a collective (`failed_inside_collective`)."""
+    return (
+        isinstance(exception, _COLLECTIVE_ERRORS)
+        or getattr(exception, _INSIDE, None) is not None
+        or (isinstance(exception, RuntimeError) and _NCCL_MARKER in str(exception).lower())
     )
+
+
+_INSIDE = "_toma_inside_collective"  # the attribute `failed_inside_collective` marks an error with
+
+
+def failed_inside_collective(exception: BaseException, collective: str) -> None:
+    """Mark `exception` as raised inside `collective` after every rank agreed to run it (an allocation of gloo's
+    included): never retried (the other ranks are inside that collective, not at an agreement), and the rank
+    raises it at once. The error itself is unchanged but for a note saying so."""
+    setattr(exception, _INSIDE, collective)
+    add_note(
+        exception,
+        f"toma: this rank failed inside the {collective}, after every rank agreed to run it: it is not retried; the "
+        "other ranks stop when the collective fails for them (this rank's process ends, or their process group "
+        "times out)",
+    )
+
+
+def inside_collective(exception: BaseException) -> bool:
+    """Whether `exception` (or what it was raised from) was raised inside a collective (`failed_inside_collective`)."""
+    return any(getattr(cause, _INSIDE, None) is not None for cause in _causes(exception))
 
 
 def _is_out_of_memory(exception: BaseException) -> bool:
