@@ -19,7 +19,8 @@ from torch.distributed.fsdp import FSDPModule
 from toma.accumulation.fsdp2_agreed import AgreedAllGather, AgreedReduceScatter, CollectiveAgreements
 from toma.accumulation.sharded_models import fsdp2_root, is_fsdp2
 from toma.core.agreement import Agreement, RankFailed
-from toma.core.oom import should_reduce_batch_size
+from toma.core.oom import collective, should_reduce_batch_size
+from toma.memory.reserve import fresh_room
 
 __all__ = ["is_fsdp2", "fsdp2_root", "held_unsharded", "Fsdp2Changed", "UnshardedDoesNotFit", "ShardedUnits"]
 
@@ -156,9 +157,10 @@ class ShardedUnits:
                 )
                 raise UnshardedDoesNotFit(message) from None
 
-    def hold(self) -> None:
+    def hold(self, agreements: Optional[CollectiveAgreements] = None) -> None:
         """Before an attempt: no reduce-scatter and no resharding in its passes, every unit unsharded (the
-        all-gathers, here, before any micro-batch)."""
+        all-gathers, here, before any micro-batch), each all-gather after the ranks' `agreements` where given (a
+        rank that runs out of memory allocating one tells the others at the next, instead of leaving them in it)."""
         if self._settings is None:
             # FSDP2 settles the root's settings in its first forward pass (the root is not resharded after it):
             # settle them first, so that `release` puts back those
@@ -169,23 +171,37 @@ class ShardedUnits:
             self._settings = [(g.reduce_grads, g.reshard_after_backward, g.post_forward_mesh_info) for g in self.groups]
         for group in self.groups:
             group.reduce_grads, group.reshard_after_backward, group.post_forward_mesh_info = False, False, None
-        for unit in self.units:
-            unit.unshard()
+        gathers = [group._all_gather_comm for group in self.groups]
+        if agreements is not None:
+            for group, gather in zip(self.groups, gathers):
+                group._all_gather_comm = AgreedAllGather(gather, agreements)
+        try:
+            for unit in self.units:
+                unit.unshard()
+        finally:
+            for group, gather in zip(self.groups, gathers):
+                group._all_gather_comm = gather
 
     def scatter_buffers(self) -> Dict[torch.dtype, Tuple[torch.Tensor, torch.Tensor]]:
         """What `reduce_scatter` needs, allocated before the ranks agree to run it (a rank that runs out of memory
         here tells the others in the agreement, instead of leaving them in a reduce-scatter): per dtype the
         gradients are reduced in (FSDP2's `reduce_dtype`, else theirs), an input of the largest unit's padded
-        unsharded gradients and an output of its shard; the attempt's sums of shards (zeros) on the first call."""
+        unsharded gradients and an output of its shard; the attempt's sums of shards (zeros) on the first call. Under
+        an address-space limit, room for what gloo allocates inside a reduce-scatter of CPU tensors (about its
+        input) is checked here too."""
         self.zero_sums()
         largest: Dict[Tuple[torch.dtype, torch.device], int] = {}
         for _, params in self.trained:
             key = (_reduce_dtype(params[0]), params[0].unsharded_param.device)
             largest[key] = max(largest.get(key, 0), sum(_padded_rows(p, self.world)[1] for p in params))
-        return {
+        buffers = {
             dtype: (torch.empty(self.world * n, dtype=dtype, device=device), torch.empty(n, dtype=dtype, device=device))
             for (dtype, device), n in largest.items()
         }
+        room = max((i.nbytes + o.nbytes for i, o in buffers.values() if i.device.type == "cpu"), default=0)
+        if room:
+            fresh_room(2 * room, "gloo inside the gradients' reduce-scatter")
+        return buffers
 
     def reduce_scatter(self, scale: float, buffers: Dict[torch.dtype, Tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Once every rank finished (a micro-batch, or the attempt): each unit's unsharded gradients (a parameter
@@ -206,7 +222,8 @@ class ShardedUnits:
             if scale != 1.0:
                 matrix.mul_(scale)
             out = flat_out[:total]
-            _reduce_scatter()(out, matrix.reshape(-1), group=self.process_group)
+            with collective("gradients' reduce-scatter"):
+                _reduce_scatter()(out, matrix.reshape(-1), group=self.process_group)
             out.div_(self.world)
             offset = 0
             for param, (rows, n) in zip(params, shapes):

@@ -72,7 +72,7 @@ class AgreeingFSDP2(GradientSync):
     def begin(self, size: int, micro_batches: int, weight: Optional[float]) -> None:
         self._buffers = None
         self._agreed_start(size, 0)
-        self.units.hold()
+        self.units.hold(CollectiveAgreements(self.agreement, size, 1.0))
 
     def _agreed_start(self, size: int, micro_batches: int) -> int:
         """Whether this rank can hold the units unsharded (`ShardedUnits.probe`), then the ranks' agreement to
@@ -135,7 +135,7 @@ class ReducingFSDP2(AgreeingFSDP2):
         self._size, self._done, self._weight = size, 0, weight
         self._scale: Optional[float] = None
         self._rounds = self._agreed_start(size, micro_batches)
-        self.units.hold()
+        self.units.hold(CollectiveAgreements(self.agreement, size, 1.0))
 
     def micro_batch_done(self) -> None:
         buffers = self.units.scatter_buffers()

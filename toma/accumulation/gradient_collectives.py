@@ -6,6 +6,9 @@ from typing import Any, Dict, List, Tuple
 import torch
 import torch.distributed as dist
 
+from toma.core.oom import collective
+from toma.memory.reserve import fresh_room
+
 __all__ = ["GradientBuckets", "all_reduce_gradients", "broadcast_buffers"]
 
 
@@ -13,8 +16,9 @@ class GradientBuckets:
     """The gradients of `params` flattened into buckets of about `bucket_bytes` per device and dtype, as
     DistributedDataParallel buckets them, allocated when made: before the ranks agree that every one finished its
     micro-batches, so that a rank short of memory for them tells the others there instead of leaving them in the
-    all-reduce (`all_reduce`, after the agreement, allocates nothing of its own). A parameter without a gradient
-    counts as zeros (and gets them), so that every rank reduces the same tensors."""
+    all-reduce (`all_reduce`, after the agreement, allocates nothing of its own; under an address-space limit, room
+    for what gloo allocates inside an all-reduce of the largest bucket is checked here too). A parameter without a
+    gradient counts as zeros (and gets them), so that every rank reduces the same tensors."""
 
     __slots__ = ("buckets",)
 
@@ -41,18 +45,24 @@ class GradientBuckets:
             for keyed in groups.values()
             for bucket in keyed
         ]
+        # gloo's all-reduce of a CPU tensor allocates inside (a quarter of an 8 MiB tensor, seen): a bucket's worth
+        largest = max((flat.nbytes for _, flat in self.buckets if flat.device.type == "cpu"), default=0)
+        if largest:
+            fresh_room(largest, "gloo inside the gradients' all-reduce")
 
     def all_reduce(self, group: Any = None, scale: float = 1.0) -> None:
         """Average the gradients over the ranks: every bucket all-reduced at once (asynchronously), divided by the
         world size, copied back. `scale` multiplies this rank's gradients first (its share in a weighted mean)."""
         world_size = dist.get_world_size(group)
         pending = []
-        for bucket, flat in self.buckets:
-            if scale != 1.0:
-                flat.mul_(scale)
-            pending.append((bucket, flat, dist.all_reduce(flat, group=group, async_op=True)))
-        for bucket, flat, work in pending:
-            work.wait()
+        with collective("gradients' all-reduce"):
+            for bucket, flat in self.buckets:
+                if scale != 1.0:
+                    flat.mul_(scale)
+                pending.append((bucket, flat, dist.all_reduce(flat, group=group, async_op=True)))
+            for _, _, work in pending:
+                work.wait()
+        for bucket, flat, _ in pending:
             flat.div_(world_size)
             if len(bucket) == 1 and flat.data_ptr() == bucket[0].data_ptr():
                 continue  # reduced in place

@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional, Protocol, TypeVar
 import torch
 import torch.distributed as dist
 
-from toma.core.oom import ControlException, inside_collective, should_reduce_batch_size
+from toma.core.oom import ControlException, collective, inside_collective, should_reduce_batch_size
 from toma.core.policy import SizePolicy, shrink_below
 from toma.core.steps import Step
 from toma.memory.reserve import AddressSpaceReserve
@@ -145,7 +145,8 @@ class Agreement:
         if tensor is None:  # the first agreement comes before any attempt: nothing has failed yet
             tensor = self._numbers = torch.zeros(1, dtype=torch.int64, device=self.device)
         tensor.fill_(value)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
+        with collective("agreement's all-reduce"):
+            dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
         return int(tensor.item())
 
     def sum(self, value: float) -> float:
@@ -154,7 +155,8 @@ class Agreement:
         if tensor is None:
             tensor = self._sums = torch.zeros(1, dtype=torch.float64, device=self.device)
         tensor.fill_(value)
-        dist.all_reduce(tensor, group=self.group)
+        with collective("ranks' sum"):
+            dist.all_reduce(tensor, group=self.group)
         return float(tensor.item())
 
     def start(self, size: int) -> int:

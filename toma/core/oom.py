@@ -1,8 +1,9 @@
 """Is this error an out-of-memory error (any backend)? And freeing memory once the failed attempt is gone."""
 
+import contextlib
 import gc
 import threading
-from typing import Callable, List, Optional, Tuple, Type
+from typing import Callable, Iterator, List, Optional, Tuple, Type
 
 import torch
 import torch.distributed
@@ -14,6 +15,7 @@ __all__ = [
     "should_reduce_batch_size",
     "failed_inside_collective",
     "inside_collective",
+    "collective",
     "register_oom_predicate",
     "unregister_oom_predicate",
     "release_memory",
@@ -109,6 +111,16 @@ def failed_inside_collective(exception: BaseException, collective: str) -> None:
         "other ranks stop when the collective fails for them (this rank's process ends, or their process group "
         "times out)",
     )
+
+
+@contextlib.contextmanager
+def collective(name: str) -> Iterator[None]:
+    """Around a collective toma issues: an error raised inside it is marked so (`failed_inside_collective`)."""
+    try:
+        yield
+    except Exception as error:
+        failed_inside_collective(error, name)
+        raise
 
 
 def inside_collective(exception: BaseException) -> bool:
