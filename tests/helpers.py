@@ -110,7 +110,10 @@ def run_pythons(
     and fails the test; a failure is the caller's to judge."""
     global _server
     if _server is None:
-        _server = ForkServer(dict(_ENV, PYTHONPATH=REPO + os.pathsep + _ENV.get("PYTHONPATH", "")), REPO)
+        # one malloc arena from the server's start, for every child: `predictable_heap` asks for it, but a child
+        # that inherits arenas made before it asked keeps them, and a thread's new one reserves 64 MiB of a cap
+        env = dict(_ENV, PYTHONPATH=REPO + os.pathsep + _ENV.get("PYTHONPATH", ""), MALLOC_ARENA_MAX="1")
+        _server = ForkServer(env, REPO)
         atexit.register(_server.close)
     children = [_server.start(textwrap.dedent(code), dict(_env(), **env), REPO) for code, env in zip(codes, envs)]
     finished = _server.wait([child.pid for child in children], time.monotonic() + timeout)

@@ -522,3 +522,76 @@ def test_a_rank_outside_the_process_group_runs_on_its_own():
     results = [json.loads(out.strip().splitlines()[-1]) for out in run_ranks(SUBGROUP, 3, timeout=90)]
     assert results[0] == results[1] == dict(result=2, sizes=[8, 4, 2])
     assert results[2] == dict(result=8, sizes=[8])
+
+
+# --- what a rank tells the others, whatever fails on its way there (the exchange faked, no process group) ----
+
+
+class Told:
+    """A `MinExchange` that records what this rank tells and answers as the other ranks would (`answers`, else
+    what this rank told)."""
+
+    def __init__(self, *answers):
+        self.told, self.answers = [], list(answers)
+
+    def min(self, value):
+        self.told.append(value)
+        return self.answers.pop(0) if self.answers else value
+
+
+@pytest.fixture
+def rank_0_of_2(monkeypatch):
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    agreement = distributed.Agreement()
+    agreement.exchange = Told()
+    return agreement
+
+
+def test_a_proposal_that_cannot_be_worked_out_still_tells_the_others_that_this_rank_stops(rank_0_of_2):
+    from toma.sizing.policies import Halving
+
+    def out_of_memory_while_proposing(size, failed, error):
+        raise MemoryError("no room left to work out a smaller size")
+
+    rank_0_of_2.propose = out_of_memory_while_proposing
+    with pytest.raises(MemoryError, match="no room left"):
+        rank_0_of_2.after_attempt(64, torch.OutOfMemoryError("CUDA out of memory"), Halving())
+    assert rank_0_of_2.exchange.told == [-1], "told once, as a stop: the others raise RankFailed, no one waits"
+
+
+def test_an_error_inside_a_collective_is_raised_at_once_without_an_agreement(rank_0_of_2):
+    from toma.core.oom import collective, should_reduce_batch_size
+    from toma.sizing.policies import Halving
+
+    def attempt():
+        with collective("an all-gather"):
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1050624 bytes")
+
+    with pytest.raises(RuntimeError, match="can't allocate memory") as raised:
+        rank_0_of_2.reported(attempt, 64, Halving(), lambda: 64)
+    assert rank_0_of_2.exchange.told == [], "the others are inside that collective, not at an agreement"
+    assert not should_reduce_batch_size(raised.value), "never retried"
+    assert any("inside the an all-gather" in note for note in raised.value.__notes__)
+
+
+def test_an_attempt_runs_with_room_kept_and_gives_it_back_before_telling_the_others(rank_0_of_2, monkeypatch):
+    from toma.memory import reserve
+    from toma.sizing.policies import Halving
+
+    monkeypatch.setattr(reserve, "address_space_limit", lambda: 2**40)  # a limit: the reserve is held
+    held_while = []
+
+    def attempt():
+        held_while.append(rank_0_of_2.reserve.held)
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    def told(value):
+        held_while.append(rank_0_of_2.reserve.held)
+        return value
+
+    rank_0_of_2.exchange.min = told
+    with pytest.raises(distributed.AgreedRetry, match="retry at 32"):
+        rank_0_of_2.reported(attempt, 64, Halving(), lambda: 64)
+    assert held_while == [True, False], "held during the attempt, given back before the agreement"
+    assert not rank_0_of_2.reserve.held

@@ -384,3 +384,29 @@ def test_on_cuda_a_size_above_the_largest_that_fit_is_not_refused_for_the_cached
     result = json.loads(run_python(GROWING_ON_A_WARM_CACHE, timeout=240).stdout.strip().splitlines()[-1])
     assert result["refused_warm"], f"the allocator itself did not refuse 0.95 M after 0.75 M here: {result}"
     assert result["sizes"] == [result["small"], result["large"]] and result["retries"] == [], result
+
+
+def test_ranks_that_agree_on_a_way_needing_other_memory_size_anew_from_where_the_call_started():
+    """An agreed retry with `restart` (FSDP2's parameters sharded after its held modes failed at every size): the
+    entry grows back to the retry's size and forgets what the old way taught; a plain agreed retry only shrinks."""
+    from toma.core.agreement import AgreedRetry
+
+    class Restarting(Step):
+        def __init__(self):
+            self.func, self.sizes = (lambda: None), []
+
+        def __call__(self, size):
+            self.sizes.append(size)
+            if len(self.sizes) == 1:
+                raise AgreedRetry(1, "out of memory at the smallest size, held")
+            if len(self.sizes) == 2:
+                raise AgreedRetry(64, "another way from here on", lighter=True, restart=True)
+            return True
+
+    entry = Batchsize(64)
+    entry.record_failure(2)
+    entry.record_fit(1)
+    step = Restarting()
+    engine._attempts(engine.CallState(step, entry, Halving(), 64), None, engine.Observers(()))
+    assert step.sizes == [64, 1, 64]
+    assert entry.value == 64 and entry.failed is None and entry.fitted == 64

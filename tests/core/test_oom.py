@@ -379,3 +379,19 @@ def test_a_collective_error_in_accumulation_passes_through_untouched_with_no_ret
     assert info.value is error and sizes == [8, 8], "raised once, never retried"
     assert compute_loss.stats.oom_retries == 0
     assert all(p.grad is None for p in model.parameters()), "the failed attempt's gradients are dropped"
+
+
+def test_an_error_raised_inside_a_collective_is_marked_never_retried_and_otherwise_untouched():
+    from toma.core.oom import collective, inside_collective
+
+    error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    with pytest.raises(torch.OutOfMemoryError) as raised:
+        with collective("gradients' all-reduce"):
+            raise error
+    assert raised.value is error, "the same error, its type and message"
+    assert inside_collective(error) and not should_reduce_batch_size(error)
+    assert "inside the gradients' all-reduce" in error.__notes__[-1]
+    wrapped = RuntimeError("while reducing")
+    wrapped.__cause__ = error
+    assert inside_collective(wrapped) and not should_reduce_batch_size(wrapped), "also as a cause"
+    assert not inside_collective(torch.OutOfMemoryError("CUDA out of memory")), "only what was raised inside"

@@ -20,7 +20,7 @@ from toma.accumulation.fsdp2_agreed import AgreedAllGather, AgreedReduceScatter,
 from toma.accumulation.sharded_models import fsdp2_root, is_fsdp2
 from toma.core.agreement import Agreement, RankFailed
 from toma.core.oom import collective, should_reduce_batch_size
-from toma.memory.reserve import fresh_room
+from toma.memory.reserve import room_for
 
 __all__ = ["is_fsdp2", "fsdp2_root", "held_unsharded", "Fsdp2Changed", "UnshardedDoesNotFit", "ShardedUnits"]
 
@@ -188,7 +188,7 @@ class ShardedUnits:
         gradients are reduced in (FSDP2's `reduce_dtype`, else theirs), an input of the largest unit's padded
         unsharded gradients and an output of its shard; the attempt's sums of shards (zeros) on the first call. Under
         an address-space limit, room for what gloo allocates inside a reduce-scatter of CPU tensors (about its
-        input) is checked here too."""
+        input; twice its input and output, as a margin) is checked here too."""
         self.zero_sums()
         largest: Dict[Tuple[torch.dtype, torch.device], int] = {}
         for _, params in self.trained:
@@ -200,7 +200,7 @@ class ShardedUnits:
         }
         room = max((i.nbytes + o.nbytes for i, o in buffers.values() if i.device.type == "cpu"), default=0)
         if room:
-            fresh_room(2 * room, "gloo inside the gradients' reduce-scatter")
+            room_for(2 * room, "gloo inside the gradients' reduce-scatter")
         return buffers
 
     def reduce_scatter(self, scale: float, buffers: Dict[torch.dtype, Tuple[torch.Tensor, torch.Tensor]]) -> None:

@@ -7,8 +7,8 @@ The wrappers keep the group's own communication (FSDP2's default, or what the us
 `set_custom_all_gather`/`set_custom_reduce_scatter`): its `allocate`, then the agreement, then its call.
 `toma.accumulation.fsdp2.ShardedUnits.agree_before_collectives` installs them for an attempt.
 
-Gloo (CPU tensors) allocates inside its all-gather and reduce-scatter copies of their output and input: under an
-address-space limit, room for them is mapped and unmapped before the agreement, so a rank short of it says so
+Gloo (CPU tensors) allocates inside its all-gather and reduce-scatter about their output or input: under an
+address-space limit, room for twice both is allocated and freed before the agreement, so a rank short of it says so
 there rather than failing inside the collective with the others waiting in it. An error inside a collective itself
 no agreement can cover: it is marked so (`toma.core.oom.failed_inside_collective`), never retried, and raised at
 once with a note naming the collective (the other ranks stop when the collective fails for them: where this
@@ -19,8 +19,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from toma.core.agreement import Agreement
-from toma.core.oom import failed_inside_collective
-from toma.memory.reserve import fresh_room
+from toma.core.oom import collective
+from toma.memory.reserve import room_for
 
 __all__ = ["CollectiveAgreements", "AgreedAllGather", "AgreedReduceScatter"]
 
@@ -49,20 +49,17 @@ def _room_for(output: torch.Tensor, input: torch.Tensor) -> None:
     and freed now, before the agreement (an out-of-memory error here is an ordinary failure of this rank's
     attempt)."""
     if output.device.type == "cpu":
-        # Fresh address space (under an address-space limit): gloo allocates on its own threads, whose malloc arena
-        # need not have the free pieces of this thread's heap that a tensor allocated here could reuse; twice its
-        # copies, as a margin for what its threads' arenas take around them (one copy's room was seen not to be
-        # enough).
-        fresh_room(2 * (output.nbytes + input.nbytes), "gloo inside FSDP2's next collective")
+        # Under an address-space limit: gloo allocates about its output (an all-gather) or its input (a
+        # reduce-scatter) on its own threads, through malloc as this check does (16.3 of 16 MiB, 8.5-10.5 of 8 MiB,
+        # seen); twice both, as a margin for what its threads take around them (room for both once was seen to
+        # leave an all-gather of 1 MiB without room inside)
+        room_for(2 * (output.nbytes + input.nbytes), "gloo inside FSDP2's next collective")
 
 
-def _inside(name: str, collective: Callable[..., Any], **arguments: Any) -> Any:
-    """`collective(**arguments)`, an error inside it marked as one no agreement covers."""
-    try:
-        return collective(**arguments)
-    except Exception as error:
-        failed_inside_collective(error, f"FSDP2's {name}")
-        raise
+def _inside(name: str, call: Callable[..., Any], **arguments: Any) -> Any:
+    """`call(**arguments)`, an error inside it marked as one no agreement covers."""
+    with collective(f"FSDP2's {name}"):
+        return call(**arguments)
 
 
 class _AgreedComm:
@@ -106,10 +103,11 @@ class AgreedReduceScatter(_AgreedComm):
     ) -> Any:
         _room_for(output_tensor, input_tensor)
         self.agreements.agree()
-        if self.agreements.joining:  # a round this rank runs only to match the others': it counts nothing
-            input_tensor.zero_()
-        elif self.agreements.scale != 1.0:
-            input_tensor.mul_(self.agreements.scale)
+        with collective("FSDP2's reduce-scatter"):  # every rank agreed to run it: no error is retried from here
+            if self.agreements.joining:  # a round this rank runs only to match the others': it counts nothing
+                input_tensor.zero_()
+            elif self.agreements.scale != 1.0:
+                input_tensor.mul_(self.agreements.scale)
         return _inside(
             "reduce-scatter", self.inner, output_tensor=output_tensor, input_tensor=input_tensor, group=group, op=op,
             async_op=async_op,

@@ -7,9 +7,11 @@ import torch
 import torch.distributed as dist
 
 from toma.core.oom import collective
-from toma.memory.reserve import fresh_room
+from toma.memory.reserve import room_for
 
 __all__ = ["GradientBuckets", "all_reduce_gradients", "broadcast_buffers"]
+
+GLOO_ALL_REDUCE_ROOM = 4 * 2**20
 
 
 class GradientBuckets:
@@ -45,10 +47,10 @@ class GradientBuckets:
             for keyed in groups.values()
             for bucket in keyed
         ]
-        # gloo's all-reduce of a CPU tensor allocates inside (a quarter of an 8 MiB tensor, seen): a bucket's worth
-        largest = max((flat.nbytes for _, flat in self.buckets if flat.device.type == "cpu"), default=0)
-        if largest:
-            fresh_room(largest, "gloo inside the gradients' all-reduce")
+        # gloo's all-reduce of a CPU tensor allocates inside, about 2 MiB whatever its size (seen for 8 and 32 MiB):
+        # room for two at once, one per thread of gloo's
+        if any(flat.device.type == "cpu" for _, flat in self.buckets):
+            room_for(GLOO_ALL_REDUCE_ROOM, "gloo inside the gradients' all-reduce")
 
     def all_reduce(self, group: Any = None, scale: float = 1.0) -> None:
         """Average the gradients over the ranks: every bucket all-reduced at once (asynchronously), divided by the

@@ -40,7 +40,7 @@ from toma.batching.micro_batch_moves import pipeline_for, prefetched
 from toma.batching.splitting import MicroBatch
 from toma.batching.tokens import TokenPiece, token_batches
 from toma.core.agreement import AgreedRetry
-from toma.core.oom import should_reduce_batch_size
+from toma.core.oom import collective, should_reduce_batch_size
 from toma.core.steps import TOKEN_BUDGET, Step
 from toma.sizing.policies import SizePolicy
 
@@ -254,7 +254,11 @@ class AccumulateStep(Step):
             result = agreement.reported(
                 attempt, asked, self.policy, lambda: size, lighter=self._has_lighter, met_within=True
             )
-        self.sync.reduce(self.params, self.total_weight if self.rank_weighted else None)
+        if agreement is None:
+            self.sync.reduce(self.params, self.total_weight if self.rank_weighted else None)
+        else:  # every rank agreed to reduce: an error from here on is one the others cannot meet (never retried)
+            with collective("gradients' reduction, after every rank agreed to it"):
+                self.sync.reduce(self.params, self.total_weight if self.rank_weighted else None)
         return result
 
     def _attempt(self, asked: int, size: int) -> torch.Tensor:

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from toma.core.agreement import FINISHED
+from toma.core.oom import collective
 
 __all__ = ["HostMin", "host_min_for", "encoded", "decoded"]
 
@@ -110,13 +111,16 @@ class HostMin:
         words, word = self._words, (sequence << _CODE_BITS) | code
         words[base + self.rank] = word
         self._sequence = count
-        lowest = _CODE_MASK
-        for other in range(self.world_size):
-            word = words[base + other]
-            if word >> _CODE_BITS != sequence:
-                word = self._await(base + other, sequence, other)
-            lowest = min(lowest, word & _CODE_MASK)
-        return decoded(lowest)
+        # committed: the others may act on this rank's number already, so an error from here on is one they cannot
+        # meet at an agreement (never retried)
+        with collective("agreement in shared memory"):
+            lowest = _CODE_MASK
+            for other in range(self.world_size):
+                word = words[base + other]
+                if word >> _CODE_BITS != sequence:
+                    word = self._await(base + other, sequence, other)
+                lowest = min(lowest, word & _CODE_MASK)
+            return decoded(lowest)
 
     def _await(self, index: int, sequence: int, other: int) -> int:
         """Rank `other`'s word once it holds `sequence`: yielding the core at first, then napping; raises where

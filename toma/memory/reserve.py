@@ -6,19 +6,22 @@ process is at its limit: whatever runs then and allocates (Python building the e
 the ranks' agreement, which must be reached whatever happens) can fail in its turn, and a rank that fails there
 never tells the others. `AddressSpaceReserve` keeps a few MiB mapped, never touched (no memory is used, only
 address space), while an attempt runs, and unmaps them the moment the attempt ends, before anything else runs.
-`fresh_room` checks, before a collective that allocates on threads of its own (gloo's), that as much fresh
-address space is there. Without an address-space limit both do nothing: no other limit fails an allocation
-in the middle of Python code this way (a GPU's memory is not where Python allocates)."""
+`room_for` checks, before a collective that allocates on threads of its own (gloo's), that malloc can give as
+much (from the heap's free pieces or fresh address space, as it would give gloo). Without an address-space limit
+both do nothing: no other limit fails an allocation in the middle of Python code this way (a GPU's memory is not
+where Python allocates)."""
 
 import errno
 import mmap
 from typing import Optional
 
+import torch
+
 from toma.memory.cpu import address_space_limit
 
-__all__ = ["AddressSpaceReserve", "RESERVED", "fresh_room"]
+__all__ = ["AddressSpaceReserve", "RESERVED", "room_for"]
 
-RESERVED = 4 * 2**20  # what the moments after an error need: a few of Python's 1 MiB arenas, malloc's growth
+RESERVED = 2 * 2**20  # what the moments after an error need: one of Python's 1 MiB arenas, malloc's heap growing
 
 
 def _mapped(size: int) -> mmap.mmap:
@@ -62,14 +65,14 @@ class AddressSpaceReserve:
             mapping.close()
 
 
-def fresh_room(size: int, what: str) -> None:
-    """Whether `size` bytes of fresh address space can be mapped now (mapped and unmapped at once); a MemoryError
-    naming `what` where an address-space limit leaves no such room."""
+def room_for(size: int, what: str) -> None:
+    """Whether the CPU allocator can give `size` bytes now (allocated and freed at once, never touched); a
+    MemoryError naming `what` where an address-space limit leaves no room for them."""
     if address_space_limit() is None:
         return
     try:
-        _mapped(size).close()
-    except OSError as error:
-        if error.errno != errno.ENOMEM:
+        torch.empty(size, dtype=torch.uint8)
+    except RuntimeError as error:
+        if "can't allocate memory" not in str(error) and "not enough memory" not in str(error):
             raise
         raise MemoryError(f"no room for the {size} bytes kept for {what}") from None
