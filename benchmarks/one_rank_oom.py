@@ -1,30 +1,35 @@
 """One rank out of memory for real, two gloo ranks (issue 55): where the failing allocation lands, what toma does, and
 how long until every rank is done.
 
-    python benchmarks/one_rank_oom.py [--cases NAME,...] [--together] [--limit 240]
+    python benchmarks/one_rank_oom.py [--cases NAME,...] [--together] [--peaks] [--limit 240]
 
-Each case starts two ranks (gloo on this host); rank 1 alone is capped for real, by its address space
-(RLIMIT_AS), rank 0 never. A case is a gradient sync and where rank 1's cap lands:
+Each case starts two ranks (gloo on this host); rank 1 alone is capped for real, by its address space (RLIMIT_AS),
+rank 0 never. A case is a gradient sync and where rank 1's cap lands:
 
-- a *phase* of a logical batch: the cap is set, on rank 1, during toma's first attempt, at the current address
-  space, the moment the phase begins (FSDP2's all-gather or reduce-scatter allocating its buffer, a block's forward
-  pass, a block's backward pass, the buffers of the gradients' reduction, the inside of a collective after every
-  rank agreed to run it, or the optimizer's step after toma's call, outside it), and stays for the rest of the run;
-- a *cap*: rank 1 capped from the start a few MiB below what one unsplit pass of its logical batch needs
-  (`below`: 4 MiB or a twentieth, whichever is more), or half-way from there to what half the micro-batch needs (`halfway`), both measured in the
-  run (the peak resident size above where the pass began), the cap set with the free pieces of malloc's heap taken
-  (all of its headroom is fresh address space).
+- a *phase* of a logical batch: the cap is set on rank 1 during toma's first attempt, at the address space it holds
+  the moment the phase begins (FSDP2's all-gather or reduce-scatter allocating its buffer, a block's forward pass, a
+  block's backward pass, the buffers of the gradients' reduction, the inside of a collective after every rank
+  agreed to run it, or the optimizer's step after toma's call, outside it), the free pieces of malloc's heap taken,
+  so that the phase's next allocation fails for real; it stays for the rest of the run;
+- a *cap* from the start: a few MiB below what one unsplit pass of the logical batch needs (`below`: 4 MiB or a
+  twentieth, whichever is more), or half-way from there to what half the micro-batch needs (`halfway`), both
+  measured in the run (the peak resident size above where the pass began), the cap's headroom all fresh address
+  space (the heap's free pieces taken). Under "auto" and DDP the framework's own loop at half the micro-batch must
+  train under the cap (checked: the case's premise).
 
-Every rank trains two logical batches of 128 rows of 32 tokens (4 residual 512x512 blocks, SGD)
-with `toma.accumulate(model=..., initial_micro_batch=128)` and ends either trained (to the parameters of the unsplit
-steps, run before any cap) or with an error; the case `issue` is issue 55's own: 96 blocks, 196 rows of 2 tokens a
-rank, rank 1 capped half-way between what FSDP2's own loop needs for the unsplit pass and what it needs at half the
-micro-batch, which trains under the cap (checked; a few MiB above it, the check itself failed now and then). Printed: a line per case (its outcome on every rank, the seconds
-from the cap landing to the last rank's end, the micro-batch sizes, the out-of-memory retries), and a JSON line
-per rank. Each case runs on its own pair of fresh ranks (`--together`: the cases one after the other on one pair). A
-launch that does not end within `--limit` seconds is a hang: each rank's stack is dumped (faulthandler) before it is
-killed. `--rank CASE` runs one rank of one case (RANK, WORLD_SIZE, MASTER_ADDR,
-MASTER_PORT set): what the driver starts, and what the tests start.
+Every rank trains two logical batches of 128 rows of 32 tokens (4 residual 512x512 blocks, SGD) with
+`toma.accumulate(model=..., initial_micro_batch=128)` and ends either trained (to the parameters of the unsplit
+steps, run before any cap) or with an error. The case `issue` is issue 55's own: 96 blocks, 196 rows of 2 tokens a
+rank, rank 1 capped below what FSDP2's own loop needs for the unsplit pass, a quarter of the way up from what it
+needs at half the micro-batch, where that loop trains (checked).
+
+Printed: a line per case (its outcome on every rank, the seconds from the cap landing to the last rank's end, the
+micro-batch sizes, the out-of-memory retries; with `--peaks`, after a case that trained, what one more of toma's
+calls needs at the size it settled at against the framework's own loop at that micro-batch size, the cap lifted: the
+memory a failed attempt leaves behind would show there), and a JSON line per rank. Each case runs on its own pair
+of fresh ranks (`--together`: one after the other on one pair). A launch that does not end within `--limit` seconds
+is a hang: each rank's stack is dumped (faulthandler) before it is killed. `--rank CASES` runs one rank (RANK,
+WORLD_SIZE, MASTER_ADDR, MASTER_PORT set): what the driver starts, and what the tests start.
 """
 
 import argparse
@@ -184,8 +189,8 @@ class Landing(torch.autograd.Function):
 class Case:
     """One rank of one case: the model, the data, the unsplit reference steps, toma's steps under the cap."""
 
-    def __init__(self, name: str, sizes: Dict[str, int]) -> None:
-        self.name = name
+    def __init__(self, name: str, sizes: Dict[str, int], peaks: bool = False) -> None:
+        self.name, self.peaks = name, peaks
         self.sync, self.where, self.expected = CASES[name]
         self.rank = dist.get_rank()
         self.blocks, self.width, self.rows, self.tokens = (sizes[k] for k in ("blocks", "width", "rows", "tokens"))
@@ -324,7 +329,27 @@ class Case:
                 result["difference"] = max(float((g - e).abs().max() / e.abs().max()) for g, e in zip(got, expected))
             except Exception as error:
                 result["difference"] = f"{type(error).__name__}: {error}"[:300]
+            if self.peaks:
+                result.update(self.peaks_after(model, compute_loss, sizes[-1]))
         return result
+
+    def peaks_after(self, model: nn.Module, compute_loss: Callable[[torch.Tensor], Any], size: int) -> Dict[str, Any]:
+        """After the run (rank 1's real out-of-memory errors among it), the cap lifted: what one more of toma's calls
+        needs at the size it settled at, against the framework's own loop at that micro-batch size (`need_of`, the
+        same model and data; gradients dropped after each)."""
+        x = self.steps[0]
+
+        def dropped(work: Callable[[], Any]) -> Callable[[], None]:
+            def run() -> None:
+                work()
+                for p in model.parameters():
+                    p.grad = None
+
+            return run
+
+        hand = need_of(dropped(lambda: self.hand_pass(model, x, size)))
+        ours = need_of(dropped(lambda: compute_loss(x)))
+        return dict(toma_mib=round(ours / MiB, 2), loop_mib=round(hand / MiB, 2), peak_ratio=round(ours / hand, 3))
 
     def static_cap(self, model: nn.Module, unsplit_need: int) -> Dict[str, Any]:
         """Rank 1 capped from the start: a few MiB below what one unsplit pass needs, or half-way from there to what
@@ -358,6 +383,8 @@ class Case:
             headroom = full - max(4 * MiB, full // 20)
         else:
             half = need(self.rows // 2)
+            # the issue's case a quarter of the way: half-way up, toma's sharded mode ran the unsplit pass whole (in
+            # this flow it needed less than FSDP2's own loop, whose premise a quarter of the way still holds)
             headroom = (full + half) // 2 if self.name != "issue" else half + (full - half) // 4
             figures["half_mib"] = round(half / MiB, 2)
         figures["headroom_mib"] = round(headroom / MiB, 2)
@@ -423,9 +450,10 @@ def _reduce_scatter() -> Callable[..., Any]:
     return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def run_ranks_cases(names: List[str], limit: float) -> None:
+def run_ranks_cases(names: List[str], limit: float, peaks: bool = False) -> None:
     """This rank's part of cases `names`, one after the other in this process (the process group from the
-    environment): a JSON line each. After a case that ended with an error, the rest are not run."""
+    environment): a JSON line each. After a case that ended with an error, the rest are not run. `peaks`: after a
+    trained case, what one more call needs against the framework's own loop (`Case.peaks_after`)."""
     faulthandler.dump_traceback_later(max(limit - 5, 1), exit=True)  # where this rank stands, if it hangs
     if os.environ.get("TOMA_LOG"):  # toma's INFO lines on stderr
         logging.basicConfig(level=logging.INFO, format=f"[rank {os.environ.get('RANK')}] %(message)s")
@@ -434,7 +462,7 @@ def run_ranks_cases(names: List[str], limit: float) -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
     references: Dict[Tuple[str, int, bool], Tuple[List[torch.Tensor], int]] = {}
     for name in names:
-        case = Case(name, ISSUE if name == "issue" else SMALL)
+        case = Case(name, ISSUE if name == "issue" else SMALL, peaks)
         key = ("ddp" if case.sync == "ddp" else "fsdp2", case.blocks, case.where == "optimizer")
         if key not in references:
             references[key] = case.reference()
@@ -445,7 +473,9 @@ def run_ranks_cases(names: List[str], limit: float) -> None:
     faulthandler.cancel_dump_traceback_later()
 
 
-def launch(names: List[str], limit: float) -> Tuple[Dict[str, List[Optional[Dict[str, Any]]]], List[str]]:
+def launch(
+    names: List[str], limit: float, peaks: bool = False
+) -> Tuple[Dict[str, List[Optional[Dict[str, Any]]]], List[str]]:
     """Cases `names`, one after the other, on two fresh ranks (fresh interpreters, one malloc arena from their
     start, as `predictable_heap` asks but cannot ask once an arena was made): each case's result per rank (None
     where a rank printed none), and the ranks' stderr."""
@@ -459,6 +489,7 @@ def launch(names: List[str], limit: float) -> Tuple[Dict[str, List[Optional[Dict
         env.update(OMP_NUM_THREADS="1", MALLOC_ARENA_MAX="1")
         env["PYTHONPATH"] = here + os.pathsep + os.environ.get("PYTHONPATH", "")
         command = [sys.executable, os.path.abspath(__file__), "--rank", ",".join(names), "--limit", str(limit)]
+        command += ["--peaks"] if peaks else []
         processes.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     started = time.monotonic()
     outputs = []
@@ -497,22 +528,25 @@ def main() -> None:
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated case names")
     parser.add_argument("--together", action="store_true", help="the cases one after the other on one pair of ranks")
     parser.add_argument("--limit", type=float, default=240.0, help="seconds before a launch counts as a hang")
+    parser.add_argument("--peaks", action="store_true", help="after each trained case, one more call's need")
     parser.add_argument("--rank", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank:
-        run_ranks_cases(args.rank.split(","), args.limit)
+        run_ranks_cases(args.rank.split(","), args.limit, args.peaks)
         os._exit(0)  # no teardown collective: a rank that stopped may have left the other one's unmatched
     names = args.cases.split(",")
     print(f"torch {torch.__version__}, 2 gloo ranks on {os.cpu_count()} CPU cores; rank 1 alone capped for real")
     print(f"{'case':34} {'outcome':42} {'s to end':>8}  sizes / retries")
     for launched in [names] if args.together else [[name] for name in names]:
-        results, errors = launch(launched, args.limit)
+        results, errors = launch(launched, args.limit, args.peaks)
         for name in launched:
             ranks = results[name]
             seconds = max((r["seconds"] for r in ranks if r is not None), default=float("nan"))
             sizes = "/".join(str(r["sizes"]) for r in ranks if r is not None)
             retries = max((r["retries"] for r in ranks if r is not None), default=0)
-            print(f"{name:34} {judged(ranks):42} {seconds:8.1f}  {sizes} / {retries}", flush=True)
+            ratios = "/".join(str(r["peak_ratio"]) for r in ranks if r is not None and "peak_ratio" in r)
+            after = f"  peak after it, toma / the loop: {ratios}" if ratios else ""
+            print(f"{name:34} {judged(ranks):42} {seconds:8.1f}  {sizes} / {retries}{after}", flush=True)
             for rank, result in enumerate(ranks):
                 print(f"  rank {rank}: {json.dumps(result) if result else errors[rank][-3000:]}", flush=True)
 

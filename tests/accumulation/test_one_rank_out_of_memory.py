@@ -122,6 +122,9 @@ def test_issue_55s_case_96_blocks_trains_both_steps_where_fsdp2s_own_loop_trains
     ranks = launch(["issue"])["issue"]
     for result in ranks:
         assert result["outcome"] == "trained" and result["difference"] < 1e-5, result
+        # the units (96 MiB) fit rank 1's cap, not with their gradients: "auto" goes sharded at once (one retry),
+        # where it shrank to one row in each held mode first and ran its sharded attempts there (minutes a step)
+        assert 1 <= result["retries"] <= 3, result
         assert result["headroom_mib"] < result["full_mib"] and result["headroom_mib"] > result["half_mib"], result
         assert result["premise"].endswith("trains under the cap"), result
         assert result["seconds"] < 120, result
