@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from toma import CoupledRows, GlobalBatchsizeCache, Halving, NoBatchsizeCache, explicit, toma
+from toma import GlobalBatchsizeCache, Halving, NoBatchsizeCache, explicit, toma
 from toma.batching.transfer import Transfers
 
 import fake_cuda
@@ -211,14 +211,18 @@ def test_a_token_mean_loss_with_weight_equals_the_full_batch(micro, form):
     assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters())
 
 
-def test_rows_are_the_wrong_weight_for_a_token_mean_loss_and_the_first_split_says_so():
+def test_rows_are_the_wrong_weight_for_a_token_mean_loss_and_the_first_split_finds_it():
     """What weight= fixes: weighting by rows is off by far more than rounding for a token mean. Unless told the rows
-    are independent, toma finds it before the first split trains anything, and refuses."""
+    are independent, toma finds it before the first split trains anything, and trains the full batch's gradients by
+    gradient caching; told the rows are independent (groups='rows'), it trains something else."""
     expected, _ = causal_lm_reference()
     model, ids, labels = causal_lm_case()
-    with pytest.raises(CoupledRows, match="weight= does not count"):
-        toma.accumulate(model=model, initial_micro_batch=16)(causal_lm_loss(model))(ids, labels)
-    assert all(p.grad is None for p in model.parameters()), "nothing trained"
+    step = toma.accumulate(model=model, initial_micro_batch=16)(causal_lm_loss(model))
+    step(ids, labels)
+    assert step.stats.split_check.coupled
+    for p, e in zip(model.parameters(), expected, strict=True):
+        torch.testing.assert_close(p.grad, e, rtol=1e-5, atol=1e-6)
+    model.zero_grad(set_to_none=True)
     toma.accumulate(model=model, initial_micro_batch=16, groups="rows")(causal_lm_loss(model))(ids, labels)
     error = max(float((p.grad - e).norm() / e.norm()) for p, e in zip(model.parameters(), expected, strict=True))
     assert error > 1e-3

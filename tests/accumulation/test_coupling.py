@@ -1,5 +1,7 @@
-"""Losses that couple rows: refused before a split batch trains anything, unless `groups=` says how the rows belong
-together, and then trained exactly (pairs, groups); the one check and what it leaves behind."""
+"""Losses that couple rows: found before a split batch trains anything, then trained exactly by gradient caching
+(`tests/accumulation/test_gradient_cache.py` tests it further) or, where `groups=` says how the rows belong together,
+in micro-batches of whole groups (pairs, groups); refused where neither is exact; the one check and what it leaves
+behind."""
 
 import logging
 
@@ -9,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from toma import CoupledRows, Halving, NoBatchsizeCache, explicit, toma
+from toma.accumulation.per_function import learned_about
 
 from helpers import raise_fake_oom, run_python
 
@@ -31,26 +34,47 @@ def pairs_data(n=32):
     return torch.randn(n, 16), torch.randn(n, 16)
 
 
-def test_in_batch_negatives_split_by_an_oom_are_refused_before_anything_trains():
-    model = encoder()
+class OutOfMemoryAbove(nn.Module):
+    """`model` whose forward runs out of memory above `rows` rows (a stand-in for a real cap)."""
+
+    def __init__(self, model, rows):
+        super().__init__()
+        self.model, self.rows = model, rows
+
+    def forward(self, x):
+        if len(x) > self.rows:
+            raise_fake_oom()
+        return self.model(x)
+
+
+def test_in_batch_negatives_split_by_an_oom_train_the_full_batch_by_gradient_caching(caplog):
+    reference, model = encoder(), OutOfMemoryAbove(encoder(), 8)
     queries, documents = pairs_data()
+    info_nce(reference, queries, documents).backward()
 
     @toma.accumulate(model=model, initial_micro_batch=32, policy=Halving())
     def loss(queries, documents):
-        if len(queries) > 8:
-            raise_fake_oom()
         return info_nce(model, queries, documents)
 
-    with pytest.raises(CoupledRows, match=r"8 rows together is .* relative difference .*groups=") as raised:
-        loss(queries, documents)
-    assert "in-batch negatives" in str(raised.value)
-    assert all(p.grad is None for p in model.parameters()), "nothing of the split batch trained"
+    with caplog.at_level(logging.INFO, logger="toma"):
+        value = loss(queries, documents)
+    assert "trains by gradient caching" in caplog.text and "8 rows together is" in caplog.text
+    assert loss.stats.split_check.coupled and loss.stats.micro_batch == 8
+    torch.testing.assert_close(value, info_nce(reference, queries, documents).detach(), rtol=RTOL, atol=ATOL)
+    for p, r in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, r.grad, rtol=RTOL, atol=ATOL)
+
+
+def batchnorm_encoder():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.Tanh(), nn.Linear(32, 8))
 
 
 @pytest.mark.parametrize("form", ["decorated", "inline", "explicit"])
 def test_a_refused_loss_is_refused_at_every_later_call_and_never_trains_split(form):
-    """Catching `CoupledRows` and calling again (a retry loop, a notebook cell run twice) must not train it."""
-    model = encoder()
+    """Catching `CoupledRows` and calling again (a retry loop, a notebook cell run twice) must not train it: in-batch
+    negatives through a model that mixes rows (BatchNorm in training mode), which gradient caching cannot cut."""
+    model = batchnorm_encoder()
     queries, documents = pairs_data()
 
     def loss(queries, documents):
@@ -95,25 +119,32 @@ def test_a_loss_function_wrapped_anew_at_every_call_is_checked_once():
 
 def test_the_same_function_under_other_settings_is_checked_again():
     """A token mean passes the check with weight= counting its tokens; the same function's code without weight= (or
-    with another reduction) is another check, and refused."""
-    model = encoder()
+    with another reduction) is another check, which finds the parts do not add up: those train by gradient caching,
+    each to the full batch's gradients."""
+    model, reference = encoder(), encoder()
     inputs = torch.randn(12, 16)
     targets = torch.randint(0, 8, (12, 3))
     targets[::4, 1:] = targets[1::4, 1:] = -100  # rows count 1, 1, 3, 3 targets: halves of 2 and 6
 
-    def token_mean(inputs, targets):
-        logits = model(inputs)[:, None, :].expand(-1, 3, -1)
+    def token_mean_of(net, inputs, targets):
+        logits = net(inputs)[:, None, :].expand(-1, 3, -1)
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    def token_mean(inputs, targets):
+        return token_mean_of(model, inputs, targets)
 
     def counted(inputs, targets):
         return (targets != -100).sum()
 
-    explicit.accumulate(token_mean, model, 4, inputs, targets, toma_weight=counted)
-    model.zero_grad(set_to_none=True)
-    with pytest.raises(CoupledRows, match="weight= does not count"):
-        explicit.accumulate(token_mean, model, 4, inputs, targets)
-    with pytest.raises(CoupledRows):
-        toma.accumulate(model=model, initial_micro_batch=4, reduction="sum")(token_mean)(inputs, targets)
+    token_mean_of(reference, inputs, targets).backward()
+    coupled = []
+    for reduction, weight in (("mean", counted), ("mean", None), ("sum", None)):
+        model.zero_grad(set_to_none=True)
+        explicit.accumulate(token_mean, model, 4, inputs, targets, toma_weight=weight, toma_reduction=reduction)
+        for p, r in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, r.grad, rtol=RTOL, atol=ATOL)
+        coupled.append(learned_about(token_mean, reduction, weight, None).split_check.coupled)
+    assert coupled == [False, True, True]
 
 
 @pytest.mark.parametrize("given, loss_reduction", [("mean", "sum"), ("sum", "mean")])
@@ -125,9 +156,11 @@ def test_a_loss_reduced_otherwise_than_reduction_says_is_refused_naming_reductio
     )
     with pytest.raises(CoupledRows, match=f"the loss is a {loss_reduction}, .*pass reduction='{loss_reduction}'"):
         step(inputs, targets)
-    with pytest.raises(CoupledRows) as coupled:
-        toma.accumulate(model=model, initial_micro_batch=8)(lambda q, d: info_nce(model, q, d))(*pairs_data())
-    assert "reduction=" not in str(coupled.value), "a loss that couples rows is not told to change its reduction"
+    assert all(p.grad is None for p in model.parameters()), "refused before anything trained"
+    # a loss that couples rows is not told to change its reduction: it trains by gradient caching
+    step = toma.accumulate(model=model, initial_micro_batch=8)(lambda q, d: info_nce(model, q, d))
+    step(*pairs_data())
+    assert step.stats.split_check.coupled
 
 
 def test_how_far_a_split_trains_from_the_full_batch_when_told_the_rows_are_independent():
@@ -170,7 +203,7 @@ def preference_loss(model, inputs):
     return -F.logsigmoid(chosen - rejected).mean()
 
 
-def test_pairs_train_the_full_batch_gradients_and_rows_alone_are_refused():
+def test_pairs_train_the_full_batch_gradients_and_rows_alone_train_it_by_gradient_caching():
     reference, model = encoder(), encoder()
     torch.manual_seed(2)
     inputs = torch.randn(32, 16)  # 16 chosen rows, then their 16 rejected rows
@@ -182,8 +215,13 @@ def test_pairs_train_the_full_batch_gradients_and_rows_alone_are_refused():
             seen.append(len(inputs))
         return preference_loss(model, inputs)
 
-    with pytest.raises(CoupledRows):
-        toma.accumulate(model=model, initial_micro_batch=8)(loss)(inputs)
+    cached = toma.accumulate(model=model, initial_micro_batch=8)(loss)  # rows alone: coupled, gradient caching
+    cached(inputs)
+    assert cached.stats.split_check.coupled and seen == [32], "the loss once, on the whole batch"
+    for p, r in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, r.grad, rtol=RTOL, atol=ATOL)
+    model.zero_grad(set_to_none=True)
+    seen.clear()
     toma.accumulate(model=model, initial_micro_batch=8, groups="pairs")(loss)(inputs)
     assert seen == [8, 8, 8, 8], "4 pairs per micro-batch"
     for p, r in zip(model.parameters(), reference.parameters()):
@@ -212,10 +250,15 @@ def test_groups_from_a_function_keep_each_query_with_its_documents():
     loss(lambda f, q, r: listwise(model, f, q, r))(features, query, relevant)
     for p, r in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, r.grad, rtol=RTOL, atol=ATOL)
-    with pytest.raises(CoupledRows):  # cut by rows, a query's documents would land in two micro-batches
-        toma.accumulate(model=model, initial_micro_batch=7, policy=Halving(), cache_type=NoBatchsizeCache)(
-            lambda f, q, r: listwise(model, f, q, r)
-        )(features, query, relevant)
+    # cut by rows, a query's documents would land in two micro-batches: found coupled, trained by gradient caching
+    model.zero_grad(set_to_none=True)
+    step = toma.accumulate(model=model, initial_micro_batch=7, policy=Halving(), cache_type=NoBatchsizeCache)(
+        lambda f, q, r: listwise(model, f, q, r)
+    )
+    step(features, query, relevant)
+    assert step.stats.split_check.coupled
+    for p, r in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, r.grad, rtol=RTOL, atol=ATOL)
 
 
 def test_the_check_runs_once_per_call_site_and_leaves_nothing_behind(caplog):
@@ -309,9 +352,10 @@ def test_under_autocast_rounding_is_not_taken_for_coupling():
 
 
 @pytest.mark.slow
-def test_under_a_real_cap_in_batch_negatives_are_refused_and_an_independent_loss_trains_the_reference():
-    """The whole batch does not fit under a real address-space cap: toma splits it, and the check refuses the
-    coupled loss (with nothing trained) and lets the independent one through to the full batch's gradients."""
+def test_under_a_real_cap_in_batch_negatives_and_an_independent_loss_both_train_the_reference():
+    """The whole batch does not fit under a real address-space cap: toma splits it; the check finds the coupled loss
+    and trains it by gradient caching, and lets the independent one through in micro-batches, both to the full
+    batch's gradients."""
     run_python(
         """
         import torch, torch.nn as nn, torch.nn.functional as F
@@ -325,27 +369,30 @@ def test_under_a_real_cap_in_batch_negatives_are_refused_and_an_independent_loss
             return nn.Sequential(nn.Linear(32, WIDTH), nn.ReLU(), nn.Linear(WIDTH, 16))
         torch.manual_seed(1)
         q, d = torch.randn(N, 32), torch.randn(N, 32)
-        reference = model()
-        F.mse_loss(reference(q), reference(d)).backward()  # uncapped: what the full batch gives
-        expected = [p.grad.clone() for p in reference.parameters()]
-        del reference
-        set_cpu_memory_headroom(0.2)  # 200 MiB: a full batch's activations (2 x 64 MiB each, and their grads) do not fit
-        net = model()
-        def info_nce(q, d):
+        def info_nce(net, q, d):
             a, b = F.normalize(net(q), dim=-1), F.normalize(net(d), dim=-1)
             return F.cross_entropy(a @ b.T / 0.05, torch.arange(len(q)))
-        try:
-            toma.accumulate(model=net, initial_micro_batch=N)(info_nce)(q, d)
-            raise SystemExit("in-batch negatives trained split")
-        except CoupledRows as error:
-            assert "in-batch negatives" in str(error)
-        assert all(p.grad is None for p in net.parameters())
+        expected = {}
+        for name, loss in (("coupled", info_nce), ("independent", lambda net, q, d: F.mse_loss(net(q), net(d)))):
+            reference = model()
+            loss(reference, q, d).backward()  # uncapped: what the full batch gives
+            expected[name] = [p.grad.clone() for p in reference.parameters()]
+            del reference
+        set_cpu_memory_headroom(0.2)  # 200 MiB: a full batch's activations (2 x 64 MiB each, and their grads) do not fit
+        net = model()
+        coupled = toma.accumulate(model=net, initial_micro_batch=N)(lambda q, d: info_nce(net, q, d))
+        coupled(q, d)
+        assert coupled.stats.oom_retries >= 1 and coupled.stats.split_check.coupled, coupled.stats
+        for p, e in zip(net.parameters(), expected["coupled"]):
+            torch.testing.assert_close(p.grad, e, rtol=1e-4, atol=1e-6)
+        net.zero_grad(set_to_none=True)
         step = toma.accumulate(model=net, initial_micro_batch=N)(lambda q, d: F.mse_loss(net(q), net(d)))
         step(q, d)
         assert step.stats.oom_retries >= 1 and step.stats.split_check.done, step.stats
-        for p, e in zip(net.parameters(), expected):
+        assert not step.stats.split_check.coupled, step.stats
+        for p, e in zip(net.parameters(), expected["independent"]):
             torch.testing.assert_close(p.grad, e, rtol=1e-4, atol=1e-6)
-        print("ok", step.stats.micro_batch)
+        print("ok", coupled.stats.micro_batch, step.stats.micro_batch)
         """,
         timeout=240,
     )
@@ -369,8 +416,15 @@ def test_a_check_whose_parts_all_give_the_same_loss_says_nothing_and_the_next_sp
     assert not step.stats.split_check.done and step.stats.split_check.inconclusive == 1
     with torch.no_grad():
         model.weight.normal_()
-    with pytest.raises(CoupledRows, match="batch statistic"):
-        step(x)
+    model.zero_grad(set_to_none=True)
+    step(x)  # the coupling found now: trained by gradient caching, the full batch's gradients
+    assert step.stats.split_check.coupled
+    reference = nn.Linear(4, 1)
+    reference.load_state_dict(model.state_dict())
+    out = reference(x).squeeze(-1)
+    (out - out.mean()).pow(2).mean().backward()
+    for p, r in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, r.grad, rtol=RTOL, atol=ATOL)
 
 
 @pytest.mark.slow

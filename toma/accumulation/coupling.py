@@ -46,23 +46,30 @@ INCONCLUSIVE = 8  # checks whose parts all gave the same loss, after which the l
 class SplitCheck:
     """One loss function's check: done once it is conclusive (its outcome kept for the stats: the relative difference
     found). A check whose parts all gave the same loss (a loss that is constant at the start, as DPO's while the
-    policy is its reference) says nothing, and the next split checks again, up to `INCONCLUSIVE` times."""
+    policy is its reference) says nothing, and the next split checks again, up to `INCONCLUSIVE` times. `coupled`:
+    the loss was found coupling rows and trains by gradient caching (`toma.accumulation.gradient_cache`) from then
+    on; `rows_checked`: the model was found treating rows independently there."""
 
-    __slots__ = ("done", "difference", "inconclusive")
+    __slots__ = ("done", "difference", "inconclusive", "coupled", "rows_checked")
 
     def __init__(self) -> None:
         self.done = False
         self.difference: Optional[float] = None
         self.inconclusive = 0
+        self.coupled = False
+        self.rows_checked = False
 
     def __repr__(self) -> str:
         state = "not yet" if not self.done else "skipped" if self.difference is None else f"{self.difference:.2g}"
-        return f"SplitCheck({state})"
+        return f"SplitCheck({state}{', coupled: gradient caching' if self.coupled else ''})"
+
+    def _key(self) -> Tuple[Any, ...]:
+        return (self.done, self.difference, self.inconclusive, self.coupled, self.rows_checked)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, SplitCheck):
             return NotImplemented
-        return (self.done, self.difference, self.inconclusive) == (other.done, other.difference, other.inconclusive)
+        return self._key() == other._key()
 
     __hash__ = None  # type: ignore[assignment]  # it changes once checked
 
@@ -268,7 +275,7 @@ def _coupled_rows(
         if other_reduction
         else "It"
     )
-    return CoupledRows(
+    error = CoupledRows(
         f"{name}: the loss of {units[0]} {units[1]} together is {whole:.6g}, but its two halves' losses "
         f"{'added' if summed else 'weighted by what each averages over'} give {parts_sum:.6g} (a relative "
         f"difference of {difference:.2g}): the loss is not what its parts add up to, so training it in "
@@ -279,3 +286,5 @@ def _coupled_rows(
         "the loss averages over, or, if the difference is acceptable (a per-micro-batch auxiliary loss), pass "
         "groups='rows'. Checked before anything of a split batch trained; a refused loss is refused at every call"
     )
+    error.other_reduction = other_reduction  # type: ignore[attr-defined]  # a setting to fix, not rows to cache
+    return error

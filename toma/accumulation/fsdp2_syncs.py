@@ -42,6 +42,8 @@ class AgreeingFSDP2(GradientSync):
     held, every rank switches to `ReducingFSDP2` and retries, for this call and the model's later ones; where a
     rank cannot hold the units unsharded at all, to `ShardedFSDP2`."""
 
+    caches_gradients = False  # not yet: the first pass would hold (or all-gather) the units for every call
+
     __slots__ = ("model", "units", "agreement", "mode", "_buffers", "_short")
     watch_grads = False  # the sharded parameters' gradients change only in `reduce`
 

@@ -9,13 +9,15 @@ batch itself never changes.
 """
 
 import functools
+import logging
 from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import torch
 
 from toma.accumulation.backward import backward_pass
-from toma.accumulation.coupling import SplitCheck, check_split_once
+from toma.accumulation.coupling import CoupledRows, SplitCheck, check_split_once
 from toma.accumulation.diagnostics import hint_whole, loss_error, warn_once_about_batchnorm
+from toma.accumulation.gradient_cache import GradientCache
 from toma.accumulation.gradients import GradientStash
 from toma.accumulation.levers_in_use import LeversInUse
 from toma.accumulation.misuse import AccumulationMisuse, MisuseWatch
@@ -45,6 +47,8 @@ from toma.core.steps import TOKEN_BUDGET, Step
 from toma.sizing.policies import SizePolicy
 
 __all__ = ["AccumulateStep"]
+
+log = logging.getLogger("toma")
 
 
 def _walk(model: torch.nn.Module) -> Tuple[List[torch.Tensor], List[BufferSlot], List[Any]]:
@@ -99,7 +103,8 @@ class AccumulateStep(Step):
         self.rank_weighted = options.weight is not None and total is None
         self.params, slots, pending = _walk(model)
         firsts = [tensor for piece in batch.pieces for _, tensor in piece.tensors[:1]]
-        parts: List[Rollback] = [RandomRollback(self.params + firsts)]
+        self.random_on = self.params + firsts  # the tensors whose devices' generators an attempt draws from
+        parts: List[Rollback] = [RandomRollback(self.random_on)]
         if pending:
             parts.append(PendingStash(modules=pending))
         if slots:
@@ -120,6 +125,8 @@ class AccumulateStep(Step):
         # Whether the loss is what its parts add up to: checked once per call site, on its first split
         checks = options.check_split and split_check is not None and not split_check.done
         self.split_check = split_check if checks else None
+        # where a loss found coupling rows is remembered: gradient caching from then on (not where groups= is given)
+        self.coupling = split_check if options.check_split else None
         self.result: Optional[torch.Tensor] = None
         self.total_weight: Optional[float] = None
         self.attempts = 0
@@ -267,11 +274,13 @@ class AccumulateStep(Step):
         self.total_weight = plan.weight
         if len(plan.micro_batches) > 1:
             warn_once_about_batchnorm(self.model)
-        backward = backward_pass(self.options.backward, self.options.scaler)
+        backward = backward_pass(self.options.backward, self.options.scaler) if torch.is_grad_enabled() else _none
         func, sync, watch = self.func, self.sync, self.watch
         sync.begin(asked, len(plan.running), self.total_weight if self.rank_weighted else None)
         if self.split_check is not None:
             self._check_split(plan)
+        if len(plan.micro_batches) > 1 and self.coupling is not None and self.coupling.coupled:
+            return self._cached(size, backward)
         each = sync.each_micro_batch
         last = plan.running[-1][0] if plan.running else -1
         total: Optional[torch.Tensor] = None
@@ -354,12 +363,73 @@ class AccumulateStep(Step):
                 not self.weighting.mean,
                 self.label(),
             )
+        except CoupledRows as refused:
+            if getattr(refused, "other_reduction", False) or not self._may_cache():
+                raise  # a reduction= to fix is said, not cached around
+            check.coupled = check.done = True  # from now on by gradient caching (`_cached`)
+            log.info(
+                "toma: %s: %s; it trains by gradient caching from now on (the model's calls twice per row; where "
+                "rows are independent and the loss averages over something else, weight= counts it for less)",
+                self.label(),
+                _found(refused),
+            )
         except Exception as error:  # the user's own error, met first here: with the training pass's hint
             _hint(error, plan.micro_batches[index])
             raise
         finally:
             self.rollbacks.undo()
             self.rollbacks.begin()
+
+    def _may_cache(self) -> bool:
+        """Whether a loss that couples rows can train here by gradient caching: the model's calls can be cut (one
+        piece of rows, no token budget or groups) and the gradient sync allows it."""
+        return (
+            self.sync.caches_gradients
+            and self.tokens is None
+            and not self.grouped
+            and len(self.batch.pieces) == 1
+            and isinstance(self.options.model, torch.nn.Module)
+        )
+
+    def _cached(self, size: int, backward: Callable[[torch.Tensor], None]) -> torch.Tensor:
+        """The attempt by gradient caching (`toma.accumulation.gradient_cache`): the loss function once on the whole
+        logical batch, the model's calls in micro-batches of `size` rows without a graph; its backward pass to their
+        outputs; then each micro-batch again with its graph, backpropagating its slice. Without gradients, the
+        whole batch's loss alone (evaluation)."""
+        whole = MicroBatchPlan(self.batch, self.batch.largest, self.weighting, None)
+        self.total_weight = whole.weight
+        if not whole.running:  # it counts nothing: nothing to learn from, no NaN
+            return torch.zeros((), device=self.params[0].device if self.params else None)
+        (_, factor), arguments = whole.running[0], next(iter(self._arguments(whole)))
+        coupling = self.coupling
+        assert coupling is not None
+        cache = GradientCache(self.model, size, self.random_on, not coupling.rows_checked, self.label())
+        self.failing_units, self.failing_piece = size, self.batch.pieces[0]
+        try:
+            with self.watch:
+                loss = cache.loss(self.func, arguments)
+                self.watch.loss_done()
+                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                    raise loss_error(self.func, loss)
+                coupling.rows_checked = True
+                if not cache.calls:
+                    raise CoupledRows(
+                        f"{self.label()}: its loss couples rows, and it never called the model= given "
+                        f"({type(self.model).__name__}) with a batch of rows: gradient caching cuts at the model's "
+                        "calls. Pass the model the loss function calls, or groups= to say how its rows belong together"
+                    )
+                if factor != 1.0:
+                    loss = loss * factor
+                if torch.is_grad_enabled():
+                    with self.sync.scope(False):
+                        backward(loss)
+                    cache.replay(self.sync.scope, self.sync.micro_batch_done if self.sync.each_micro_batch else None)
+        finally:
+            cache.forget()
+        self.sync.finish(self.params)
+        self.failing_units = None
+        loss = loss.detach()
+        return loss if loss.dim() == 0 else loss.reshape(())
 
     def _part_arguments(self, piece: Any, start: int, stop: int, width: Optional[int]) -> Arguments:
         """Units `[start, stop)` of `piece` as a micro-batch's arguments, where the micro-batches' are (moved to
@@ -385,6 +455,17 @@ class AccumulateStep(Step):
         widths = plan.widths
         moving = [(*plan.micro_batches[i], None if widths is None else widths[i]) for i, _ in plan.running]
         return prefetched(self.transfers, moving)
+
+
+def _none(loss: torch.Tensor) -> None:
+    """No backward pass: the call runs without gradients (evaluation)."""
+
+
+def _found(refused: CoupledRows) -> str:
+    """What the split check found, from its error's first sentence."""
+    text = str(refused)
+    end = text.find(": the loss is not")
+    return text[text.find(": ") + 2 : end] if end > 0 else "its loss is not what its parts add up to"
 
 
 def _hint(error: Exception, micro_batch: MicroBatch) -> None:

@@ -69,6 +69,7 @@ class GradientSync(ABC):
     lighter = False  # whether `lightened` has a strategy that needs less memory at the same micro-batch size
     each_micro_batch = False  # whether `micro_batch_done` and `finish` do anything
     collectives_in_passes = False  # whether a micro-batch's passes run collectives (every rank must run each)
+    caches_gradients = True  # whether a loss that couples rows may train by gradient caching under it
 
     def rounds_to_join(self, ran: int) -> int:
         """After this rank ran `ran` micro-batches: how many more, counting nothing, the other ranks' make it run

@@ -1,0 +1,418 @@
+"""Gradient caching (`toma.accumulation.gradient_cache`): losses that couple rows through the model's outputs trained
+to the full batch's gradients with the model's calls in micro-batches; the random state replayed; refused where the
+model mixes rows; evaluation on the whole batch's outputs."""
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from toma import CoupledRows, Halving, NoBatchsizeCache, toma
+from toma.accumulation.gradient_cache import ModelMixesRows
+
+from helpers import raise_fake_oom, run_python
+
+RTOL, ATOL = 1e-5, 1e-6
+
+
+class Encoder(nn.Module):
+    """A small encoder whose forward runs out of memory (a stand-in) above `limit` rows; `calls` records the rows
+    of every forward and whether it built a graph."""
+
+    def __init__(self, dropout: float = 0.0, limit: int = 1 << 30) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Dropout(dropout), nn.Linear(32, 8))
+        self.limit = limit
+        self.calls = []
+
+    def forward(self, x):
+        self.calls.append((len(x), torch.is_grad_enabled()))
+        if len(x) > self.limit:
+            raise_fake_oom()
+        return self.inner(x)
+
+
+def info_nce(model, queries, documents):
+    """In-batch negatives, the encoder called twice: each query against every document of the batch."""
+    a, b = F.normalize(model(queries), dim=-1), F.normalize(model(documents), dim=-1)
+    return F.cross_entropy(a @ b.T / 0.05, torch.arange(len(queries)))
+
+
+def data(n=32, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 16, generator=generator), torch.randn(n, 16, generator=generator)
+
+
+def same_grads(model, reference):
+    for (name, p), r in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, r.grad, rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
+
+
+def steps_of(model, loss, batches, lr=0.1):
+    """Train `model` with SGD on `batches`, `loss(batch)` computing and backpropagating each step's loss."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    for batch in batches:
+        optimizer.zero_grad(set_to_none=True)
+        loss(*batch)
+        optimizer.step()
+
+
+def test_info_nce_with_the_encoder_called_twice_trains_the_full_batch_for_four_steps_under_oom():
+    reference, model = Encoder(), Encoder(limit=5)
+    batches = [data(seed=s) for s in range(4)]
+    steps_of(reference, lambda q, d: info_nce(reference, q, d).backward(), batches)
+    step = toma.accumulate(model=model, policy=Halving())(lambda q, d: info_nce(model, q, d))
+    steps_of(model, step, batches)
+    for p, r in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, r, rtol=RTOL, atol=ATOL)
+    assert step.stats.split_check.coupled and step.stats.micro_batch == 4
+    # the last step, its size remembered: each call in 8 micro-batches of 4 rows, without a graph, then with one
+    assert model.calls[-34:] == [(4, True)] * 2 + [(4, False)] * 16 + [(4, True)] * 16, model.calls
+
+
+class Clip(nn.Module):
+    """Two inputs, two towers, a learned temperature the loss uses outside the forward."""
+
+    def __init__(self, limit: int = 1 << 30) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.image = nn.Sequential(nn.Linear(12, 24), nn.GELU(), nn.Linear(24, 8))
+        self.text = nn.Sequential(nn.Embedding(50, 8), nn.Flatten(), nn.Linear(40, 8))
+        self.logit_scale = nn.Parameter(torch.tensor(2.0))
+        self.limit = limit
+
+    def forward(self, images, texts):
+        if len(images) > self.limit:
+            raise_fake_oom()
+        return {"image_embeds": self.image(images), "text_embeds": self.text(texts)}
+
+
+def clip_loss(model, images, texts):
+    out = model(images, texts)
+    a, b = F.normalize(out["image_embeds"], dim=-1), F.normalize(out["text_embeds"], dim=-1)
+    logits = a @ b.T * model.logit_scale.exp()
+    labels = torch.arange(len(images))
+    return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+
+
+def clip_data(seed):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(24, 12, generator=generator), torch.randint(0, 50, (24, 5), generator=generator)
+
+
+def test_a_clip_like_model_with_two_inputs_a_dict_output_and_a_temperature_trains_the_full_batch():
+    reference, model = Clip(), Clip(limit=7)
+    batches = [clip_data(s) for s in range(4)]
+    steps_of(reference, lambda i, t: clip_loss(reference, i, t).backward(), batches)
+    step = toma.accumulate(model=model, initial_micro_batch=24, policy=Halving(), cache_type=NoBatchsizeCache)(
+        lambda i, t: clip_loss(model, i, t)
+    )
+    steps_of(model, step, batches)
+    for p, r in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, r, rtol=RTOL, atol=ATOL)
+    assert step.stats.split_check.coupled and step.stats.micro_batch == 6
+
+
+class Features(nn.Module):
+    """sentence-transformers' shape: one features dict in, the dict back with a sentence embedding added."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embedding = nn.Embedding(30, 16)
+        self.dense = nn.Linear(16, 16)
+
+    def forward(self, features):
+        tokens = torch.tanh(self.dense(self.embedding(features["input_ids"])))
+        mask = features["attention_mask"].unsqueeze(-1).float()
+        pooled = (tokens * mask).sum(1) / mask.sum(1)
+        return {**features, "token_embeddings": tokens, "sentence_embedding": pooled}
+
+
+def features_data(seed, n=20, width=7):
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 30, (n, width), generator=generator)
+    lengths = torch.randint(2, width + 1, (n,), generator=generator)
+    mask = (torch.arange(width)[None, :] < lengths[:, None]).long()
+    return {"input_ids": ids * mask, "attention_mask": mask}
+
+
+def mnrl(model, anchors, positives):
+    a = model(anchors)["sentence_embedding"]
+    p = model(positives)["sentence_embedding"]
+    scores = F.normalize(a, dim=-1) @ F.normalize(p, dim=-1).T * 20
+    return F.cross_entropy(scores, torch.arange(len(a)))
+
+
+def test_a_features_dict_forward_called_positionally_trains_the_full_batch():
+    reference, model = Features(), Features()
+    anchors, positives = features_data(1), features_data(2)
+    mnrl(reference, anchors, positives).backward()
+    step = toma.accumulate(model=model, initial_micro_batch=6)(lambda a, p: mnrl(model, a, p))
+    loss = step(anchors, positives)
+    same_grads(model, reference)
+    torch.testing.assert_close(loss, mnrl(reference, anchors, positives).detach(), rtol=RTOL, atol=ATOL)
+    assert step.stats.split_check.coupled
+
+
+def masks_of(model):
+    """Every dropout mask drawn in `model`'s Dropout modules, in order, with whether a graph was built."""
+    masks = []
+
+    def record(module, inputs, output):
+        masks.append(((output != 0) | (inputs[0] == 0), torch.is_grad_enabled()))
+
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.register_forward_hook(record)
+    return masks
+
+
+def test_dropout_draws_the_same_masks_in_both_passes_and_the_gradients_of_the_model_called_in_micro_batches():
+    """With dropout on, no split gives the unsplit run's masks; gradient caching gives those of the model called in
+    micro-batches of its size, the same in its first pass (no graph) and its second (with graph): the gradients are
+    exactly those of that loss."""
+    queries, documents = data()
+    model = Encoder(dropout=0.3)
+    masks = masks_of(model)
+    step = toma.accumulate(model=model, initial_micro_batch=8)(lambda q, d: info_nce(model, q, d))
+    torch.manual_seed(7)
+    step(queries, documents)
+    assert step.stats.split_check.coupled
+    first = [mask for mask, graph in masks if not graph and mask.shape[0] == 8 and model.training]
+    second = [mask for mask, graph in masks if graph]
+    assert len(second) == 8 and len(first) >= 8  # 4 micro-batches a call, 2 calls (the checks ran in eval mode)
+    for a, b in zip(first[-8:], second):
+        assert torch.equal(a, b)
+    assert not all(torch.equal(second[0], mask) for mask in second[1:]), "masks differ between micro-batches"
+
+    reference = Encoder(dropout=0.3)
+    torch.manual_seed(7)
+
+    def chunked(x):  # the model called in micro-batches of 8, with graph, from the same random state
+        return torch.cat([reference(part) for part in x.split(8)])
+
+    a, b = F.normalize(chunked(queries), dim=-1), F.normalize(chunked(documents), dim=-1)
+    F.cross_entropy(a @ b.T / 0.05, torch.arange(32)).backward()
+    same_grads(model, reference)
+    with_seed_after = torch.rand(3)
+    torch.manual_seed(7)
+    model.zero_grad(set_to_none=True)
+    step(queries, documents)
+    assert torch.equal(torch.rand(3), with_seed_after), "the random state after the call as after the first pass"
+
+
+def test_batchnorm_in_training_mode_is_refused_by_name_before_anything_trains():
+    model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.Linear(32, 8))
+    before = [b.clone() for b in model.buffers()]
+    with pytest.raises(ModelMixesRows, match=r"BatchNorm.*: 1") as raised:
+        toma.accumulate(model=model, initial_micro_batch=8)(lambda q, d: info_nce(model, q, d))(*data())
+    assert isinstance(raised.value, CoupledRows) and "groups=" in str(raised.value)
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(before, model.buffers()))
+    model.eval()  # BatchNorm in eval mode treats rows independently: trained by gradient caching, exactly
+    reference = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.Linear(32, 8))
+    reference.load_state_dict(model.state_dict())
+    reference.eval()
+    info_nce(reference, *data()).backward()
+    toma.accumulate(model=model, initial_micro_batch=8)(lambda q, d: info_nce(model, q, d))(*data())
+    same_grads(model, reference)
+
+
+class Centred(nn.Module):
+    """A forward that mixes rows: each row's output against the batch's mean."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(16, 8)
+
+    def forward(self, x):
+        out = self.linear(x)
+        return out - out.mean(0)
+
+
+class Pooled(nn.Module):
+    """Outputs that are not by rows: one vector for the whole batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.linear(x).mean(0)
+
+
+@pytest.mark.parametrize("model, says", [(Centred(), "mixes rows"), (Pooled(), "not one row per input row")])
+def test_a_forward_that_mixes_rows_or_outputs_not_by_rows_is_refused_naming_it(model, says):
+    def loss(q, d):
+        a, b = model(q), model(d)
+        return (a - b).pow(2).sum() + torch.logsumexp(a.flatten(), 0)
+
+    with pytest.raises(ModelMixesRows, match=says):
+        toma.accumulate(model=model, initial_micro_batch=8)(loss)(*data())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_coupled_loss_that_never_calls_the_model_is_refused_naming_the_model():
+    model = Encoder()
+    other = Encoder()
+    with pytest.raises(CoupledRows, match="never called the model= given"):
+        toma.accumulate(model=model, initial_micro_batch=8)(lambda q, d: info_nce(other, q, d))(*data())
+
+
+def test_without_gradients_a_coupled_loss_is_the_whole_batchs_never_an_average_of_parts():
+    model = Encoder(limit=8)
+    queries, documents = data()
+    with torch.no_grad():
+        plain = info_nce(Encoder(), queries, documents)
+        step = toma.accumulate(model=model, policy=Halving(), cache_type=NoBatchsizeCache)(
+            lambda q, d: info_nce(model, q, d)
+        )
+        value = step(queries, documents)
+    torch.testing.assert_close(value, plain, rtol=RTOL, atol=ATOL)
+    with torch.no_grad():
+        parts = torch.stack([info_nce(model.inner, q, d) for q, d in zip(queries.split(8), documents.split(8))]).mean()
+    assert abs(float(parts) - float(plain)) > 0.1, "the average of the parts' losses is another number"
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_without_gradients_an_independent_loss_is_its_parts_weighted():
+    model = Encoder(limit=8)
+    inputs, targets = torch.randn(30, 16), torch.randint(0, 8, (30,))
+    with torch.no_grad():
+        value = toma.accumulate(model=model, policy=Halving(), cache_type=NoBatchsizeCache)(
+            lambda x, y: F.cross_entropy(model(x), y)
+        )(inputs, targets)
+        plain = F.cross_entropy(model.inner(inputs), targets)
+    torch.testing.assert_close(value, plain, rtol=RTOL, atol=ATOL)
+
+
+def test_an_oom_in_the_second_pass_drops_what_it_added_and_the_retry_trains_the_full_batch():
+    """The first pass fits at 8 rows; the second runs out of memory on its third micro-batch with graph (once):
+    the gradients it added are dropped, the retry at 4 rows trains the full batch's."""
+    reference, model = Encoder(), Encoder()
+    queries, documents = data()
+    info_nce(reference, queries, documents).backward()
+    graphs = []
+    original = model.inner.forward
+
+    def failing(x):
+        if torch.is_grad_enabled():
+            graphs.append(len(x))
+            if len(graphs) == 3 and len(x) == 8:
+                raise_fake_oom()
+        return original(x)
+
+    model.inner.forward = failing
+    step = toma.accumulate(model=model, initial_micro_batch=8, policy=Halving(), cache_type=NoBatchsizeCache)(
+        lambda q, d: info_nce(model, q, d)
+    )
+    step(queries, documents)
+    assert step.stats.oom_retries == 1 and step.stats.micro_batch == 4
+    same_grads(model, reference)
+
+
+def test_an_error_that_is_not_out_of_memory_in_either_pass_passes_through_untouched():
+    model = Encoder()
+    error = ValueError("not about memory")
+    original = model.inner.forward
+
+    def failing(x):
+        if torch.is_grad_enabled():
+            raise error
+        return original(x)
+
+    model.inner.forward = failing
+    step = toma.accumulate(model=model, initial_micro_batch=8)(lambda q, d: info_nce(model, q, d))
+    with pytest.raises(ValueError) as raised:
+        step(*data())
+    assert raised.value is error
+    assert "forward" not in model.__dict__, "the model's forward as it was"
+
+
+def test_keyboard_interrupt_in_the_first_pass_is_never_swallowed_and_the_forward_is_put_back():
+    model = Encoder()
+    step = toma.accumulate(model=model, initial_micro_batch=8)(lambda q, d: info_nce(model, q, d))
+    step(*data())  # coupled: the next call caches
+    original = model.inner.forward
+
+    def interrupted(x):
+        if not torch.is_grad_enabled():
+            raise KeyboardInterrupt
+        return original(x)
+
+    model.inner.forward = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        step(*data())
+    assert "forward" not in model.__dict__
+
+
+def test_groups_still_override_gradient_caching():
+    model = Encoder()
+    seen = []
+
+    def loss(q, d):
+        if torch.is_grad_enabled():
+            seen.append(len(q))
+        return info_nce(model, q, d)
+
+    toma.accumulate(model=model, initial_micro_batch=8, groups="rows")(loss)(*data())
+    assert seen == [8, 8, 8, 8], "rows declared independent: micro-batches of the loss, no gradient caching"
+
+
+def test_choosing_gradient_caching_is_said_once(caplog):
+    model = Encoder()
+    step = toma.accumulate(model=model, initial_micro_batch=8)(lambda q, d: info_nce(model, q, d))
+    with caplog.at_level(logging.INFO, logger="toma"):
+        step(*data())
+        step(*data())
+    assert caplog.text.count("trains by gradient caching") == 1
+
+
+@pytest.mark.slow
+def test_under_a_real_cap_info_nce_and_clip_train_the_full_batch_by_gradient_caching():
+    """Real out-of-memory errors under an address-space cap: the whole batch does not fit, toma finds the coupled
+    loss and trains it by gradient caching, to the full batch's parameters after two steps."""
+    out = run_python(
+        """
+        import torch, torch.nn as nn, torch.nn.functional as F
+        from toma import toma
+        from toma.memory.cpu import predictable_heap, set_cpu_memory_headroom
+        torch.set_num_threads(1)
+        predictable_heap()
+        N, WIDTH = 2048, 8192  # one call's activations: 64 MiB
+        def model():
+            torch.manual_seed(0)
+            return nn.Sequential(nn.Linear(32, WIDTH), nn.Dropout(0.0), nn.ReLU(), nn.Linear(WIDTH, 16))
+        def info_nce(net, q, d):
+            a, b = F.normalize(net(q), dim=-1), F.normalize(net(d), dim=-1)
+            return F.cross_entropy(a @ b.T / 0.05, torch.arange(len(q)))
+        batches = [(torch.randn(N, 32), torch.randn(N, 32)) for _ in range(2)]
+        reference = model()
+        optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+        for q, d in batches:  # uncapped: the full batch
+            optimizer.zero_grad()
+            info_nce(reference, q, d).backward()
+            optimizer.step()
+        expected = [p.detach().clone() for p in reference.parameters()]
+        del reference, optimizer
+        set_cpu_memory_headroom(0.2)  # 200 MiB: the full batch's two calls with their graphs do not fit
+        net = model()
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+        step = toma.accumulate(model=net, initial_micro_batch=N)(lambda q, d: info_nce(net, q, d))
+        for q, d in batches:
+            optimizer.zero_grad()
+            step(q, d)
+            optimizer.step()
+        assert step.stats.oom_retries >= 1 and step.stats.split_check.coupled, step.stats
+        for p, e in zip(net.parameters(), expected):
+            torch.testing.assert_close(p.detach(), e, rtol=1e-4, atol=1e-6)
+        print("ok", step.stats.micro_batch, step.stats.oom_retries)
+        """,
+        timeout=240,
+    )
+    assert "ok" in out.stdout

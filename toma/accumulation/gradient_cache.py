@@ -1,0 +1,297 @@
+"""Gradient caching: a loss that couples rows through the model's outputs (in-batch negatives, CoSENT, CLIP) trained
+exactly with the model's calls in micro-batches (Gao et al. 2021, "Scaling Deep Contrastive Learning Batch Size
+under Memory Limited Setup"; luyug/GradCache; sentence-transformers' `Cached*` losses).
+
+Where the split check (`toma.accumulation.coupling`) finds that a loss is not what its parts add up to, toma runs
+the user's loss function once on the whole logical batch with the `model=` it was given intercepted: each call of
+the model runs in micro-batches of the attempt's size without a graph (first pass), its outputs joined in the call's
+order and given to the loss as leaves that take a gradient. The loss, computed once on every row's outputs, is
+backpropagated to those outputs (and to any parameter it uses directly, a CLIP temperature); then each micro-batch
+of each call runs again with its graph (second pass) and backpropagates its slice of the cached gradient. The
+gradients are the whole batch's: the loss is never split. Each micro-batch's random state is replayed in the second
+pass (dropout draws the same masks in both), and so is the autocast it ran under.
+
+It is exact where the model treats rows independently: a BatchNorm in training mode, a forward that mixes rows or
+outputs that are not by rows are refused by name (`ModelMixesRows`), checked once per loss function on the first
+call's first micro-batch (its outputs whole against its halves', without gradients, in eval mode). Without
+gradients (evaluation) the first pass alone gives the loss: the whole batch's, never an average of parts.
+"""
+
+import contextlib
+import logging
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
+
+import torch
+
+from toma.accumulation.coupling import CoupledRows, tolerance
+from toma.accumulation.rollback import RandomState
+from toma.batching.nested import rebuild_mapping, rebuild_sequence
+from toma.batching.splitting import ArgumentBatch
+
+__all__ = ["ModelMixesRows", "GradientCache", "mixing_modules"]
+
+log = logging.getLogger("toma")
+
+Arguments = Tuple[Tuple[Any, ...], Dict[str, Any]]
+_AUTOCAST_KINDS = ("cuda", "cpu")
+
+
+class ModelMixesRows(CoupledRows):
+    """The loss couples rows and the model does not treat its rows independently (BatchNorm in training mode, a
+    forward that mixes rows, outputs not by rows): neither micro-batches nor gradient caching train it exactly."""
+
+
+def mixing_modules(model: torch.nn.Module) -> List[str]:
+    """The model's modules that mix rows in training mode (BatchNorm's batch statistics), by name."""
+    return [
+        name or type(module).__name__
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.training
+    ]
+
+
+def _remedies(label: str) -> str:
+    return (
+        f"{label}: gradient caching (toma's answer to a loss that couples rows) needs a model whose forward treats "
+        "rows independently. Put BatchNorm in eval mode or replace it (LayerNorm, GroupNorm), keep rows apart in "
+        "the forward, or give the loss's rows' relation with groups= ('batch' never splits a batch)"
+    )
+
+
+class _Autocast:
+    """The autocast in effect at a model call (per device type), re-entered for its second pass."""
+
+    __slots__ = ("states",)
+
+    def __init__(self) -> None:
+        self.states = [
+            (kind, torch.get_autocast_dtype(kind)) for kind in _AUTOCAST_KINDS if torch.is_autocast_enabled(kind)
+        ]
+
+    def entered(self) -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        for kind, dtype in self.states:
+            stack.enter_context(torch.autocast(kind, dtype=dtype))
+        return stack
+
+
+class _Call:
+    """One call of the model by the loss function: its arguments as a batch of rows, its micro-batches, the random
+    state and autocast each ran under, and the leaves its joined outputs were given to the loss as."""
+
+    __slots__ = ("batch", "chunks", "states", "autocast", "leaves")
+
+    def __init__(self, batch: ArgumentBatch, size: int) -> None:
+        self.batch = batch
+        self.chunks = [(start, min(start + size, batch.size)) for start in range(0, batch.size, size)]
+        self.states: List[RandomState] = []
+        self.autocast = _Autocast()
+        self.leaves: List[Optional[torch.Tensor]] = []  # per output tensor, in `_tensors` order; None: not taking one
+
+
+def _tensors(output: Any) -> List[torch.Tensor]:
+    """The tensors of a model's output, in a fixed order (tuples, lists, mappings, a Hugging Face ModelOutput)."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (tuple, list)):
+        return [t for item in output for t in _tensors(item)]
+    if isinstance(output, Mapping):
+        return [t for value in output.values() for t in _tensors(value)]
+    return []
+
+
+class GradientCache:
+    """One attempt's model calls under gradient caching: `loss(func, arguments)` runs the loss function on the whole
+    batch with the model's calls in micro-batches of `size` rows (first pass); `replay(scope)` runs each micro-batch
+    again with its graph and backpropagates its slice of the outputs' gradients (second pass). `check_rows`: whether
+    to check, on the first call's first micro-batch, that the model treats rows independently."""
+
+    def __init__(
+        self, model: torch.nn.Module, size: int, random_on: List[torch.Tensor], check_rows: bool, label: str
+    ) -> None:
+        self.model, self.size, self.random_on, self.check_rows, self.label = model, size, random_on, check_rows, label
+        self.calls: List[_Call] = []
+        self.inside = False  # within one of the model's micro-batches: a nested call runs as it is
+        self.after_loss: Optional[RandomState] = None
+        self.original: Callable[..., Any] = model.forward  # the model's own forward, which the passes call
+
+    @contextlib.contextmanager
+    def _intercepted(self) -> Iterator[None]:
+        """The model's calls go through `_first_pass` while the loss function runs; the model as it was after."""
+        model = self.model
+        had_own = "forward" in model.__dict__
+        self.original = original = model.forward
+        call = self._first_pass
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            return call(original, args, kwargs)
+
+        model.forward = forward  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            if had_own:
+                model.forward = original  # type: ignore[method-assign]
+            else:
+                del model.forward
+
+    def loss(self, func: Callable[..., Any], arguments: Arguments) -> Any:
+        """The loss function on the whole batch (`arguments`), the model's calls in micro-batches without a graph;
+        with gradients, their joined outputs as leaves that take one. Raises the `CoupledRows` error it was chosen
+        for where the function never called the model (nothing to cut)."""
+        args, kwargs = arguments
+        with self._intercepted():
+            value = func(*args, **kwargs)
+        return value
+
+    def _first_pass(self, original: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        """One call of the model: in micro-batches without a graph, outputs joined; the call recorded for the second
+        pass. A call without rows (no tensor with a batch dimension) runs as it is."""
+        if self.inside:
+            return original(*args, **kwargs)
+        try:
+            batch = ArgumentBatch(args, kwargs, name=f"{self.label}: the model's call")
+        except ValueError:
+            batch = None
+        if batch is None or not batch.size:
+            return original(*args, **kwargs)
+        call = _Call(batch, self.size)
+        if self.check_rows and not self.calls:
+            self._check_rows(original, call)
+        outputs = []
+        self.inside = True
+        try:
+            for start, stop in call.chunks:
+                call.states.append(RandomState(self.random_on))
+                chunk_args, chunk_kwargs = batch.arguments(start, stop)
+                with torch.no_grad():
+                    outputs.append(original(*chunk_args, **chunk_kwargs))
+        finally:
+            self.inside = False
+        joined = _joined(outputs, [stop - start for start, stop in call.chunks], self.label)
+        if torch.is_grad_enabled():
+            joined = self._as_leaves(joined, call)
+        self.calls.append(call)
+        return joined
+
+    def _as_leaves(self, output: Any, call: _Call) -> Any:
+        """`output` with each floating-point tensor a leaf that takes a gradient (recorded on `call`)."""
+        if isinstance(output, torch.Tensor):
+            if output.is_floating_point() or output.is_complex():
+                leaf = output.detach().requires_grad_(True)
+                call.leaves.append(leaf)
+                return leaf
+            call.leaves.append(None)
+            return output
+        if isinstance(output, (tuple, list)):
+            return rebuild_sequence(output, [self._as_leaves(item, call) for item in output])
+        if isinstance(output, Mapping):
+            return rebuild_mapping(output, {key: self._as_leaves(value, call) for key, value in output.items()})
+        return output
+
+    def _check_rows(self, original: Callable[..., Any], call: _Call) -> None:
+        """Refuse a model that mixes rows: BatchNorm in training mode by name; else the first micro-batch's outputs
+        whole against its halves' (without gradients, in eval mode, the random state put back)."""
+        mixing = mixing_modules(self.model)
+        if mixing:
+            raise ModelMixesRows(
+                f"{_remedies(self.label)}. BatchNorm in training mode computes each batch's statistics from its "
+                f"rows: {', '.join(mixing[:4])}{', ...' if len(mixing) > 4 else ''}"
+            )
+        start, stop = call.chunks[0]
+        if stop - start < 2:
+            return
+        middle = (start + stop) // 2
+        state = RandomState(self.random_on)
+        modes = [(module, module.training) for module in self.model.modules()]
+        self.inside = True
+        try:
+            self.model.eval()
+            with torch.no_grad():
+                parts = []
+                for first, last in ((start, stop), (start, middle), (middle, stop)):
+                    chunk_args, chunk_kwargs = call.batch.arguments(first, last)
+                    parts.append(original(*chunk_args, **chunk_kwargs))
+        finally:
+            self.inside = False
+            for module, training in modes:
+                module.training = training
+            state.restore()
+        whole = _tensors(parts[0])
+        halves = _tensors(_joined(parts[1:], [middle - start, stop - middle], self.label))
+        allowed = tolerance(self.model)
+        for index, (a, b) in enumerate(zip(whole, halves)):
+            if not (a.is_floating_point() or a.is_complex()):
+                continue
+            scale = float(a.detach().abs().max()) if a.numel() else 0.0
+            difference = float((a - b).abs().max()) / scale if scale > 0 else float((a - b).abs().max())
+            if difference > allowed:
+                raise ModelMixesRows(
+                    f"{_remedies(self.label)}. The first {stop - start} rows of its call gave output {index} "
+                    f"{tuple(a.shape)} with a relative difference of {difference:.2g} from its two halves' (in eval "
+                    "mode, without gradients): the forward mixes rows"
+                )
+        log.debug("toma: %s: the model treats rows independently (checked once)", self.label)
+
+    def took_gradients(self) -> bool:
+        """Whether the loss reached any of the model's outputs (else the second pass has nothing to run)."""
+        return any(leaf is not None and leaf.grad is not None for call in self.calls for leaf in call.leaves)
+
+    @property
+    def micro_batches(self) -> int:
+        """The micro-batches the second pass runs, over every call."""
+        return sum(len(call.chunks) for call in self.calls)
+
+    def replay(self, scope: Callable[[bool], Any], done: Optional[Callable[[], None]] = None) -> None:
+        """The second pass: each call's micro-batches again with their graph, their random state and autocast as in
+        the first, each backpropagating its slice of its outputs' cached gradients; within `scope(last)` (the
+        gradient sync's context, `last` for the final one), `done()` after each where given. The random state is
+        left as the loss left it."""
+        self.after_loss = RandomState(self.random_on)
+        original = self.original
+        total, index = self.micro_batches, 0
+        for call in self.calls:
+            grads = [None if leaf is None else leaf.grad for leaf in call.leaves]
+            for (start, stop), state in zip(call.chunks, call.states):
+                index += 1
+                state.restore()
+                chunk_args, chunk_kwargs = call.batch.arguments(start, stop)
+                with scope(index == total):
+                    with call.autocast.entered():
+                        outputs = _tensors(original(*chunk_args, **chunk_kwargs))
+                    pairs = [(out, grad[start:stop]) for out, grad in zip(outputs, grads) if grad is not None]
+                    if pairs:
+                        torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
+                    del outputs, pairs
+                if done is not None:
+                    done()
+        self.after_loss.restore()
+
+    def forget(self) -> None:
+        """Drop what the attempt cached (outputs, their gradients), as soon as it is done or failed."""
+        self.calls = []
+
+
+def _joined(outputs: List[Any], rows: List[int], label: str) -> Any:
+    """The micro-batches' outputs of one call as one output: tensors joined along dim 0 (each must hold its
+    micro-batch's rows), containers rebuilt; anything else must be the same in every micro-batch."""
+    first = outputs[0]
+    if isinstance(first, torch.Tensor):
+        for output, count in zip(outputs, rows):
+            if not isinstance(output, torch.Tensor) or output.dim() == 0 or output.shape[0] != count:
+                shape = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
+                raise ModelMixesRows(
+                    f"{_remedies(label)}. Its output {shape} for a micro-batch of {count} rows is not one row per "
+                    "input row, so its rows cannot be cached apart"
+                )
+        return first if len(outputs) == 1 else torch.cat(outputs)
+    if isinstance(first, (tuple, list)):
+        return rebuild_sequence(first, [_joined(list(items), rows, label) for items in zip(*outputs)])
+    if isinstance(first, Mapping):
+        return rebuild_mapping(first, {key: _joined([o[key] for o in outputs], rows, label) for key in first})
+    if any(output is not first and output != first for output in outputs[1:]):
+        raise ModelMixesRows(
+            f"{_remedies(label)}. Its output {type(first).__name__} differs between micro-batches and is not a tensor "
+            "of rows"
+        )
+    return first
