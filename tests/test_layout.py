@@ -272,26 +272,6 @@ def _module_files() -> List[str]:
     )
 
 
-MODULE_LINES, FUNCTION_LINES = 400, 50
-
-
-def test_no_module_is_over_400_lines_and_no_function_over_50():
-    """Small modules with one job each, small functions (a function's lines count its docstring)."""
-    long: List[str] = []
-    for path in _module_files():
-        with open(path) as source:
-            text = source.read()
-        where = os.path.relpath(path, REPO)
-        if len(text.splitlines()) > MODULE_LINES:
-            long.append(f"{where}: {len(text.splitlines())} lines")
-        for node in ast.walk(ast.parse(text)):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                lines = (node.end_lineno or node.lineno) - node.lineno + 1
-                if lines > FUNCTION_LINES:
-                    long.append(f"{where}:{node.lineno} {node.name}: {lines} lines")
-    assert not long, long
-
-
 def test_module_names_are_unique_across_subpackages():
     """A module's name says what it holds, so no two modules share one (`__init__.py` aside)."""
     seen: Dict[str, List[str]] = {}

@@ -23,8 +23,11 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 
-from toma.accumulation.coupling import CoupledRows, tolerance
+from toma.accumulation.coupling import CoupledRows, SplitCheck, tolerance
+from toma.accumulation.diagnostics import loss_error
+from toma.accumulation.misuse import MisuseWatch
 from toma.accumulation.rollback import RandomState
+from toma.accumulation.sync import GradientSync
 from toma.batching.nested import rebuild_mapping, rebuild_sequence
 from toma.batching.splitting import ArgumentBatch
 
@@ -103,13 +106,15 @@ def _tensors(output: Any) -> List[torch.Tensor]:
 class GradientCache:
     """One attempt's model calls under gradient caching: `loss(func, arguments)` runs the loss function on the whole
     batch with the model's calls in micro-batches of `size` rows (first pass); `replay(scope)` runs each micro-batch
-    again with its graph and backpropagates its slice of the outputs' gradients (second pass). `check_rows`: whether
-    to check, on the first call's first micro-batch, that the model treats rows independently."""
+    again with its graph and backpropagates its slice of the outputs' gradients (second pass); `train` runs both.
+    `coupling`: the loss function's split check, which remembers that the model was found treating rows
+    independently (checked on the first call's first micro-batch until then)."""
 
     def __init__(
-        self, model: torch.nn.Module, size: int, random_on: List[torch.Tensor], check_rows: bool, label: str
+        self, model: torch.nn.Module, size: int, random_on: List[torch.Tensor], coupling: SplitCheck, label: str
     ) -> None:
-        self.model, self.size, self.random_on, self.check_rows, self.label = model, size, random_on, check_rows, label
+        self.model, self.size, self.random_on, self.coupling, self.label = model, size, random_on, coupling, label
+        self.check_rows = not coupling.rows_checked
         self.calls: List[_Call] = []
         self.inside = False  # within one of the model's micro-batches: a nested call runs as it is
         self.after_loss: Optional[RandomState] = None
@@ -134,6 +139,42 @@ class GradientCache:
                 model.forward = original  # type: ignore[method-assign]
             else:
                 del model.forward
+
+    def train(
+        self,
+        func: Callable[..., Any],
+        arguments: Arguments,
+        factor: float,
+        backward: Callable[[torch.Tensor], Any],
+        sync: GradientSync,
+        watch: MisuseWatch,
+    ) -> torch.Tensor:
+        """One attempt: the first pass with the loss (times `factor`, its share of a larger mean), its `backward` to
+        the model's outputs, the second pass in `sync`'s scopes (under `watch`, as micro-batches are); without
+        gradients the loss alone. The loss, detached."""
+        try:
+            with watch:
+                loss = self.loss(func, arguments)
+                watch.loss_done()
+                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                    raise loss_error(func, loss)
+                self.coupling.rows_checked = True
+                if not self.calls:
+                    raise CoupledRows(
+                        f"{self.label}: its loss couples rows, and it never called the model= given "
+                        f"({type(self.model).__name__}) with a batch of rows: gradient caching cuts at the model's "
+                        "calls. Pass the model the loss function calls, or groups= to say how its rows belong together"
+                    )
+                if factor != 1.0:
+                    loss = loss * factor
+                if torch.is_grad_enabled():
+                    with sync.scope(False):
+                        backward(loss)
+                    self.replay(sync.scope, sync.micro_batch_done if sync.each_micro_batch else None)
+        finally:
+            self.forget()
+        loss = loss.detach()
+        return loss if loss.dim() == 0 else loss.reshape(())
 
     def loss(self, func: Callable[..., Any], arguments: Arguments) -> Any:
         """The loss function on the whole batch (`arguments`), the model's calls in micro-batches without a graph;

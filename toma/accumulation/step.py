@@ -102,8 +102,9 @@ class AccumulateStep(Step):
         # with a `total` that spans the ranks already, their gradients are averaged as DDP does
         self.rank_weighted = options.weight is not None and total is None
         self.params, slots, pending = _walk(model)
-        firsts = [tensor for piece in batch.pieces for _, tensor in piece.tensors[:1]]
-        self.random_on = self.params + firsts  # the tensors whose devices' generators an attempt draws from
+        self.random_on = self.params + [
+            t for piece in batch.pieces for _, t in piece.tensors[:1]
+        ]  # generators' devices
         parts: List[Rollback] = [RandomRollback(self.random_on)]
         if pending:
             parts.append(PendingStash(modules=pending))
@@ -125,8 +126,7 @@ class AccumulateStep(Step):
         # Whether the loss is what its parts add up to: checked once per call site, on its first split
         checks = options.check_split and split_check is not None and not split_check.done
         self.split_check = split_check if checks else None
-        # where a loss found coupling rows is remembered: gradient caching from then on (not where groups= is given)
-        self.coupling = split_check if options.check_split else None
+        self.coupling = split_check if options.check_split else None  # coupled: gradient caching (`_cached`)
         self.result: Optional[torch.Tensor] = None
         self.total_weight: Optional[float] = None
         self.attempts = 0
@@ -392,44 +392,20 @@ class AccumulateStep(Step):
         )
 
     def _cached(self, size: int, backward: Callable[[torch.Tensor], None]) -> torch.Tensor:
-        """The attempt by gradient caching (`toma.accumulation.gradient_cache`): the loss function once on the whole
-        logical batch, the model's calls in micro-batches of `size` rows without a graph; its backward pass to their
-        outputs; then each micro-batch again with its graph, backpropagating its slice. Without gradients, the
-        whole batch's loss alone (evaluation)."""
+        """The attempt by gradient caching (`toma.accumulation.gradient_cache`) at `size` rows per model call; the
+        whole batch's loss, detached."""
         whole = MicroBatchPlan(self.batch, self.batch.largest, self.weighting, None)
         self.total_weight = whole.weight
         if not whole.running:  # it counts nothing: nothing to learn from, no NaN
             return torch.zeros((), device=self.params[0].device if self.params else None)
         (_, factor), arguments = whole.running[0], next(iter(self._arguments(whole)))
-        coupling = self.coupling
-        assert coupling is not None
-        cache = GradientCache(self.model, size, self.random_on, not coupling.rows_checked, self.label())
+        assert self.coupling is not None
+        cache = GradientCache(self.model, size, self.random_on, self.coupling, self.label())
         self.failing_units, self.failing_piece = size, self.batch.pieces[0]
-        try:
-            with self.watch:
-                loss = cache.loss(self.func, arguments)
-                self.watch.loss_done()
-                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                    raise loss_error(self.func, loss)
-                coupling.rows_checked = True
-                if not cache.calls:
-                    raise CoupledRows(
-                        f"{self.label()}: its loss couples rows, and it never called the model= given "
-                        f"({type(self.model).__name__}) with a batch of rows: gradient caching cuts at the model's "
-                        "calls. Pass the model the loss function calls, or groups= to say how its rows belong together"
-                    )
-                if factor != 1.0:
-                    loss = loss * factor
-                if torch.is_grad_enabled():
-                    with self.sync.scope(False):
-                        backward(loss)
-                    cache.replay(self.sync.scope, self.sync.micro_batch_done if self.sync.each_micro_batch else None)
-        finally:
-            cache.forget()
+        loss = cache.train(self.func, arguments, factor, backward, self.sync, self.watch)
         self.sync.finish(self.params)
         self.failing_units = None
-        loss = loss.detach()
-        return loss if loss.dim() == 0 else loss.reshape(())
+        return loss
 
     def _part_arguments(self, piece: Any, start: int, stop: int, width: Optional[int]) -> Arguments:
         """Units `[start, stop)` of `piece` as a micro-batch's arguments, where the micro-batches' are (moved to
