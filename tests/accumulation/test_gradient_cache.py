@@ -416,3 +416,45 @@ def test_under_a_real_cap_info_nce_and_clip_train_the_full_batch_by_gradient_cac
         timeout=240,
     )
     assert "ok" in out.stdout
+
+
+class Pooling(nn.Module):
+    """A mean over each row's tokens (its attention mask), as a sentence embedding."""
+
+    def __init__(self, limit_tokens: int = 1 << 30) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embedding = nn.Embedding(30, 16)
+        self.dense = nn.Linear(16, 8)
+        self.limit_tokens = limit_tokens
+        self.shapes = []
+
+    def forward(self, input_ids, attention_mask):
+        self.shapes.append(tuple(input_ids.shape))
+        if input_ids.numel() > self.limit_tokens:
+            raise_fake_oom()
+        tokens = torch.tanh(self.dense(self.embedding(input_ids)))
+        mask = attention_mask.unsqueeze(-1).float()
+        return (tokens * mask).sum(1) / mask.sum(1)
+
+
+def test_with_a_token_budget_each_call_holds_the_rows_of_its_width_that_fit():
+    """`lengths="attention_mask"`: the budget counts tokens; the model's calls are cut into rows of the call's padded
+    width that fit it."""
+    features = features_data(3, n=24, width=6)
+    reference, model = Pooling(), Pooling(limit_tokens=40)
+
+    def halves_nce(net, input_ids, attention_mask):  # every row against every other: any number of rows
+        embedded = F.normalize(net(input_ids, attention_mask), dim=-1)
+        return torch.logsumexp((embedded @ embedded.T * 20).flatten(), 0) - 20
+
+    halves_nce(reference, features["input_ids"], features["attention_mask"]).backward()
+    step = toma.accumulate(model=model, lengths="attention_mask", policy=Halving(), cache_type=NoBatchsizeCache)(
+        lambda input_ids, attention_mask: halves_nce(model, input_ids, attention_mask)
+    )
+    step(input_ids=features["input_ids"], attention_mask=features["attention_mask"])
+    same_grads(model, reference)
+    assert step.stats.split_check.coupled
+    # the last attempt's two passes: each a call of 24 rows cut into micro-batches of at most 40 tokens
+    passes = model.shapes[-2 * (24 // (40 // 6)) :]
+    assert all(rows * width <= 40 for rows, width in passes) and sum(rows for rows, _ in passes) == 2 * 24, passes

@@ -1069,3 +1069,91 @@ def test_every_toma_option_given_to_the_trainer_reaches_each_steps_accumulation(
     ]:
         with pytest.raises((TypeError, ValueError), match=error):
             TomaTrainer(model=gpt2(), args=arguments(tmp_path), **{name: value})
+
+
+class InBatchScores(Trainer):
+    """A loss that couples rows (every row's embedding against every other's), the labels left out of the model's
+    call: what a contrastive Trainer subclass computes."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        inputs = {key: value for key, value in inputs.items() if key != "labels"}
+        outputs = model(**inputs)
+        embedded = F.normalize(outputs.logits, dim=-1)
+        loss = torch.logsumexp((embedded @ embedded.T * 10).flatten(), 0) - math.log(len(embedded))
+        return (loss, outputs) if return_outputs else loss
+
+
+class TomaInBatchScores(TomaTrainerMixin, InBatchScores):
+    pass
+
+
+def in_batch_bert():
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        num_labels=8,
+    )
+    return BertForSequenceClassification(config)
+
+
+def oom_inside_above(model: torch.nn.Module, rows: int) -> list:
+    """`oom_above` on the encoder inside the model: where memory runs out, inside the forward pass (a hook on the model
+    itself would run once for its whole call, before toma cuts it)."""
+    seen = []
+
+    def hook(module, args, kwargs):
+        n = (args[0] if args else kwargs["input_ids"]).shape[0]
+        seen.append(n)
+        if n > rows:
+            raise_fake_oom()
+
+    model.bert.register_forward_pre_hook(hook, with_kwargs=True)
+    return seen
+
+
+def test_a_loss_that_couples_rows_trains_and_evaluates_as_the_plain_trainer_under_oom(tmp_path, caplog):
+    """Training: the split check finds the coupling, gradient caching trains the plain Trainer's parameters.
+    Evaluation: batches of 8 chunked to 3 rows give the plain eval_loss, not an average of the chunks' losses
+    (which `toma_groups="rows"` reports, to show it differs)."""
+    data = texts(24, seed=5, classes=3)
+    reference = in_batch_bert()
+    plain = InBatchScores(model=reference, args=arguments(tmp_path), train_dataset=data, data_collator=pad_classes)
+    plain.train()
+    expected = plain.evaluate(data)["eval_loss"]
+    model = in_batch_bert()
+    seen = oom_inside_above(model, 3)
+    trainer = TomaInBatchScores(model=model, args=arguments(tmp_path), train_dataset=data, data_collator=pad_classes)
+    with caplog.at_level(logging.INFO, logger="toma"):
+        trainer.train()
+    assert trainer.toma_stats.split_check.coupled and "gradient caching" in caplog.text
+    for p, r in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-5)  # 3 steps at lr 0.5: fp32 sums in another order
+    seen.clear()
+    got = trainer.evaluate(data)["eval_loss"]
+    assert seen[0] == 8 and seen[-1] <= 3, "the evaluation batches ran out of memory and were cut"
+    assert got == pytest.approx(expected, rel=1e-5)
+    averaged = TomaInBatchScores(
+        model=model, args=arguments(tmp_path), data_collator=pad_classes, toma_groups="rows"
+    ).evaluate(data)["eval_loss"]
+    assert abs(averaged - expected) > 0.05 * abs(expected), (averaged, expected)
+
+
+def test_an_evaluation_that_finds_the_coupling_itself_reports_the_whole_batchs_loss(tmp_path, caplog):
+    """No training first: the first evaluation batch cut into chunks is checked (its first chunk against its halves);
+    found coupled, the batch's loss is computed whole with the model's calls cut, and every later batch too."""
+    data = texts(20, seed=6, classes=3)
+    expected = InBatchScores(model=in_batch_bert(), args=arguments(tmp_path), data_collator=pad_classes).evaluate(data)
+    model = in_batch_bert()
+    oom_inside_above(model, 3)
+    trainer = TomaInBatchScores(model=model, args=arguments(tmp_path), data_collator=pad_classes)
+    with caplog.at_level(logging.INFO, logger="toma"):
+        got = trainer.evaluate(data)
+    assert got["eval_loss"] == pytest.approx(expected["eval_loss"], rel=1e-5)
+    assert trainer._toma_eval_coupling.coupled and "the evaluation loss couples rows" in caplog.text

@@ -30,8 +30,9 @@ from toma.accumulation.rollback import RandomState
 from toma.accumulation.sync import GradientSync
 from toma.batching.nested import rebuild_mapping, rebuild_sequence
 from toma.batching.splitting import ArgumentBatch
+from toma.core.steps import BatchStep
 
-__all__ = ["ModelMixesRows", "GradientCache", "mixing_modules"]
+__all__ = ["ModelMixesRows", "GradientCache", "CutCalls", "mixing_modules", "with_calls_cut"]
 
 log = logging.getLogger("toma")
 
@@ -84,9 +85,9 @@ class _Call:
 
     __slots__ = ("batch", "chunks", "states", "autocast", "leaves")
 
-    def __init__(self, batch: ArgumentBatch, size: int) -> None:
+    def __init__(self, batch: ArgumentBatch, rows: int) -> None:
         self.batch = batch
-        self.chunks = [(start, min(start + size, batch.size)) for start in range(0, batch.size, size)]
+        self.chunks = [(start, min(start + rows, batch.size)) for start in range(0, batch.size, rows)]
         self.states: List[RandomState] = []
         self.autocast = _Autocast()
         self.leaves: List[Optional[torch.Tensor]] = []  # per output tensor, in `_tensors` order; None: not taking one
@@ -111,10 +112,18 @@ class GradientCache:
     independently (checked on the first call's first micro-batch until then)."""
 
     def __init__(
-        self, model: torch.nn.Module, size: int, random_on: List[torch.Tensor], coupling: SplitCheck, label: str
+        self,
+        model: torch.nn.Module,
+        size: int,
+        random_on: List[torch.Tensor],
+        coupling: SplitCheck,
+        label: str,
+        tokens: bool = False,
     ) -> None:
         self.model, self.size, self.random_on, self.coupling, self.label = model, size, random_on, coupling, label
+        self.tokens = tokens  # `size` is a token budget: a call's micro-batches hold as many rows as fit its width
         self.check_rows = not coupling.rows_checked
+        self.chunk_rows = 0  # the most rows a micro-batch of a call held so far
         self.calls: List[_Call] = []
         self.inside = False  # within one of the model's micro-batches: a nested call runs as it is
         self.after_loss: Optional[RandomState] = None
@@ -196,7 +205,8 @@ class GradientCache:
             batch = None
         if batch is None or not batch.size:
             return original(*args, **kwargs)
-        call = _Call(batch, self.size)
+        call = _Call(batch, self._rows(batch))
+        self.chunk_rows = max(self.chunk_rows, call.chunks[0][1] - call.chunks[0][0])
         if self.check_rows and not self.calls:
             self._check_rows(original, call)
         outputs = []
@@ -214,6 +224,14 @@ class GradientCache:
             joined = self._as_leaves(joined, call)
         self.calls.append(call)
         return joined
+
+    def _rows(self, batch: ArgumentBatch) -> int:
+        """The rows of a call's micro-batches: the size, or with a token budget the rows of the call's padded width
+        (its widest tensor's dim 1) that fit it, at least one."""
+        if not self.tokens:
+            return self.size
+        width = max((tensor.shape[1] for _, tensor in batch.tensors if tensor.dim() >= 2), default=1)
+        return max(1, self.size // max(1, width))
 
     def _as_leaves(self, output: Any, call: _Call) -> Any:
         """`output` with each floating-point tensor a leaf that takes a gradient (recorded on `call`)."""
@@ -336,3 +354,52 @@ def _joined(outputs: List[Any], rows: List[int], label: str) -> Any:
             "of rows"
         )
     return first
+
+
+def with_calls_cut(
+    model: torch.nn.Module, size: int, func: Callable[..., Any], arguments: Arguments, coupling: SplitCheck, label: str
+) -> Any:
+    """`func(*args, **kwargs)` without gradients, every call of `model` cut into micro-batches of `size` rows and their
+    outputs joined: the evaluation of a loss that couples rows, the whole batch's (never an average of parts's
+    losses). The model is checked to treat rows independently once (`coupling.rows_checked`)."""
+    cache = GradientCache(model, size, [], coupling, label)
+    try:
+        with torch.no_grad():
+            found = cache.loss(func, arguments)
+        coupling.rows_checked = True
+        return found
+    finally:
+        cache.forget()
+
+
+class CutCalls(BatchStep):
+    """One evaluation of a loss that couples rows as a step of the engine: `func(*args, **kwargs)` with `model`'s calls
+    cut at the attempt's size (`with_calls_cut`); its effective size at most `rows`, the batch's, so that a retry
+    shrinks from there."""
+
+    size_name = "evaluation chunk size"
+    __slots__ = ("model", "rows", "coupling")
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        func: Callable[..., Any],
+        arguments: Arguments,
+        rows: int,
+        coupling: SplitCheck,
+        name: str,
+    ) -> None:
+        super().__init__(func, *arguments, name=name)
+        self.model, self.rows, self.coupling = model, rows, coupling
+
+    @property
+    def device(self) -> Optional[torch.device]:
+        return next((p.device for p in self.model.parameters()), None)
+
+    def effective(self, size: int) -> int:
+        return min(size, self.rows)
+
+    def __call__(self, size: int) -> bool:
+        label = self.name or "evaluation"
+        self.result = with_calls_cut(self.model, size, self.func, (self.args, self.kwargs), self.coupling, label)
+        return True

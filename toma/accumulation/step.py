@@ -39,7 +39,7 @@ from toma.batching.groups import GroupedBatch
 from toma.batching.logical import LogicalBatch
 from toma.batching.micro_batch_cost import NEVER, MicroBatchCost
 from toma.batching.micro_batch_moves import pipeline_for, prefetched
-from toma.batching.splitting import MicroBatch
+from toma.batching.splitting import ArgumentBatch, MicroBatch
 from toma.batching.tokens import TokenPiece, token_batches
 from toma.core.agreement import AgreedRetry
 from toma.core.oom import collective, should_reduce_batch_size
@@ -382,12 +382,12 @@ class AccumulateStep(Step):
 
     def _may_cache(self) -> bool:
         """Whether a loss that couples rows can train here by gradient caching: the model's calls can be cut (one
-        piece of rows, no token budget or groups) and the gradient sync allows it."""
+        piece of rows, no groups) and the gradient sync allows it."""
         return (
             self.sync.caches_gradients
-            and self.tokens is None
             and not self.grouped
             and len(self.batch.pieces) == 1
+            and isinstance(self.batch.pieces[0], ArgumentBatch)  # rows (a padding-free row's sequences: not yet)
             and isinstance(self.options.model, torch.nn.Module)
         )
 
@@ -400,11 +400,14 @@ class AccumulateStep(Step):
             return torch.zeros((), device=self.params[0].device if self.params else None)
         (_, factor), arguments = whole.running[0], next(iter(self._arguments(whole)))
         assert self.coupling is not None
-        cache = GradientCache(self.model, size, self.random_on, self.coupling, self.label())
-        self.failing_units, self.failing_piece = size, self.batch.pieces[0]
-        loss = cache.train(self.func, arguments, factor, backward, self.sync, self.watch)
+        tokens = self.tokens is not None  # `size` is a token budget
+        cache = GradientCache(self.model, size, self.random_on, self.coupling, self.label(), tokens)
+        try:
+            loss = cache.train(self.func, arguments, factor, backward, self.sync, self.watch)
+        except BaseException:  # with a token budget, micro-batches of one row are the smallest
+            self.failing_units, self.failing_piece = cache.chunk_rows if tokens else size, self.batch.pieces[0]
+            raise
         self.sync.finish(self.params)
-        self.failing_units = None
         return loss
 
     def _part_arguments(self, piece: Any, start: int, stop: int, width: Optional[int]) -> Arguments:

@@ -33,6 +33,8 @@ import transformers
 from transformers.trainer_utils import unwrap_peft_model
 
 from toma.accumulation.accumulate import AccumulationStats, MicroBatchSizing, accumulate
+from toma.accumulation.coupling import CoupledRows, SplitCheck, check_split_once
+from toma.accumulation.gradient_cache import CutCalls
 from toma.accumulation.options import AccumulationSettings, SettingAttribute, check_flag
 from toma.accumulation.sharded_models import is_fsdp2
 from toma.batching.logical import Piece, logical_batch_of
@@ -157,6 +159,8 @@ class TomaTrainerMixin(_Trainer):
         self._toma_training = Runner(ACCUMULATION, policy=given, cache=GlobalBatchsizeCache())
         # distributed: per-chunk collectives (the Trainer's token count) need the ranks to chunk alike
         self._toma_evaluation = Runner(ACCUMULATION, policy=given, cache=GlobalBatchsizeCache(), distributed=True)
+        # whether the evaluation loss couples rows (then never averaged over chunks: `_toma_predict_cut`)
+        self._toma_eval_coupling = SplitCheck()
         super().__init__(*args, **kwargs)
         self._toma_trl = trl_trainer(self)
         self._toma_check_setup()
@@ -383,15 +387,95 @@ class TomaTrainerMixin(_Trainer):
         chunks = PredictionChunks(predict, split, model, prediction_loss_only, ignore_keys, count, summed, records)
         held = held_for_chunks(model) if self._toma_fsdp2 else contextlib.nullcontext()
         local = local_collectives(self.accelerator) if ranks else contextlib.nullcontext()
+        coupling = self._toma_eval_coupling
+        cut = coupling.coupled or (self.toma_stats.split_check.coupled and groups is None)
         records.begin()
         try:
             with held, local:
-                found = self._toma_evaluation.perform(chunks, WHOLE_BATCHES).joined()
+                if cut:  # a loss that couples rows: the whole batch's, its model calls cut (`_toma_predict_cut`)
+                    found = self._toma_predict_cut(predict, model, inputs, prediction_loss_only, ignore_keys, records)
+                else:
+                    found = self._toma_evaluation.perform(chunks, WHOLE_BATCHES).joined()
+                if not cut and len(chunks.chunks) > 1 and found[0] is not None and not coupling.done and groups is None:
+                    if self._toma_chunks_couple(chunks, split, count, summed, records):
+                        records.undo()
+                        records.begin()
+                        found = self._toma_predict_cut(
+                            predict, model, inputs, prediction_loss_only, ignore_keys, records
+                        )
         except BaseException:
             records.undo()
             raise
         records.merge()
         return found
+
+    def _toma_chunks_couple(
+        self, chunks: PredictionChunks, split: Any, count: Any, summed: bool, records: TrainerRecords
+    ) -> bool:
+        """Once, where an evaluation batch ran in chunks: whether its loss is what its parts add up to (the first
+        chunk's loss against its halves', `toma.accumulation.coupling`), so that a loss that couples rows is never
+        reported as an average of chunks. The check's calls record nothing."""
+        coupling = self._toma_eval_coupling
+        start, stop = chunks.chunks[0][0], chunks.chunks[1][0]
+        calls = records.calls
+        predict = chunks.predict
+
+        def loss_of(part: Any) -> Any:
+            records.before_call(part, 1.0)
+            loss = predict(chunks.model, part, True, ignore_keys=chunks.ignore_keys)[0]
+            records.after_call()
+            return loss
+
+        def weight_of(piece: Any, a: int, b: int, arguments: Any) -> Optional[float]:
+            counted = float(count(arguments[0][0])) if count is not None else float(piece.rows_between(a, b))
+            return counted if counted > 0 else None
+
+        arguments_of = lambda piece, a, b, width: piece.arguments(a, b)  # noqa: E731
+        name = f"{type(self).__name__}.prediction_step"
+        try:
+            check_split_once(
+                coupling, loss_of, chunks.model, split, start, stop, None, arguments_of, weight_of, summed, name
+            )
+        except CoupledRows as found:
+            coupling.coupled = coupling.done = True
+            log.info(
+                "toma: %s: the evaluation loss couples rows (%s): each batch's loss is computed whole, the model's "
+                "calls cut into chunks",
+                name,
+                str(found).split(": the loss is not")[0],
+            )
+        finally:
+            records.rewind(calls)
+        return coupling.coupled
+
+    def _toma_predict_cut(
+        self,
+        predict: Callable[..., Any],
+        model: torch.nn.Module,
+        inputs: Any,
+        prediction_loss_only: bool,
+        ignore_keys: Optional[List[str]],
+        records: TrainerRecords,
+    ) -> Tuple[Optional[torch.Tensor], Any, Any]:
+        """The prediction step on the whole batch, every call of the model cut into chunks that fit
+        (`toma.accumulation.gradient_cache.with_calls_cut`): the loss of a loss that couples rows, exactly."""
+        name = f"{type(self).__name__}.prediction_step"
+
+        def predicted(*args: Any, **kwargs: Any) -> Tuple[Optional[torch.Tensor], Any, Any]:
+            calls = records.calls
+            records.before_call(inputs, 1.0)
+            try:
+                found = predict(*args, **kwargs)
+            except BaseException:
+                records.rewind(calls)
+                raise
+            records.after_call()
+            return found  # type: ignore[no-any-return]
+
+        arguments = ((model, inputs, prediction_loss_only), {"ignore_keys": ignore_keys})
+        rows = logical_batch_of((inputs,), {}, None, None, name="inputs").largest
+        step = CutCalls(model, predicted, arguments, rows, self._toma_eval_coupling, name)
+        return self._toma_evaluation.perform(step, WHOLE_BATCHES).result  # type: ignore[no-any-return]
 
 
 class TomaTrainer(TomaTrainerMixin, transformers.Trainer):
