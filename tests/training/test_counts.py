@@ -191,9 +191,11 @@ def test_an_auxiliary_loss_averaged_over_the_rows_with_forward_is_counted_once()
     assert trainer.history.steps[0]["loss"] == pytest.approx(expected, rel=1e-5)
 
 
-def test_with_reduction_sum_a_per_batch_term_is_added_per_micro_batch_unless_scaled_by_its_rows():
-    """A summed loss's micro-losses add up unweighted, so a term added once per call is added once per micro-batch
-    (3 here): the documented way is to scale it by the micro-batch's rows over the batch's."""
+def test_with_reduction_sum_a_per_batch_term_is_added_once_scaled_by_its_rows_or_found_and_cached():
+    """A summed loss's micro-losses add up unweighted, so a term added once per call would be added once per
+    micro-batch (3 here). Scaled by the micro-batch's rows over the batch's it adds up and trains in micro-batches;
+    unscaled, the split check finds that the halves do not add up to the whole and gradient caching trains the
+    full batch's loss, the term once."""
     inputs, targets = data(ignored=())
 
     def summed(model, inputs, targets, penalties=1.0):
@@ -201,7 +203,7 @@ def test_with_reduction_sum_a_per_batch_term_is_added_per_micro_batch_unless_sca
 
     for scaled in (False, True):
         reference = make_model()
-        full_batch_step(reference, lambda m, x, y: summed(m, x, y, 1.0 if scaled else 3.0), inputs, targets)
+        full_batch_step(reference, lambda m, x, y: summed(m, x, y, 1.0), inputs, targets)
         model = make_model()
 
         def loss_fn(outputs, targets):
@@ -210,7 +212,7 @@ def test_with_reduction_sum_a_per_batch_term_is_added_per_micro_batch_unless_sca
 
         trainer = sgd_trainer(model, loss_fn, (inputs, targets), initial_micro_batch=4, reduction="sum")
         trainer.fit(1)
-        assert trainer.micro_batch == 4
+        assert trainer.micro_batch == 4 and trainer.stats.split_check.coupled != scaled
         assert_same_parameters(model, reference)
 
 

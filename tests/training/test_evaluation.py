@@ -196,3 +196,56 @@ def test_a_float64_models_evaluation_loss_keeps_its_precision(data, with_forward
     with torch.no_grad():
         expected = F.cross_entropy(model(inputs), targets).item()
     assert results["loss"] == pytest.approx(expected, rel=1e-13)
+
+
+class LimitedEncoder(nn.Module):
+    """An encoder whose forward runs out of memory (a stand-in) above `limit` rows."""
+
+    def __init__(self, limit):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner = nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, 8))
+        self.limit = limit
+
+    def forward(self, x):
+        if len(x) > self.limit:
+            raise_fake_oom()
+        return self.inner(x)
+
+
+def scores_against_every_row(outputs, targets):
+    """A criterion that couples rows: each row's embedding against every other row's, those of its class positive."""
+    embedded = F.normalize(outputs, dim=-1)
+    scores = embedded @ embedded.T * 5
+    same = (targets[:, None] == targets[None, :]).float()
+    return -(F.log_softmax(scores, dim=-1) * same / same.sum(-1, keepdim=True)).sum(-1).mean()
+
+
+@pytest.mark.parametrize("trained_first", [True, False])
+def test_a_criterion_that_couples_rows_trains_and_evaluates_the_whole_batch(data, trained_first):
+    """Training: found coupled, gradient caching trains the full batch's parameters. Evaluation: the whole batch's
+    loss with the model's calls cut, known from training or found by checking the first batch that ran in chunks;
+    never the chunks' average."""
+    inputs, targets = data
+    reference = LimitedEncoder(1 << 30)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for x, y in batches(inputs, targets, 16):
+        optimizer.zero_grad()
+        scores_against_every_row(reference(x), y).backward()
+        optimizer.step()
+    model = LimitedEncoder(5)
+    trainer = trainer_for(model, scores_against_every_row, batches(inputs, targets, 16), batch_size=16)
+    if trained_first:
+        trainer.fit(1)
+        assert trainer.stats.split_check.coupled
+        for p, r in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
+    else:
+        model.load_state_dict(reference.state_dict())
+    with torch.no_grad():
+        expected = [scores_against_every_row(reference(x), y).item() for x, y in batches(inputs, targets, 16)]
+        chunked = [scores_against_every_row(reference(x[:4]), y[:4]).item() for x, y in batches(inputs, targets, 16)]
+    got = trainer.evaluate(batches(inputs, targets, 16))["loss"]
+    assert got == pytest.approx(sum(expected) / len(expected), rel=1e-5)
+    assert abs(sum(chunked) / len(chunked) - got) > 0.05, "an average of chunks would be another number"
+    assert trainer._evaluation_coupling.coupled != trained_first, "found by the evaluation where training did not"

@@ -78,10 +78,13 @@ def metric_weight(loss_fn: Any, weight: Optional[Callable[..., Any]]) -> Optiona
 
 
 def for_criterion(options: AccumulationOptions, loss_fn: Any, weight_given: bool) -> AccumulationOptions:
-    """A Trainer's options for `loss_fn(model(inputs), targets)`: the criterion's reduction checked, its rows its
-    own (nothing to check before a split), and, without `weight=`, weighted by what its mean divides by."""
+    """A Trainer's options for `loss_fn(model(inputs), targets)`: the criterion's reduction checked; one of torch's
+    criteria (`nn.CrossEntropyLoss`, `nn.MSELoss`, ...) gives each row its own loss (nothing to check before a
+    split), any other function is checked like any loss (one that couples rows trains by gradient caching); without
+    `weight=`, weighted by what its mean divides by."""
     check_criterion(loss_fn, options.reduction)
-    options = dataclasses.replace(options, check_split=False)
+    if isinstance(loss_fn, _Loss):
+        options = dataclasses.replace(options, check_split=False)
     if not weight_given:  # what the criterion's mean divides by (its targets), not rows
         options = dataclasses.replace(options, weight=criterion_weight(loss_fn, options.reduction))
     return options

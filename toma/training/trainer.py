@@ -15,6 +15,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, Mapping, Optional, S
 import torch
 
 from toma.accumulation.accumulate import AccumulationStats, MicroBatchSizing, accumulate
+from toma.accumulation.coupling import SplitCheck
 from toma.accumulation.options import AccumulationOptions, NothingCounted
 from toma.batching.batches import logical_batches, rows, to_device
 from toma.core.arguments import check_size
@@ -135,6 +136,7 @@ class Trainer:
         self.global_step = 0
         self.last_loss: Optional[torch.Tensor] = None
         self.stats = AccumulationStats()
+        self._evaluation_coupling = SplitCheck()  # whether evaluate's loss couples rows (never averaged over chunks)
         self._nothing_learned, self._nothing_reason = 0, ""  # steps with nothing to learn from, and why the last
         self._logits_needed = False  # whether the next training forward= output is checked for the metrics' logits
         # One cached size per trainer, wherever and at whatever free memory a step runs: once the search
@@ -385,6 +387,8 @@ class Trainer:
             self._evaluation,
             self.accumulation.groups,
             self._metric_weight,
+            self._evaluation_coupling,
+            self.stats.split_check.coupled,
         )
         return evaluation.run(data, named)
 
