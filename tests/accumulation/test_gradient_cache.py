@@ -2,6 +2,7 @@
 to the full batch's gradients with the model's calls in micro-batches; the random state replayed; refused where the
 model mixes rows; evaluation on the whole batch's outputs."""
 
+import json
 import logging
 
 import pytest
@@ -12,7 +13,7 @@ from torch import nn
 from toma import CoupledRows, Halving, NoBatchsizeCache, toma
 from toma.accumulation.gradient_cache import ModelMixesRows
 
-from helpers import raise_fake_oom, run_python
+from helpers import raise_fake_oom, run_python, run_ranks
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -458,3 +459,69 @@ def test_with_a_token_budget_each_call_holds_the_rows_of_its_width_that_fit():
     # the last attempt's two passes: each a call of 24 rows cut into micro-batches of at most 40 tokens
     passes = model.shapes[-2 * (24 // (40 // 6)) :]
     assert all(rows * width <= 40 for rows, width in passes) and sum(rows for rows, _ in passes) == 2 * 24, passes
+
+
+DDP_CODE = """
+import json, os
+import torch, torch.distributed as dist, torch.nn as nn, torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from toma import toma, StacktraceMemoryBatchsizeCache
+torch.set_num_threads(1)
+StacktraceMemoryBatchsizeCache.TRACK_RAM = False
+dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=60))
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 8))
+generator = torch.Generator().manual_seed(1)
+queries, documents = torch.randn(64, 16, generator=generator), torch.randn(64, 16, generator=generator)
+mine = slice(rank * 32, (rank + 1) * 32)
+ddp = nn.parallel.DistributedDataParallel(model)
+reducer_allreduces = []
+def counting_hook(state, bucket):
+    reducer_allreduces.append(bucket.index())
+    return allreduce_hook(state, bucket)
+ddp.register_comm_hook(None, counting_hook)
+collectives = []
+_all_reduce = dist.all_reduce
+def counting_all_reduce(tensor, *args, **kwargs):
+    collectives.append(tensor.numel())
+    return _all_reduce(tensor, *args, **kwargs)
+dist.all_reduce = counting_all_reduce
+
+@toma.accumulate(model=ddp, initial_micro_batch=8)
+def info_nce(q, d):
+    a, b = F.normalize(ddp(q), dim=-1), F.normalize(ddp(d), dim=-1)
+    return F.cross_entropy(a @ b.T / 0.05, torch.arange(len(q)))
+
+counts = []
+for _ in range(2):
+    ddp.zero_grad(set_to_none=True)
+    collectives.clear()
+    info_nce(queries[mine], documents[mine])
+    counts.append([len(reducer_allreduces), sum(n > 1 for n in collectives)])
+    reducer_allreduces.clear()
+print(json.dumps(dict(counts=counts, coupled=info_nce.stats.split_check.coupled,
+                      grads=[p.grad.tolist() for p in model.parameters()])), flush=True)
+dist.barrier()
+dist.destroy_process_group()
+os._exit(0)
+"""
+
+
+@pytest.mark.multiprocess
+def test_under_ddp_gradient_caching_all_reduces_once_per_logical_batch_and_each_rank_sees_its_batch():
+    outputs = run_ranks(DDP_CODE, 2, timeout=120)
+    results = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 8))
+    generator = torch.Generator().manual_seed(1)
+    queries, documents = torch.randn(64, 16, generator=generator), torch.randn(64, 16, generator=generator)
+    for rank in range(2):  # DDP averages the ranks' gradients, each of its own batch's loss
+        (
+            info_nce(reference, queries[rank * 32 : (rank + 1) * 32], documents[rank * 32 : (rank + 1) * 32]) / 2
+        ).backward()
+    for result in results:
+        assert result["coupled"]
+        assert result["counts"] == [[0, 1], [0, 1]], "one gradient all-reduce per logical batch, none per micro-batch"
+        for got, r in zip(result["grads"], reference.parameters(), strict=True):
+            torch.testing.assert_close(torch.tensor(got), r.grad, rtol=RTOL, atol=ATOL)
