@@ -525,3 +525,84 @@ def test_under_ddp_gradient_caching_all_reduces_once_per_logical_batch_and_each_
         assert result["counts"] == [[0, 1], [0, 1]], "one gradient all-reduce per logical batch, none per micro-batch"
         for got, r in zip(result["grads"], reference.parameters(), strict=True):
             torch.testing.assert_close(torch.tensor(got), r.grad, rtol=RTOL, atol=ATOL)
+
+
+def test_a_frozen_tower_and_a_call_under_no_grad_are_not_replayed_and_the_rest_trains_the_full_batch():
+    """LiT's shape: the image tower frozen (its outputs take no gradient), and a teacher call under no_grad inside the
+    loss: neither is run again with a graph; the text tower trains the full batch's gradients."""
+    reference, model = Clip(), Clip()
+    for clip in (reference, model):
+        clip.image.requires_grad_(False)
+    teacher = Encoder()
+    images, texts = clip_data(3)
+
+    def loss(net, images, texts):
+        with torch.no_grad():
+            target = teacher(torch.randn(len(images), 16, generator=torch.Generator().manual_seed(9)))
+        return clip_loss(net, images, texts) + 0.0 * target.sum()
+
+    loss(reference, images, texts).backward()
+    teacher.calls.clear()
+    step = toma.accumulate(model=model, initial_micro_batch=6)(lambda i, t: loss(model, i, t))
+    step(images, texts)
+    assert step.stats.split_check.coupled
+    for p, r in zip(model.parameters(), reference.parameters()):
+        if r.requires_grad:
+            torch.testing.assert_close(p.grad, r.grad, rtol=RTOL, atol=ATOL)
+
+
+class KeysInTurn(nn.Module):
+    """A dict output whose keys come in another order at every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(16, 8), nn.Linear(16, 8)
+        self.turn = 0
+
+    def forward(self, x):
+        self.turn += 1
+        pairs = [("first", self.a(x)), ("second", self.b(x))]
+        return dict(pairs if self.turn % 2 else pairs[::-1])
+
+
+def test_a_dict_whose_keys_come_in_another_order_at_each_call_pairs_each_gradient_with_its_output():
+    reference, model = KeysInTurn(), KeysInTurn()
+
+    def loss(net, q):
+        out = net(q)
+        a, b = F.normalize(out["first"], dim=-1), F.normalize(out["second"], dim=-1)
+        return F.cross_entropy(a @ b.T * 10, torch.arange(len(q)))
+
+    queries, _ = data()
+    loss(reference, queries).backward()
+    toma.accumulate(model=model, initial_micro_batch=8)(lambda q: loss(model, q))(queries)
+    same_grads(model, reference)
+
+
+def test_a_call_whose_inputs_require_gradients_is_refused_naming_why():
+    model = Encoder()
+    with pytest.raises(ModelMixesRows, match="inputs that require gradients"):
+        toma.accumulate(model=model, initial_micro_batch=8)(
+            lambda q, d: info_nce(model, F.pad(model(q), (0, 8)), d)  # a call on another call's outputs
+        )(*data())
+    assert all(p.grad is None for p in model.parameters())
+
+
+class OwnLoss(nn.Module):
+    """A model that computes its loss itself (a Hugging Face model given labels): a scalar, not rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(16, 8)
+
+    def forward(self, x):
+        scores = F.normalize(self.linear(x), dim=-1)
+        return (scores @ scores.T).logsumexp(-1).mean()
+
+
+def test_a_loss_the_model_computes_itself_is_refused_naming_the_remedies():
+    model = OwnLoss()
+    with pytest.raises(ModelMixesRows, match="compute the loss outside the model.*weight="):
+        toma.accumulate(model=model, initial_micro_batch=8)(lambda q: model(q))(data()[0])

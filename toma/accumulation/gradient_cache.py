@@ -23,6 +23,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 
+from toma.accumulation.backward import _autocast_enabled, _autocast_off, enabled_autocast
 from toma.accumulation.coupling import CoupledRows, SplitCheck, tolerance
 from toma.accumulation.diagnostics import loss_error
 from toma.accumulation.misuse import MisuseWatch
@@ -37,7 +38,7 @@ __all__ = ["ModelMixesRows", "GradientCache", "CutCalls", "mixing_modules", "wit
 log = logging.getLogger("toma")
 
 Arguments = Tuple[Tuple[Any, ...], Dict[str, Any]]
-_AUTOCAST_KINDS = ("cuda", "cpu")
+_AUTOCAST_KINDS = ("cuda", "cpu")  # the device types whose autocast a call's replay puts back
 
 
 class ModelMixesRows(CoupledRows):
@@ -62,20 +63,31 @@ def _remedies(label: str) -> str:
     )
 
 
+def _autocast_dtype(kind: str) -> torch.dtype:
+    """Autocast's dtype for device type `kind` (torch < 2.4 has no `get_autocast_dtype`)."""
+    getter = getattr(torch, "get_autocast_dtype", None)
+    if getter is not None:
+        return getter(kind)  # type: ignore[no-any-return]
+    return torch.get_autocast_gpu_dtype() if kind == "cuda" else torch.get_autocast_cpu_dtype()
+
+
 class _Autocast:
-    """The autocast in effect at a model call (per device type), re-entered for its second pass."""
+    """The autocast in effect at a model call, on or off, per device type, put back for its second pass where the
+    replay runs under another (a call the loss made inside `torch.autocast(...)`, or with it turned off)."""
 
     __slots__ = ("states",)
 
     def __init__(self) -> None:
-        self.states = [
-            (kind, torch.get_autocast_dtype(kind)) for kind in _AUTOCAST_KINDS if torch.is_autocast_enabled(kind)
-        ]
+        self.states: Dict[str, Optional[torch.dtype]] = {
+            kind: _autocast_dtype(kind) if _autocast_enabled(kind) else None for kind in _AUTOCAST_KINDS
+        }
 
     def entered(self) -> contextlib.ExitStack:
         stack = contextlib.ExitStack()
-        for kind, dtype in self.states:
-            stack.enter_context(torch.autocast(kind, dtype=dtype))
+        for kind, dtype in self.states.items():
+            now = _autocast_dtype(kind) if _autocast_enabled(kind) else None
+            if now != dtype:
+                stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=dtype is not None))
         return stack
 
 
@@ -93,14 +105,20 @@ class _Call:
         self.leaves: List[Optional[torch.Tensor]] = []  # per output tensor, in `_tensors` order; None: not taking one
 
 
+def _items(output: Mapping) -> List[Tuple[Any, Any]]:
+    """A mapping's items in an order that does not depend on the order its keys were set in (by their text)."""
+    return sorted(output.items(), key=lambda item: str(item[0]))
+
+
 def _tensors(output: Any) -> List[torch.Tensor]:
-    """The tensors of a model's output, in a fixed order (tuples, lists, mappings, a Hugging Face ModelOutput)."""
+    """The tensors of a model's output, in a fixed order (tuples, lists, mappings by key, a Hugging Face
+    ModelOutput): the first pass's leaves and the second pass's outputs pair up in it."""
     if isinstance(output, torch.Tensor):
         return [output]
     if isinstance(output, (tuple, list)):
         return [t for item in output for t in _tensors(item)]
     if isinstance(output, Mapping):
-        return [t for value in output.values() for t in _tensors(value)]
+        return [t for _, value in _items(output) for t in _tensors(value)]
     return []
 
 
@@ -124,6 +142,7 @@ class GradientCache:
         self.tokens = tokens  # `size` is a token budget: a call's micro-batches hold as many rows as fit its width
         self.check_rows = not coupling.rows_checked
         self.chunk_rows = 0  # the most rows a micro-batch of a call held so far
+        self.rows_compared = False  # whether `_check_rows` compared a micro-batch's outputs with its halves'
         self.calls: List[_Call] = []
         self.inside = False  # within one of the model's micro-batches: a nested call runs as it is
         self.after_loss: Optional[RandomState] = None
@@ -167,7 +186,7 @@ class GradientCache:
                 watch.loss_done()
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                     raise loss_error(func, loss)
-                self.coupling.rows_checked = True
+                self.coupling.rows_checked = self.coupling.rows_checked or self.rows_compared
                 if not self.calls:
                     raise CoupledRows(
                         f"{self.label}: its loss couples rows, and it never called the model= given "
@@ -205,6 +224,12 @@ class GradientCache:
             batch = None
         if batch is None or not batch.size:
             return original(*args, **kwargs)
+        if torch.is_grad_enabled() and any(tensor.requires_grad for _, tensor in batch.tensors):
+            raise ModelMixesRows(
+                f"{_remedies(self.label)}. Its call got inputs that require gradients (another call's outputs, or "
+                "tensors computed from parameters in the loss function): gradient caching reruns each call on its "
+                "own, so they cannot be cached apart. Call the model on the data itself, or pass groups="
+            )
         call = _Call(batch, self._rows(batch))
         self.chunk_rows = max(self.chunk_rows, call.chunks[0][1] - call.chunks[0][0])
         if self.check_rows and not self.calls:
@@ -245,7 +270,8 @@ class GradientCache:
         if isinstance(output, (tuple, list)):
             return rebuild_sequence(output, [self._as_leaves(item, call) for item in output])
         if isinstance(output, Mapping):
-            return rebuild_mapping(output, {key: self._as_leaves(value, call) for key, value in output.items()})
+            leaves = {key: self._as_leaves(value, call) for key, value in _items(output)}
+            return rebuild_mapping(output, {key: leaves[key] for key in output})
         return output
 
     def _check_rows(self, original: Callable[..., Any], call: _Call) -> None:
@@ -258,8 +284,9 @@ class GradientCache:
                 f"rows: {', '.join(mixing[:4])}{', ...' if len(mixing) > 4 else ''}"
             )
         start, stop = call.chunks[0]
+        stop = min(call.batch.size, start + max(2, stop - start))  # micro-batches of one row: two, to compare
         if stop - start < 2:
-            return
+            return  # one row in the call: nothing to compare it with
         middle = (start + stop) // 2
         state = RandomState(self.random_on)
         modes = [(module, module.training) for module in self.model.modules()]
@@ -276,12 +303,17 @@ class GradientCache:
             for module, training in modes:
                 module.training = training
             state.restore()
-        whole = _tensors(parts[0])
+        whole = _tensors(_joined(parts[:1], [stop - start], self.label))
         halves = _tensors(_joined(parts[1:], [middle - start, stop - middle], self.label))
         allowed = tolerance(self.model)
         for index, (a, b) in enumerate(zip(whole, halves)):
             if not (a.is_floating_point() or a.is_complex()):
                 continue
+            if a.shape != b.shape:
+                raise ModelMixesRows(
+                    f"{_remedies(self.label)}. Its output {index} is {tuple(a.shape)} for {stop - start} rows but "
+                    f"{tuple(b.shape)} joined from its halves: its outputs are not by rows"
+                )
             scale = float(a.detach().abs().max()) if a.numel() else 0.0
             difference = float((a - b).abs().max()) / scale if scale > 0 else float((a - b).abs().max())
             if difference > allowed:
@@ -290,6 +322,7 @@ class GradientCache:
                     f"{tuple(a.shape)} with a relative difference of {difference:.2g} from its two halves' (in eval "
                     "mode, without gradients): the forward mixes rows"
                 )
+        self.rows_compared = True
         log.debug("toma: %s: the model treats rows independently (checked once)", self.label)
 
     def took_gradients(self) -> bool:
@@ -308,9 +341,12 @@ class GradientCache:
         left as the loss left it."""
         self.after_loss = RandomState(self.random_on)
         original = self.original
-        total, index = self.micro_batches, 0
-        for call in self.calls:
-            grads = [None if leaf is None else leaf.grad for leaf in call.leaves]
+        # only the calls the loss backpropagated to (not one made under no_grad, nor one whose outputs it ignored)
+        calls = [(call, [None if leaf is None else leaf.grad for leaf in call.leaves]) for call in self.calls]
+        calls = [(call, grads) for call, grads in calls if any(grad is not None for grad in grads)]
+        total, index = sum(len(call.chunks) for call, _ in calls), 0
+        outside = enabled_autocast()  # each backward pass outside autocast, as `toma.accumulation.backward` runs them
+        for call, grads in calls:
             for (start, stop), state in zip(call.chunks, call.states):
                 index += 1
                 state.restore()
@@ -318,9 +354,14 @@ class GradientCache:
                 with scope(index == total):
                     with call.autocast.entered():
                         outputs = _tensors(original(*chunk_args, **chunk_kwargs))
-                    pairs = [(out, grad[start:stop]) for out, grad in zip(outputs, grads) if grad is not None]
+                    pairs = [
+                        (out, grad[start:stop])
+                        for out, grad in zip(outputs, grads)
+                        if grad is not None and out.requires_grad
+                    ]
                     if pairs:
-                        torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
+                        with _autocast_off(outside):
+                            torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
                     del outputs, pairs
                 if done is not None:
                     done()
@@ -339,21 +380,46 @@ def _joined(outputs: List[Any], rows: List[int], label: str) -> Any:
         for output, count in zip(outputs, rows):
             if not isinstance(output, torch.Tensor) or output.dim() == 0 or output.shape[0] != count:
                 shape = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
+                scalar = isinstance(output, torch.Tensor) and output.dim() == 0
                 raise ModelMixesRows(
                     f"{_remedies(label)}. Its output {shape} for a micro-batch of {count} rows is not one row per "
                     "input row, so its rows cannot be cached apart"
+                    + (
+                        " (a loss the model computes itself: compute the loss outside the model from its outputs, "
+                        "or, where its rows are independent and it averages over tokens, give weight= what it "
+                        "averages over and it trains in plain micro-batches)"
+                        if scalar
+                        else ""
+                    )
+                )
+            if output.shape[1:] != first.shape[1:]:
+                raise ModelMixesRows(
+                    f"{_remedies(label)}. Its outputs {tuple(first.shape)} and {tuple(output.shape)} for two "
+                    "micro-batches differ beyond their rows: they cannot be joined into the whole batch's"
                 )
         return first if len(outputs) == 1 else torch.cat(outputs)
     if isinstance(first, (tuple, list)):
+        if any(not isinstance(output, (tuple, list)) or len(output) != len(first) for output in outputs):
+            raise ModelMixesRows(f"{_remedies(label)}. Its outputs differ in length between micro-batches")
         return rebuild_sequence(first, [_joined(list(items), rows, label) for items in zip(*outputs)])
     if isinstance(first, Mapping):
+        if any(not isinstance(output, Mapping) or set(output) != set(first) for output in outputs):
+            raise ModelMixesRows(f"{_remedies(label)}. Its outputs hold other keys in different micro-batches")
         return rebuild_mapping(first, {key: _joined([o[key] for o in outputs], rows, label) for key in first})
-    if any(output is not first and output != first for output in outputs[1:]):
+    if not all(output is first or _same(output, first) for output in outputs[1:]):
         raise ModelMixesRows(
             f"{_remedies(label)}. Its output {type(first).__name__} differs between micro-batches and is not a tensor "
             "of rows"
         )
     return first
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two outputs that are not tensors are the same (False where comparing them says nothing clear)."""
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
 
 
 def with_calls_cut(
@@ -366,7 +432,12 @@ def with_calls_cut(
     try:
         with torch.no_grad():
             found = cache.loss(func, arguments)
-        coupling.rows_checked = True
+        coupling.rows_checked = coupling.rows_checked or cache.rows_compared
+        if not cache.calls:
+            raise CoupledRows(
+                f"{label}: its loss couples rows, and it never called the model ({type(model).__name__}) with a batch "
+                "of rows: its calls cannot be cut, and its loss is not an average of chunks"
+            )
         return found
     finally:
         cache.forget()

@@ -280,6 +280,11 @@ class AccumulateStep(Step):
         if self.split_check is not None:
             self._check_split(plan)
         if len(plan.micro_batches) > 1 and self.coupling is not None and self.coupling.coupled:
+            if not self._may_cache():  # a later batch gradient caching cannot cut: never trained split
+                raise CoupledRows(
+                    f"{self.label()}: its loss couples rows (found before), and this batch cannot be cut by gradient "
+                    "caching (loader batches in pieces, or padding-free rows): pass groups= or a batch that fits"
+                )
             return self._cached(size, backward)
         each = sync.each_micro_batch
         last = plan.running[-1][0] if plan.running else -1
@@ -396,7 +401,8 @@ class AccumulateStep(Step):
         whole batch's loss, detached."""
         whole = MicroBatchPlan(self.batch, self.batch.largest, self.weighting, None)
         self.total_weight = whole.weight
-        if not whole.running:  # it counts nothing: nothing to learn from, no NaN
+        if not whole.running:  # it counts nothing: nothing to learn from, no NaN (the sync told, as ever)
+            self.sync.finish(self.params)
             return torch.zeros((), device=self.params[0].device if self.params else None)
         (_, factor), arguments = whole.running[0], next(iter(self._arguments(whole)))
         assert self.coupling is not None
