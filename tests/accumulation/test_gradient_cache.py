@@ -606,3 +606,14 @@ def test_a_loss_the_model_computes_itself_is_refused_naming_the_remedies():
     model = OwnLoss()
     with pytest.raises(ModelMixesRows, match="compute the loss outside the model.*weight="):
         toma.accumulate(model=model, initial_micro_batch=8)(lambda q: model(q))(data()[0])
+
+
+def test_the_stats_print_a_short_summary_naming_gradient_caching():
+    model = Encoder()
+    step = toma.accumulate(model=model, initial_micro_batch=8)(lambda q, d: info_nce(model, q, d))
+    step(*data())
+    assert (
+        str(step.stats)
+        == "toma: micro-batch 8; 0 out-of-memory retries over 1 call; the loss couples rows: gradient caching"
+    )
+    assert repr(step.stats).startswith("AccumulationStats(")

@@ -31,7 +31,7 @@ from transformers import (  # noqa: E402
     TrainingArguments,
 )
 
-from toma import Halving  # noqa: E402
+from toma import CoupledRows, Halving  # noqa: E402
 from toma.integrations.transformers import TomaTrainer, TomaTrainerMixin  # noqa: E402
 
 from helpers import COLLECT_TOMA_LOG, raise_fake_oom, requires_cuda, run_python  # noqa: E402
@@ -1157,3 +1157,36 @@ def test_an_evaluation_that_finds_the_coupling_itself_reports_the_whole_batchs_l
         got = trainer.evaluate(data)
     assert got["eval_loss"] == pytest.approx(expected["eval_loss"], rel=1e-5)
     assert trainer._toma_eval_coupling.coupled and "the evaluation loss couples rows" in caplog.text
+
+
+class EmbeddedInBatchScores(InBatchScores):
+    """The same loss, the model fed embeddings computed in compute_loss (inputs that require gradients)."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        embeds = model.bert.embeddings.word_embeddings(inputs["input_ids"])
+        outputs = model(inputs_embeds=embeds, attention_mask=inputs["attention_mask"])
+        embedded = F.normalize(outputs.logits, dim=-1)
+        return torch.logsumexp((embedded @ embedded.T * 10).flatten(), 0)
+
+
+class TomaEmbeddedInBatchScores(TomaTrainerMixin, EmbeddedInBatchScores):
+    pass
+
+
+def test_a_refusal_in_a_trainer_names_the_trainers_keywords(tmp_path):
+    """What gradient caching cannot cut is refused before anything trains, its remedies named as the trainer takes
+    them (`toma_groups=`, not `groups=`, which the trainer would not take)."""
+    model = in_batch_bert()
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = TomaEmbeddedInBatchScores(
+        model=model,
+        args=arguments(tmp_path),
+        train_dataset=texts(24, seed=5, classes=3),
+        data_collator=pad_classes,
+        toma_initial_micro_batch=3,
+    )
+    with pytest.raises(CoupledRows, match="inputs that require gradients") as raised:
+        trainer.train()
+    assert "toma_groups=" in str(raised.value) and not re.search(r"(?<![\w.])groups=", str(raised.value))
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)), "nothing trained"
+    assert str(trainer.toma_stats).startswith("toma: ")

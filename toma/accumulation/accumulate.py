@@ -66,6 +66,17 @@ class AccumulationStats:
     # the time per item (row, or token with `lengths=`) with the levers on and without (`toma.levers.cost`)
     lever_cost: LeverCost = field(default_factory=LeverCost)
 
+    def __str__(self) -> str:
+        """A short summary for people (`print(trainer.toma_stats)`); `repr` keeps every field."""
+        size = "no call finished yet" if self.micro_batch is None else f"micro-batch {self.micro_batch}"
+        retries = f"{self.oom_retries} out-of-memory {'retry' if self.oom_retries == 1 else 'retries'}"
+        parts = [size, f"{retries} over {self.calls} {'call' if self.calls == 1 else 'calls'}"]
+        if self.split_check.coupled:
+            parts.append("the loss couples rows: gradient caching")
+        if self.levers:
+            parts.append(f"memory levers: {', '.join(self.levers)}")
+        return f"toma: {'; '.join(parts)}"
+
     @property
     def model(self) -> Any:
         """FitToMemory's memory model of the call site once it measured (a need per item of the batch), read

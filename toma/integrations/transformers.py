@@ -26,6 +26,7 @@ import copy
 import dataclasses
 import functools
 import logging
+import re
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
 
 import torch
@@ -340,8 +341,12 @@ class TomaTrainerMixin(_Trainer):
         )
         sizing = MicroBatchSizing(self.toma_initial_micro_batch, self._toma_training, stats=self.toma_stats)
         checkpoint_as_the_trainer(self)  # where one row does not fit: the switch as the Trainer would throw it
-        with local_collectives(self.accelerator) if ranks else contextlib.nullcontext():
-            loss = accumulate(micro_loss, batch, options, sizing, total=shares.total)
+        try:
+            with local_collectives(self.accelerator) if ranks else contextlib.nullcontext():
+                loss = accumulate(micro_loss, batch, options, sizing, total=shares.total)
+        except CoupledRows as refused:  # its remedies in the words this trainer takes
+            refused.args = (with_trainer_keywords(str(refused)),) + refused.args[1:]
+            raise
         records.merge()
         return loss.detach().requires_grad_()
 
@@ -476,6 +481,12 @@ class TomaTrainerMixin(_Trainer):
         rows = logical_batch_of((inputs,), {}, None, None, name="inputs").largest
         step = CutCalls(model, predicted, arguments, rows, self._toma_eval_coupling, name)
         return self._toma_evaluation.perform(step, WHOLE_BATCHES).result  # type: ignore[no-any-return]
+
+
+def with_trainer_keywords(text: str) -> str:
+    """A message of toma's that names `toma.accumulate`'s keywords, naming the trainer's (`groups=` is
+    `toma_groups=` there, `weight=` is `toma_weight=`)."""
+    return re.sub(r"(?<![\w.])(groups|weight)=", r"toma_\1=", text)
 
 
 class TomaTrainer(TomaTrainerMixin, transformers.Trainer):
