@@ -67,7 +67,7 @@ def gpt2() -> GPT2LMHeadModel:
     return GPT2LMHeadModel(config)
 
 
-def bert() -> BertForSequenceClassification:
+def bert(num_labels: int = 3) -> BertForSequenceClassification:
     torch.manual_seed(0)
     config = BertConfig(
         vocab_size=VOCAB,
@@ -78,7 +78,7 @@ def bert() -> BertForSequenceClassification:
         max_position_embeddings=32,
         hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
-        num_labels=3,
+        num_labels=num_labels,
     )
     return BertForSequenceClassification(config)
 
@@ -1088,19 +1088,7 @@ class TomaInBatchScores(TomaTrainerMixin, InBatchScores):
 
 
 def in_batch_bert():
-    torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=32,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        num_labels=8,
-    )
-    return BertForSequenceClassification(config)
+    return bert(num_labels=8)  # 8 logits a row: the embedding the loss compares
 
 
 def oom_inside_above(model: torch.nn.Module, rows: int) -> list:

@@ -325,15 +325,6 @@ class GradientCache:
         self.rows_compared = True
         log.debug("toma: %s: the model treats rows independently (checked once)", self.label)
 
-    def took_gradients(self) -> bool:
-        """Whether the loss reached any of the model's outputs (else the second pass has nothing to run)."""
-        return any(leaf is not None and leaf.grad is not None for call in self.calls for leaf in call.leaves)
-
-    @property
-    def micro_batches(self) -> int:
-        """The micro-batches the second pass runs, over every call."""
-        return sum(len(call.chunks) for call in self.calls)
-
     def replay(self, scope: Callable[[bool], Any], done: Optional[Callable[[], None]] = None) -> None:
         """The second pass: each call's micro-batches again with their graph, their random state and autocast as in
         the first, each backpropagating its slice of its outputs' cached gradients; within `scope(last)` (the
