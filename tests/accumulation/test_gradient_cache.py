@@ -461,6 +461,69 @@ def test_with_a_token_budget_each_call_holds_the_rows_of_its_width_that_fit():
     assert all(rows * width <= 40 for rows, width in passes) and sum(rows for rows, _ in passes) == 2 * 24, passes
 
 
+class Tokens(Features):
+    """A features dict in, the dict back (its inputs passed through, as sentence-transformers' modules do) with token
+    and sentence embeddings; records each call's `(rows, width)`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes = []
+
+    def forward(self, features):
+        self.shapes.append(tuple(features["input_ids"].shape))
+        return super().forward(features)
+
+
+def late_interaction(model, queries, documents):
+    """ColBERT-like: each query token's best match among a document's real tokens, summed, every query against every
+    document of the batch; plus the sentence embeddings' in-batch negatives."""
+    q, d = model(queries), model(documents)
+    assert torch.equal(q["input_ids"], queries["input_ids"]) and torch.equal(
+        d["attention_mask"], documents["attention_mask"]
+    )
+    qt, dt = F.normalize(q["token_embeddings"], dim=-1), F.normalize(d["token_embeddings"], dim=-1)
+    similarity = torch.einsum("qid,ejd->qeij", qt, dt).masked_fill(
+        documents["attention_mask"][None, :, None, :] == 0, -1
+    )
+    scores = (similarity.max(-1).values * queries["attention_mask"][:, None, :]).sum(-1)
+    labels = torch.arange(len(scores))
+    return F.cross_entropy(scores, labels) + mnrl(model, queries, documents)
+
+
+def padded_with(features, pad_id):
+    return {**features, "input_ids": torch.where(features["attention_mask"] == 1, features["input_ids"], pad_id)}
+
+
+def test_inside_each_call_rows_are_grouped_by_length_trimmed_and_their_outputs_come_back_in_the_calls_order():
+    """A call carrying an `attention_mask` that is cut: its rows sorted by length, each micro-batch trimmed to its
+    longest row, the outputs (token embeddings padded back, the inputs passed through as the call gave them, pad id 7
+    included) in the call's row order: the full batch's gradients and loss, in training and in evaluation."""
+    queries, documents = (
+        padded_with(features_data(4, n=16, width=9), 7),
+        padded_with(features_data(5, n=16, width=9), 7),
+    )
+    reference, model = Tokens(), Tokens()
+    expected = late_interaction(reference, queries, documents)
+    expected.backward()
+    step = toma.accumulate(model=model, initial_micro_batch=4, cache_type=NoBatchsizeCache)(
+        lambda q, d: late_interaction(model, q, d)
+    )
+    loss = step(queries, documents)
+    same_grads(model, reference)
+    torch.testing.assert_close(loss, expected.detach(), rtol=RTOL, atol=ATOL)
+    assert step.stats.split_check.coupled
+    widths = [width for rows, width in model.shapes if rows == 4]
+    longest = sorted((int(m.sum()) for m in queries["attention_mask"]), reverse=True)
+    assert widths and min(widths) < 9, model.shapes  # the short rows' micro-batches were trimmed
+    assert longest[0] in widths and longest[-4] in widths, (longest, widths)  # each trimmed to its longest row
+
+    with torch.no_grad():
+        model.shapes.clear()
+        evaluated = step(queries, documents)
+        torch.testing.assert_close(evaluated, late_interaction(reference, queries, documents), rtol=RTOL, atol=ATOL)
+        assert min(width for _, width in model.shapes) < 9
+
+
 DDP_CODE = """
 import json, os
 import torch, torch.distributed as dist, torch.nn as nn, torch.nn.functional as F

@@ -29,8 +29,10 @@ from toma.accumulation.diagnostics import loss_error
 from toma.accumulation.misuse import MisuseWatch
 from toma.accumulation.rollback import RandomState
 from toma.accumulation.sync import GradientSync
-from toma.batching.nested import rebuild_mapping, rebuild_sequence
+from toma.batching.micro_batch_cost import NEVER, MicroBatchCost
+from toma.batching.nested import map_tensors, rebuild_mapping, rebuild_sequence
 from toma.batching.splitting import ArgumentBatch
+from toma.batching.tokens import TokenBatch, restore_order
 from toma.core.steps import BatchStep
 
 __all__ = ["ModelMixesRows", "GradientCache", "CutCalls", "mixing_modules", "with_calls_cut"]
@@ -39,6 +41,7 @@ log = logging.getLogger("toma")
 
 Arguments = Tuple[Tuple[Any, ...], Dict[str, Any]]
 _AUTOCAST_KINDS = ("cuda", "cpu")  # the device types whose autocast a call's replay puts back
+_MASK = "attention_mask"  # a call's rows are grouped by the length this mask gives, and trimmed to it
 
 
 class ModelMixesRows(CoupledRows):
@@ -92,17 +95,75 @@ class _Autocast:
 
 
 class _Call:
-    """One call of the model by the loss function: its arguments as a batch of rows, its micro-batches, the random
-    state and autocast each ran under, and the leaves its joined outputs were given to the loss as."""
+    """One call of the model by the loss function: its arguments as a batch of rows (sorted longest first where its
+    rows were grouped by length), its micro-batches, the random state and autocast each ran under, and the leaves its
+    joined outputs were given to the loss as."""
 
-    __slots__ = ("batch", "chunks", "states", "autocast", "leaves")
+    __slots__ = ("batch", "chunks", "rows", "order", "width", "states", "autocast", "leaves")
 
-    def __init__(self, batch: ArgumentBatch, rows: int) -> None:
+    def __init__(
+        self,
+        batch: ArgumentBatch,
+        chunks: List[Tuple[int, int, Optional[int]]],
+        order: Optional[List[int]] = None,
+        width: Optional[int] = None,
+    ) -> None:
         self.batch = batch
-        self.chunks = [(start, min(start + rows, batch.size)) for start in range(0, batch.size, rows)]
+        self.chunks = chunks  # micro-batches [start, stop) of `batch`, each trimmed to a width (None: as it is)
+        self.order = order  # the call's row at each of `batch`'s positions; None: `batch` is the call's own
+        self.width = width  # the call's padded width, that trimmed outputs are padded back to; None: none trimmed
+        self.rows: List[Any] = [  # each micro-batch's rows among the call's, to slice the outputs' gradients by
+            slice(start, stop) if order is None else torch.tensor(order[start:stop], dtype=torch.long)
+            for start, stop, _ in chunks
+        ]
         self.states: List[RandomState] = []
         self.autocast = _Autocast()
         self.leaves: List[Optional[torch.Tensor]] = []  # per output tensor, in `_tensors` order; None: not taking one
+
+    @property
+    def sorted(self) -> bool:
+        return self.order is not None
+
+
+def _by_rows(batch: ArgumentBatch, rows: int) -> List[Tuple[int, int, Optional[int]]]:
+    return [(start, min(start + rows, batch.size), None) for start in range(0, batch.size, rows)]
+
+
+def _has_mask(batch: ArgumentBatch) -> bool:
+    """Whether the call carries a (rows, width) `attention_mask` (a keyword, or a key of a dict argument)."""
+    holders: List[Mapping] = [batch.kwargs, *(arg for arg in batch.args if isinstance(arg, Mapping))]
+    for holder in holders:
+        mask = holder.get(_MASK)
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == batch.size:
+            return True
+    return False
+
+
+def _call_of(batch: ArgumentBatch, size: int, tokens: bool) -> _Call:
+    """A call's micro-batches: `size` rows each, or with a token budget as many rows as fit it. Where the call carries
+    an `attention_mask` and is cut, its rows are grouped by length (sorted longest first) and each micro-batch trimmed
+    to its longest row (right padding; `toma.batching.tokens`); the outputs go back to the call's order."""
+    by_length: Optional[TokenBatch] = None
+    if _has_mask(batch) and (tokens or batch.size > size):
+        try:
+            by_length = TokenBatch(batch, _MASK, MicroBatchCost(NEVER))
+        except ValueError as error:  # not a 0/1 mask: the call's rows as they are
+            log.debug("toma: a model call's rows are not grouped by length: %s", error)
+    if by_length is None:
+        if tokens:  # the rows of the call's padded width (its widest tensor's dim 1) that fit the budget
+            width = max((tensor.shape[1] for _, tensor in batch.tensors if tensor.dim() >= 2), default=1)
+            size = max(1, size // max(1, width))
+        return _Call(batch, _by_rows(batch, size))
+    if tokens:
+        parts = by_length.micro_batches(size)
+        if len(parts) == 1:  # one micro-batch: the call as it is
+            return _Call(batch, [(0, batch.size, None)])
+        chunks = [(start, stop, width) for _, start, stop, width in parts]
+    else:
+        chunks = [(start, stop, by_length.widths[start]) for start, stop, _ in _by_rows(batch, size)]
+    sorted_batch = by_length.batch
+    assert isinstance(sorted_batch, ArgumentBatch)
+    return _Call(sorted_batch, chunks, by_length.order, by_length.width if sorted_batch.trimmed else None)
 
 
 def _items(output: Mapping) -> List[Tuple[Any, Any]]:
@@ -182,27 +243,42 @@ class GradientCache:
         gradients the loss alone. The loss, detached."""
         try:
             with watch:
-                loss = self.loss(func, arguments)
-                watch.loss_done()
-                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                    raise loss_error(func, loss)
-                self.coupling.rows_checked = self.coupling.rows_checked or self.rows_compared
-                if not self.calls:
-                    raise CoupledRows(
-                        f"{self.label}: its loss couples rows, and it never called the model= given "
-                        f"({type(self.model).__name__}) with a batch of rows: gradient caching cuts at the model's "
-                        "calls. Pass the model the loss function calls, or groups= to say how its rows belong together"
-                    )
-                if factor != 1.0:
-                    loss = loss * factor
-                if torch.is_grad_enabled():
-                    with sync.scope(False):
-                        backward(loss)
-                    self.replay(sync.scope, sync.micro_batch_done if sync.each_micro_batch else None)
+                with self._intercepted():  # its backward too: a loss's backward hook may call the model (`Cached*`)
+                    loss = self._cached_loss(func, arguments, factor, backward, sync, watch)
+                self.replay(sync.scope, sync.micro_batch_done if sync.each_micro_batch else None)
         finally:
             self.forget()
         loss = loss.detach()
         return loss if loss.dim() == 0 else loss.reshape(())
+
+    def _cached_loss(
+        self,
+        func: Callable[..., Any],
+        arguments: Arguments,
+        factor: float,
+        backward: Callable[[torch.Tensor], Any],
+        sync: GradientSync,
+        watch: MisuseWatch,
+    ) -> torch.Tensor:
+        """The first pass: the loss on the whole batch (times `factor`), backpropagated to the model's outputs."""
+        args, kwargs = arguments
+        loss = func(*args, **kwargs)
+        watch.loss_done()
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise loss_error(func, loss)
+        self.coupling.rows_checked = self.coupling.rows_checked or self.rows_compared
+        if not self.calls:
+            raise CoupledRows(
+                f"{self.label}: its loss couples rows, and it never called the model= given "
+                f"({type(self.model).__name__}) with a batch of rows: gradient caching cuts at the model's "
+                "calls. Pass the model the loss function calls, or groups= to say how its rows belong together"
+            )
+        if factor != 1.0:
+            loss = loss * factor
+        if torch.is_grad_enabled():
+            with sync.scope(False):
+                backward(loss)
+        return loss
 
     def loss(self, func: Callable[..., Any], arguments: Arguments) -> Any:
         """The loss function on the whole batch (`arguments`), the model's calls in micro-batches without a graph;
@@ -230,33 +306,30 @@ class GradientCache:
                 "tensors computed from parameters in the loss function): gradient caching reruns each call on its "
                 "own, so they cannot be cached apart. Call the model on the data itself, or pass groups="
             )
-        call = _Call(batch, self._rows(batch))
+        call = _call_of(batch, self.size, self.tokens)
         self.chunk_rows = max(self.chunk_rows, call.chunks[0][1] - call.chunks[0][0])
         if self.check_rows and not self.calls:
             self._check_rows(original, call)
         outputs = []
         self.inside = True
         try:
-            for start, stop in call.chunks:
+            for start, stop, width in call.chunks:
                 call.states.append(RandomState(self.random_on))
-                chunk_args, chunk_kwargs = batch.arguments(start, stop)
+                chunk_args, chunk_kwargs = call.batch.arguments(start, stop, width=width)
                 with torch.no_grad():
-                    outputs.append(original(*chunk_args, **chunk_kwargs))
+                    output = original(*chunk_args, **chunk_kwargs)
+                if call.sorted:
+                    output = _as_call_output(output, call, width, (chunk_args, chunk_kwargs), (args, kwargs))
+                outputs.append(output)
         finally:
             self.inside = False
-        joined = _joined(outputs, [stop - start for start, stop in call.chunks], self.label)
+        joined = _joined(outputs, [stop - start for start, stop, _ in call.chunks], self.label)
+        if call.sorted:
+            joined = _in_call_order(joined, restore_order(call.order or []))
         if torch.is_grad_enabled():
             joined = self._as_leaves(joined, call)
         self.calls.append(call)
         return joined
-
-    def _rows(self, batch: ArgumentBatch) -> int:
-        """The rows of a call's micro-batches: the size, or with a token budget the rows of the call's padded width
-        (its widest tensor's dim 1) that fit it, at least one."""
-        if not self.tokens:
-            return self.size
-        width = max((tensor.shape[1] for _, tensor in batch.tensors if tensor.dim() >= 2), default=1)
-        return max(1, self.size // max(1, width))
 
     def _as_leaves(self, output: Any, call: _Call) -> Any:
         """`output` with each floating-point tensor a leaf that takes a gradient (recorded on `call`)."""
@@ -283,7 +356,7 @@ class GradientCache:
                 f"{_remedies(self.label)}. BatchNorm in training mode computes each batch's statistics from its "
                 f"rows: {', '.join(mixing[:4])}{', ...' if len(mixing) > 4 else ''}"
             )
-        start, stop = call.chunks[0]
+        start, stop, width = call.chunks[0]
         stop = min(call.batch.size, start + max(2, stop - start))  # micro-batches of one row: two, to compare
         if stop - start < 2:
             return  # one row in the call: nothing to compare it with
@@ -296,7 +369,7 @@ class GradientCache:
             with torch.no_grad():
                 parts = []
                 for first, last in ((start, stop), (start, middle), (middle, stop)):
-                    chunk_args, chunk_kwargs = call.batch.arguments(first, last)
+                    chunk_args, chunk_kwargs = call.batch.arguments(first, last, width=width)
                     parts.append(original(*chunk_args, **chunk_kwargs))
         finally:
             self.inside = False
@@ -338,15 +411,15 @@ class GradientCache:
         total, index = sum(len(call.chunks) for call, _ in calls), 0
         outside = enabled_autocast()  # each backward pass outside autocast, as `toma.accumulation.backward` runs them
         for call, grads in calls:
-            for (start, stop), state in zip(call.chunks, call.states):
+            for (start, stop, width), rows, state in zip(call.chunks, call.rows, call.states):
                 index += 1
                 state.restore()
-                chunk_args, chunk_kwargs = call.batch.arguments(start, stop)
+                chunk_args, chunk_kwargs = call.batch.arguments(start, stop, width=width)
                 with scope(index == total):
                     with call.autocast.entered():
                         outputs = _tensors(original(*chunk_args, **chunk_kwargs))
                     pairs = [
-                        (out, grad[start:stop])
+                        (out, _slice_of(grad, rows, out))
                         for out, grad in zip(outputs, grads)
                         if grad is not None and out.requires_grad
                     ]
@@ -361,6 +434,87 @@ class GradientCache:
     def forget(self) -> None:
         """Drop what the attempt cached (outputs, their gradients), as soon as it is done or failed."""
         self.calls = []
+
+
+class _Passed:
+    """An input of the call that its micro-batch's output holds as it was given (a features dict passed through, as
+    sentence-transformers' modules pass theirs): the call's own tensor in the joined output."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Passed) and other.tensor is self.tensor
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _paired_tensors(chunk: Any, call: Any, found: Dict[int, torch.Tensor]) -> None:
+    """Each tensor of a micro-batch's arguments (`chunk`) by id, paired with the call's own at the same place."""
+    if isinstance(chunk, torch.Tensor):
+        if isinstance(call, torch.Tensor):
+            found[id(chunk)] = call
+    elif isinstance(chunk, (tuple, list)) and isinstance(call, (tuple, list)) and len(chunk) == len(call):
+        for a, b in zip(chunk, call):
+            _paired_tensors(a, b, found)
+    elif isinstance(chunk, Mapping) and isinstance(call, Mapping):
+        for key, value in chunk.items():
+            if key in call:
+                _paired_tensors(value, call[key], found)
+
+
+def _as_call_output(output: Any, call: _Call, width: Optional[int], chunk: Arguments, given: Arguments) -> Any:
+    """A sorted micro-batch's output made joinable into the call's: its inputs passed through as the call's own
+    (`_Passed`), tensors trimmed to `width` along dim 1 padded back to the call's width with zeros (what a trimmed
+    position computes is padding: a loss that reads it would depend on how much padding there is)."""
+    inputs: Dict[int, torch.Tensor] = {}
+    _paired_tensors(chunk, given, inputs)
+
+    def joinable(tensor: torch.Tensor) -> Any:
+        if id(tensor) in inputs:
+            return _Passed(inputs[id(tensor)])
+        if call.width is None or width is None or width >= call.width or tensor.dim() < 2:
+            return tensor
+        if tensor.shape[1] != width:
+            return tensor
+        pad = tensor.new_zeros((tensor.shape[0], call.width - width, *tensor.shape[2:]))
+        return torch.cat([tensor, pad], 1)
+
+    return map_tensors(output, joinable)
+
+
+def _in_call_order(output: Any, inverse: List[int]) -> Any:
+    """The joined output of a sorted call with its rows put back in the call's order, its passed-through inputs as
+    the call gave them."""
+    index: Dict[torch.device, torch.Tensor] = {}
+
+    def back(obj: Any) -> Any:
+        if isinstance(obj, _Passed):
+            return obj.tensor
+        if isinstance(obj, torch.Tensor):
+            if obj.dim() == 0:
+                return obj
+            if obj.device not in index:
+                index[obj.device] = torch.tensor(inverse, dtype=torch.long, device=obj.device)
+            return obj.index_select(0, index[obj.device])
+        if isinstance(obj, (tuple, list)):
+            return rebuild_sequence(obj, [back(item) for item in obj])
+        if isinstance(obj, Mapping):
+            return rebuild_mapping(obj, {key: back(value) for key, value in obj.items()})
+        return obj
+
+    return back(output)
+
+
+def _slice_of(grad: torch.Tensor, rows: Any, output: torch.Tensor) -> torch.Tensor:
+    """A micro-batch's slice of an output's gradient: its rows (in the call's order), narrowed along dim 1 to the
+    micro-batch's trimmed width where the output was padded back."""
+    part = grad[rows] if isinstance(rows, slice) else grad.index_select(0, rows.to(grad.device))
+    if output.dim() >= 2 and part.dim() >= 2 and part.shape[1] > output.shape[1]:
+        part = part[:, : output.shape[1]]
+    return part
 
 
 def _joined(outputs: List[Any], rows: List[int], label: str) -> Any:
