@@ -440,8 +440,8 @@ class Pooling(nn.Module):
 
 
 def test_with_a_token_budget_each_call_holds_the_rows_of_its_width_that_fit():
-    """`lengths="attention_mask"`: the budget counts tokens; the model's calls are cut into rows of the call's padded
-    width that fit it."""
+    """`lengths="attention_mask"`: the budget counts tokens; each call of the model is cut into micro-batches of as
+    many rows as a micro-batch of the longest rows holds at that budget (sorted by length, trimmed): within it."""
     features = features_data(3, n=24, width=6)
     reference, model = Pooling(), Pooling(limit_tokens=40)
 
@@ -522,6 +522,26 @@ def test_inside_each_call_rows_are_grouped_by_length_trimmed_and_their_outputs_c
         evaluated = step(queries, documents)
         torch.testing.assert_close(evaluated, late_interaction(reference, queries, documents), rtol=RTOL, atol=ATOL)
         assert min(width for _, width in model.shapes) < 9
+
+
+def test_where_every_micro_batch_has_one_width_an_output_as_wide_by_chance_is_not_padded_back():
+    """Rows all 16 tokens long padded to 20 (a collator's max_length): every micro-batch trimmed to 16, the width of the
+    sentence embedding too; a probe one position wider tells the token embeddings (by position) from it."""
+    generator = torch.Generator().manual_seed(6)
+    mask = torch.zeros(12, 20, dtype=torch.long)
+    mask[:, :16] = 1
+    queries = {"input_ids": torch.randint(1, 30, (12, 20), generator=generator) * mask, "attention_mask": mask}
+    documents = {"input_ids": torch.randint(1, 30, (12, 20), generator=generator) * mask, "attention_mask": mask}
+    reference, model = Tokens(), Tokens()
+    expected = late_interaction(reference, queries, documents)
+    expected.backward()
+    step = toma.accumulate(model=model, initial_micro_batch=4, cache_type=NoBatchsizeCache)(
+        lambda q, d: late_interaction(model, q, d)
+    )
+    torch.testing.assert_close(step(queries, documents), expected.detach(), rtol=RTOL, atol=ATOL)
+    same_grads(model, reference)
+    assert model.shapes.count((4, 16)) >= 12  # 3 micro-batches a call, 2 calls, 2 passes (the split check ran whole)
+    assert (1, 17) in model.shapes  # the probe
 
 
 DDP_CODE = """

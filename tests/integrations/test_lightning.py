@@ -971,3 +971,56 @@ def test_every_option_given_to_micro_batching_reaches_each_steps_accumulation(mo
     assert seen[2][0].levers is True and callback.levers is False
     with pytest.raises(TypeError, match="levers must be True or False"):
         callback.levers = 1
+
+
+# --- a loss that couples rows: gradient caching through the LightningModule's own forward ----------------------
+
+
+class InBatchNegatives(pl.LightningModule):
+    """Each query against every document of the batch, the encoder called twice as `self(...)`; its forward runs out
+    of memory (a stand-in) above `oom_above` rows."""
+
+    def __init__(self, oom_above=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.encoder = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 8))
+        self.oom_above = oom_above
+        self.rows = []
+
+    def forward(self, x):
+        self.rows.append(len(x))
+        if self.oom_above is not None and len(x) > self.oom_above:
+            raise_fake_oom()
+        return F.normalize(self.encoder(x), dim=-1)
+
+    def training_step(self, batch, batch_idx):
+        queries, documents = batch
+        scores = self(queries) @ self(documents).T / 0.1
+        loss = F.cross_entropy(scores, torch.arange(len(queries)))
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def pair_loader():
+    generator = torch.Generator().manual_seed(2)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(ROWS, 8, generator=generator), torch.randn(ROWS, 8, generator=generator)
+    )
+    return torch.utils.data.DataLoader(data, batch_size=BATCH)
+
+
+def test_in_batch_negatives_train_by_gradient_caching_to_the_plain_runs_parameters_under_oom(tmp_path):
+    """The split check finds the coupling; the LightningModule's forward (`self(...)`) is cut into micro-batches of at
+    most 5 rows, the loss computed once on the whole batch: a plain run's parameters, its logged losses."""
+    plain = quiet_trainer(4, logger=CSVLogger(tmp_path / "plain"), log_every_n_steps=1)
+    plain.fit(InBatchNegatives(), pair_loader())
+    module, callback = InBatchNegatives(oom_above=5), MicroBatching(policy=Halving())
+    trainer = quiet_trainer(4, [callback], logger=CSVLogger(tmp_path / "toma"), log_every_n_steps=1)
+    trainer.fit(module, pair_loader())
+    assert_same_parameters(module, plain.lightning_module)
+    assert callback.stats.split_check.coupled and "gradient caching" in str(callback.stats)
+    assert max(module.rows[-16:]) <= 5  # the last step's calls, cut
+    assert_same_metrics(trainer, plain)

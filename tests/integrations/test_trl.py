@@ -13,6 +13,20 @@ import torch
 pytest.importorskip("transformers", minversion="5.23")
 trl = pytest.importorskip("trl", minversion="1.16")
 
+from trl import (  # noqa: E402
+    DPOConfig,
+    DPOTrainer,
+    GRPOConfig,
+    GRPOTrainer,
+    RewardConfig,
+    RewardTrainer,
+    SFTConfig,
+    SFTTrainer,
+)
+
+from toma import Halving  # noqa: E402
+from toma.integrations.transformers import TomaTrainerMixin  # noqa: E402
+
 from tiny_trl import (  # noqa: E402
     assert_same_logs,
     common_args,
@@ -27,19 +41,6 @@ from tiny_trl import (  # noqa: E402
     tokenizer,
     word_reward,
 )
-from trl import (  # noqa: E402
-    DPOConfig,
-    DPOTrainer,
-    GRPOConfig,
-    GRPOTrainer,
-    RewardConfig,
-    RewardTrainer,
-    SFTConfig,
-    SFTTrainer,
-)
-
-from toma import Halving  # noqa: E402
-from toma.integrations.transformers import TomaTrainerMixin  # noqa: E402
 
 CLOSE = 1e-5  # of the parameters' movement
 

@@ -52,6 +52,7 @@ class AccumulationStats:
     """What the calls of one accumulating function went through (best effort across threads)."""
 
     micro_batch: Optional[int] = None  # the size the last finished logical batch ran at
+    by_tokens: bool = False  # whether that size is a token budget (`lengths=`) rather than rows
     oom_retries: int = 0  # logical batches redone after an out-of-memory error, over all calls
     calls: int = 0
     weight: Optional[float] = None  # what the last logical batch's loss averaged over (rows, or weight's total)
@@ -68,7 +69,8 @@ class AccumulationStats:
 
     def __str__(self) -> str:
         """A short summary for people (`print(trainer.toma_stats)`); `repr` keeps every field."""
-        size = "no call finished yet" if self.micro_batch is None else f"micro-batch {self.micro_batch}"
+        unit = "token budget" if self.by_tokens else "micro-batch"
+        size = "no call finished yet" if self.micro_batch is None else f"{unit} {self.micro_batch}"
         retries = f"{self.oom_retries} out-of-memory {'retry' if self.oom_retries == 1 else 'retries'}"
         parts = [size, f"{retries} over {self.calls} {'call' if self.calls == 1 else 'calls'}"]
         if self.split_check.coupled:
@@ -153,6 +155,7 @@ def _finished(
     """What a call that finished tells its stats; its time (from `started`, where it was taken) where it is among
     the first that ran once (a failed attempt's time is not the work's) with its levers, or without."""
     stats.micro_batch = step.size
+    stats.by_tokens = step.tokens is not None
     stats.weight = step.total_weight
     stats.learned = state.entry.learned if state is not None else None
     cost, levers = stats.lever_cost, step.memory_levers.names

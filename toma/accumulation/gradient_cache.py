@@ -19,7 +19,7 @@ gradients (evaluation) the first pass alone gives the loss: the whole batch's, n
 
 import contextlib
 import logging
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Protocol, Tuple, runtime_checkable
 
 import torch
 
@@ -35,7 +35,15 @@ from toma.batching.splitting import ArgumentBatch
 from toma.batching.tokens import TokenBatch, restore_order
 from toma.core.steps import BatchStep
 
-__all__ = ["ModelMixesRows", "GradientCache", "CutCalls", "mixing_modules", "with_calls_cut"]
+__all__ = [
+    "ModelMixesRows",
+    "GradientCache",
+    "CutCalls",
+    "CallsThrough",
+    "called_module",
+    "mixing_modules",
+    "with_calls_cut",
+]
 
 log = logging.getLogger("toma")
 
@@ -47,6 +55,20 @@ _MASK = "attention_mask"  # a call's rows are grouped by the length this mask gi
 class ModelMixesRows(CoupledRows):
     """The loss couples rows and the model does not treat its rows independently (BatchNorm in training mode, a
     forward that mixes rows, outputs not by rows): neither micro-batches nor gradient caching train it exactly."""
+
+
+@runtime_checkable
+class CallsThrough(Protocol):
+    """A model given to `toma.accumulate` that stands for another module, the one a loss function calls (Lightning's
+    `ModuleAsModel`: a training step calls the LightningModule as `self(...)`): gradient caching cuts its calls."""
+
+    @property
+    def called_module(self) -> torch.nn.Module: ...
+
+
+def called_module(model: torch.nn.Module) -> torch.nn.Module:
+    """The module whose calls gradient caching cuts: `model`, or the module it stands for (`CallsThrough`)."""
+    return model.called_module if isinstance(model, CallsThrough) else model
 
 
 def mixing_modules(model: torch.nn.Module) -> List[str]:
@@ -318,9 +340,11 @@ class GradientCache:
                 chunk_args, chunk_kwargs = call.batch.arguments(start, stop, width=width)
                 with torch.no_grad():
                     output = original(*chunk_args, **chunk_kwargs)
-                if call.sorted:
-                    output = _as_call_output(output, call, width, (chunk_args, chunk_kwargs), (args, kwargs))
+                if call.sorted:  # its inputs passed through, as the call's own (while the micro-batch's are alive)
+                    output = _passed_through(output, (chunk_args, chunk_kwargs), (args, kwargs))
                 outputs.append(output)
+            if call.width is not None:
+                outputs = self._padded_back(original, call, outputs)
         finally:
             self.inside = False
         joined = _joined(outputs, [stop - start for start, stop, _ in call.chunks], self.label)
@@ -330,6 +354,43 @@ class GradientCache:
             joined = self._as_leaves(joined, call)
         self.calls.append(call)
         return joined
+
+    def _padded_back(self, original: Callable[..., Any], call: _Call, outputs: List[Any]) -> List[Any]:
+        """The trimmed micro-batches' outputs with their tensors by position (dim 1 as wide as their micro-batch)
+        padded back to the call's width with zeros: what a trimmed position computes is padding (a loss that read it
+        would depend on how much padding there is). An output is by position where its dim 1 follows the micro-batch's
+        width; where every micro-batch has one width, the first row run one position wider (no graph, the random
+        state put back) tells which outputs follow it."""
+        widths = [width or 0 for _, _, width in call.chunks]
+        found = [_by_path(output) for output in outputs]
+        paths = set(found[0]).intersection(*found[1:])
+        if len(set(widths)) > 1:
+            positional = {
+                path
+                for path in paths
+                if all(f[path].dim() >= 2 and f[path].shape[1] == width for f, width in zip(found, widths))
+            }
+        else:
+            wider = widths[0] + 1
+            probe_args, probe_kwargs = call.batch.arguments(0, 1, width=wider)
+            state = RandomState(self.random_on)
+            try:
+                with torch.no_grad():
+                    probe = _by_path(original(*probe_args, **probe_kwargs))
+            finally:
+                state.restore()
+            positional = {
+                path
+                for path in paths
+                if path in probe
+                and probe[path].dim() >= 2
+                and probe[path].shape[1] == wider
+                and found[0][path].dim() >= 2
+                and found[0][path].shape[1] == widths[0]
+            }
+        if not positional:
+            return outputs
+        return [_pad_paths(output, positional, call.width or 0) for output in outputs]
 
     def _as_leaves(self, output: Any, call: _Call) -> Any:
         """`output` with each floating-point tensor a leaf that takes a gradient (recorded on `call`)."""
@@ -465,24 +526,45 @@ def _paired_tensors(chunk: Any, call: Any, found: Dict[int, torch.Tensor]) -> No
                 _paired_tensors(value, call[key], found)
 
 
-def _as_call_output(output: Any, call: _Call, width: Optional[int], chunk: Arguments, given: Arguments) -> Any:
-    """A sorted micro-batch's output made joinable into the call's: its inputs passed through as the call's own
-    (`_Passed`), tensors trimmed to `width` along dim 1 padded back to the call's width with zeros (what a trimmed
-    position computes is padding: a loss that reads it would depend on how much padding there is)."""
+def _passed_through(output: Any, chunk: Arguments, given: Arguments) -> Any:
+    """A sorted micro-batch's output with the inputs it passes through as it was given them (a features dict, as
+    sentence-transformers' modules pass theirs) marked as the call's own (`_Passed`)."""
     inputs: Dict[int, torch.Tensor] = {}
     _paired_tensors(chunk, given, inputs)
+    if not inputs:
+        return output
+    return map_tensors(output, lambda tensor: _Passed(inputs[id(tensor)]) if id(tensor) in inputs else tensor)
 
-    def joinable(tensor: torch.Tensor) -> Any:
-        if id(tensor) in inputs:
-            return _Passed(inputs[id(tensor)])
-        if call.width is None or width is None or width >= call.width or tensor.dim() < 2:
-            return tensor
-        if tensor.shape[1] != width:
-            return tensor
-        pad = tensor.new_zeros((tensor.shape[0], call.width - width, *tensor.shape[2:]))
-        return torch.cat([tensor, pad], 1)
 
-    return map_tensors(output, joinable)
+Path = Tuple[Any, ...]
+
+
+def _by_path(output: Any, path: Path = ()) -> Dict[Path, torch.Tensor]:
+    """The tensors of an output by where they sit (keys, indices)."""
+    if isinstance(output, torch.Tensor):
+        return {path: output}
+    found: Dict[Path, torch.Tensor] = {}
+    if isinstance(output, (tuple, list)):
+        for index, item in enumerate(output):
+            found.update(_by_path(item, path + (index,)))
+    elif isinstance(output, Mapping):
+        for key, value in output.items():
+            found.update(_by_path(value, path + (key,)))
+    return found
+
+
+def _pad_paths(output: Any, paths: Any, width: int, path: Path = ()) -> Any:
+    """`output` with the tensors at `paths` padded with zeros along dim 1 to `width`."""
+    if isinstance(output, torch.Tensor):
+        if path not in paths or output.shape[1] >= width:
+            return output
+        pad = output.new_zeros((output.shape[0], width - output.shape[1], *output.shape[2:]))
+        return torch.cat([output, pad], 1)
+    if isinstance(output, (tuple, list)):
+        return rebuild_sequence(output, [_pad_paths(item, paths, width, path + (i,)) for i, item in enumerate(output)])
+    if isinstance(output, Mapping):
+        return rebuild_mapping(output, {k: _pad_paths(v, paths, width, path + (k,)) for k, v in output.items()})
+    return output
 
 
 def _in_call_order(output: Any, inverse: List[int]) -> Any:

@@ -17,7 +17,7 @@ import torch
 from toma.accumulation.backward import backward_pass
 from toma.accumulation.coupling import CoupledRows, SplitCheck, check_split_once
 from toma.accumulation.diagnostics import hint_whole, loss_error, warn_once_about_batchnorm
-from toma.accumulation.gradient_cache import GradientCache
+from toma.accumulation.gradient_cache import GradientCache, called_module
 from toma.accumulation.gradients import GradientStash
 from toma.accumulation.levers_in_use import LeversInUse
 from toma.accumulation.misuse import AccumulationMisuse, MisuseWatch
@@ -40,7 +40,7 @@ from toma.batching.logical import LogicalBatch
 from toma.batching.micro_batch_cost import NEVER, MicroBatchCost
 from toma.batching.micro_batch_moves import pipeline_for, prefetched
 from toma.batching.splitting import ArgumentBatch, MicroBatch
-from toma.batching.tokens import TokenPiece, token_batches
+from toma.batching.tokens import TokenBatch, TokenPiece, token_batches
 from toma.core.agreement import AgreedRetry
 from toma.core.oom import collective, should_reduce_batch_size
 from toma.core.steps import TOKEN_BUDGET, Step
@@ -407,7 +407,13 @@ class AccumulateStep(Step):
         (_, factor), arguments = whole.running[0], next(iter(self._arguments(whole)))
         assert self.coupling is not None
         tokens = self.tokens is not None  # `size` is a token budget
-        cache = GradientCache(self.model, size, self.random_on, self.coupling, self.label(), tokens)
+        rows, by_width = size, tokens
+        if self.tokens is not None and isinstance(self.tokens[0], TokenBatch):
+            # the rows a micro-batch of the longest rows holds at this budget: each call's micro-batches hold as many
+            # (sorted, trimmed), never more than the budget allows, down to one row at the smallest budget
+            _, start, stop, _ = self.tokens[0].micro_batches(size)[0]
+            rows, by_width = max(1, stop - start), False
+        cache = GradientCache(called_module(self.model), rows, self.random_on, self.coupling, self.label(), by_width)
         try:
             loss = cache.train(self.func, arguments, factor, backward, self.sync, self.watch)
         except BaseException:  # with a token budget, micro-batches of one row are the smallest

@@ -73,6 +73,12 @@ class ModuleAsModel(torch.nn.Module):
         self.logs = logs
         self.returned: List[bool] = []  # per micro-batch: it returned a loss (True) or None (False)
 
+    @property
+    def called_module(self) -> torch.nn.Module:
+        """The module whose calls gradient caching cuts (`toma.accumulation.gradient_cache`): the LightningModule,
+        which a training step calls as `self(...)`."""
+        return self.module
+
     def pending_mark(self) -> Tuple[int, int]:
         return self.logs.mark(), len(self.returned)
 

@@ -46,6 +46,7 @@ from toma.core.policy import SizePolicy, check_policy
 from toma.core.runner import Runner
 from toma.integrations import grpo
 from toma.integrations.local_collectives import local_collectives
+from toma.integrations.sentence_transformers import prefixed_masks, summed_lengths, trimmed_columns
 from toma.integrations.trainer_records import TrainerRecords
 from toma.integrations.transformers_chunks import PredictionChunks, held_for_chunks
 from toma.integrations.transformers_setup import OPTIONS as OPTIONS  # the toma_ options, named here as before
@@ -101,7 +102,9 @@ class TomaTrainerMixin(_Trainer):
     nor over rows), `toma_log_micro_batch=True` (training logs also carry `micro_batch` and `toma_oom_retries`; off
     by default, so the logs are the plain Trainer's), `toma_pack_tokens=` (True by default: a batch that carries an
     `attention_mask` is packed by tokens: rows sorted by length, micro-batches within a token budget, each trimmed
-    to its longest row, as `toma.accumulate(lengths="attention_mask")`; the size is then that budget; False keeps
+    to its longest row, as `toma.accumulate(lengths="attention_mask")`; the size is then that budget; a batch of
+    sentence-transformers' columns (`anchor_attention_mask`, ...) is packed by each row's tokens over its columns and
+    each column trimmed to its longest row in a micro-batch; False keeps
     micro-batches of rows in the loader's order, at the batch's padded width), `toma_split_for_padding=` (True by
     default: packing may split a batch that fits where the padding saved pays for another micro-batch; False keeps
     it whole, bit for bit), `toma_groups=` (how rows belong together: "pairs", "batch", a function of a batch,
@@ -304,7 +307,16 @@ class TomaTrainerMixin(_Trainer):
         `num_items_in_batch` and weighted by it, its backward through the accelerator; the records made one."""
         packed = is_packed(inputs)  # cut between its sequences, whatever toma_pack_tokens says: rows cannot cut it
         groups, checked = groups_for(packed, self.toma_groups, self._toma_known_groups)
-        lengths = _PACKED if packed else "attention_mask" if self.toma_pack_tokens and has_mask(inputs) else None
+        # sentence-transformers' columns (`anchor_attention_mask`, ...): packed by each row's tokens over its columns,
+        # each column of a micro-batch trimmed to its longest row there
+        columns = not packed and self.toma_pack_tokens and not has_mask(inputs) and bool(prefixed_masks(inputs))
+        lengths: Any = None
+        if packed:
+            lengths = _PACKED
+        elif self.toma_pack_tokens and has_mask(inputs):
+            lengths = "attention_mask"
+        elif columns:
+            lengths = summed_lengths
         batch = logical_batch_of((inputs,), {}, _PACKED if packed else None, groups, name="inputs")
         shares = dataclasses.replace(self._toma_shares(inputs, batch, num_items_in_batch), groups=groups)
         ranks = self.accelerator.num_processes > 1
@@ -313,7 +325,7 @@ class TomaTrainerMixin(_Trainer):
         def micro_loss(micro: Any) -> torch.Tensor:
             items = shares.num_items_for(micro, inputs)
             share = shares.weight_of(micro, inputs)
-            micro = copy.copy(micro)  # compute_loss may pop the labels; a retry needs them
+            micro = copy.copy(trimmed_columns(micro) if columns else micro)  # compute_loss may pop the labels
             records.before_call(micro, share)
             loss = compute(model, micro, num_items_in_batch=items)
             records.after_call()
