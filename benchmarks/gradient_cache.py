@@ -14,6 +14,9 @@ Each part runs in a fresh process capped by its address space (`toma.memory.cpu.
    the loss on all embeddings, its gradient, each mini-batch again with its graph), at each hand-set `mini_batch_size`
    that fits, the best of them reported. Both in the same process, alternating, the median of the steps; peak memory
    (resident, above where the step began) of each. Targets: time <= 1.05x the best hand setting, peak no higher.
+3. **Against sentence-transformers itself** (where it is installed): the same BERT as a `SentenceTransformer`
+   (Transformer + mean Pooling), `MultipleNegativesRankingLoss` through `toma.accumulate(model=...)` against
+   `CachedMultipleNegativesRankingLoss` at each `mini_batch_size` that fits, at the same batch, the same way.
 
 Printed: a markdown table per part and a JSON line per part.
 """
@@ -232,6 +235,100 @@ def timing(headroom_mib: float, rows: int, steps: int) -> Dict[str, Any]:
     )
 
 
+def sentence_model_and_features(rows: int, seed: int = 0) -> Any:
+    """The same BERT as a SentenceTransformer (a word-level tokenizer and the model saved to a temporary folder, no
+    download), and `rows` anchor/positive features dicts of 32 tokens."""
+    import tempfile
+
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.base.modules import Transformer
+    from sentence_transformers.sentence_transformer.modules import Pooling
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    encoder, anchors, positives = encoder_and_data(rows, seed)
+    folder = tempfile.mkdtemp(prefix="toma-bench-")
+    vocab = {"[PAD]": 0, "[UNK]": 1, **{f"w{i}": i for i in range(2, 1000)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="[PAD]", unk_token="[UNK]").save_pretrained(folder)
+    encoder.bert.save_pretrained(folder)
+    transformer = Transformer(folder)
+    model = SentenceTransformer(modules=[transformer, Pooling(transformer.get_embedding_dimension())], device="cpu")
+    model.train()
+    mask = torch.ones_like(anchors)
+    return model, {"input_ids": anchors, "attention_mask": mask}, {"input_ids": positives, "attention_mask": mask}
+
+
+def cached_loss(headroom_mib: float, rows: int, steps: int) -> Dict[str, Any]:
+    """Part 3, in this (fresh) process: MultipleNegativesRankingLoss through toma against sentence-transformers'
+    CachedMultipleNegativesRankingLoss at each mini_batch_size that fits, at `rows` pairs."""
+    import gc
+
+    import torch
+    from sentence_transformers.sentence_transformer import losses
+
+    from toma import GlobalBatchsizeCache, toma
+    from toma.core.oom import should_reduce_batch_size
+
+    torch.set_num_threads(1)
+    model, anchors, positives = sentence_model_and_features(rows)
+    plain_loss = losses.MultipleNegativesRankingLoss(model)
+    capped(headroom_mib)
+    step = toma.accumulate(model=model, cache_type=GlobalBatchsizeCache)(lambda a, p: plain_loss([a, p], None))
+
+    def ours() -> None:
+        step(anchors, positives)
+
+    def settle() -> None:
+        model.zero_grad(set_to_none=True)
+        gc.collect()
+
+    for _ in range(3):
+        ours()
+        settle()
+    cached: Dict[int, Callable[[], None]] = {}
+    for mini in (16, 32) if steps == 1 else (8, 16, 32, 64, 128, 256):
+        if mini >= rows:
+            break
+        loss = losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size=mini)
+        work = lambda loss=loss: loss([anchors, positives], None).backward()  # noqa: E731
+        try:
+            work()
+            cached[mini] = work
+        except Exception as error:
+            if not should_reduce_batch_size(error):
+                raise
+        settle()
+    times: Dict[str, List[float]] = {"toma": [], **{str(m): [] for m in cached}}
+    for _ in range(steps):
+        for name, work in [("toma", ours), *[(str(m), w) for m, w in cached.items()]]:
+            started = time.perf_counter()
+            work()
+            times[name].append(time.perf_counter() - started)
+            settle()
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    best = min((name for name in medians if name != "toma"), key=lambda name: medians[name])
+    same = str(step.stats.micro_batch) if str(step.stats.micro_batch) in medians else None
+    measured = [("toma", ours), (best, cached[int(best)])] + (
+        [(same, cached[int(same)])] if same and same != best else []
+    )
+    peaks = {name: resident_peak_since(settle, work) for name, work in measured}
+    return dict(
+        rows=rows,
+        toma_micro_batch=step.stats.micro_batch,
+        toma_retries=step.stats.oom_retries,
+        coupled=step.stats.split_check.coupled,
+        seconds={name: round(value, 4) for name, value in medians.items()},
+        best_cached=int(best),
+        time_ratio=round(medians["toma"] / medians[best], 3),
+        peak_mib={name: round(value / MiB, 1) for name, value in peaks.items()},
+        peak_ratio=round(peaks["toma"] / peaks[best], 3),
+        same_size_time_ratio=round(medians["toma"] / medians[same], 3) if same else None,
+        same_size_peak_ratio=round(peaks["toma"] / peaks[same], 3) if same else None,
+    )
+
+
 def child(part: str, arguments: List[str]) -> Dict[str, Any]:
     """Run `part` in a fresh interpreter (its own cap) and return its JSON line."""
     command = [sys.executable, os.path.abspath(__file__), "--part", part, *arguments]
@@ -255,6 +352,9 @@ def main() -> None:
         return
     if args.part == "timing":
         print(json.dumps(timing(args.headroom_mib, args.rows, steps)))
+        return
+    if args.part == "cached_loss":
+        print(json.dumps(cached_loss(args.headroom_mib, args.rows, steps)))
         return
     import torch
 
@@ -291,6 +391,31 @@ def main() -> None:
             f"peak {found['same_size_peak_ratio']}x"
         )
     print(json.dumps(dict(part="timing", **found)))
+    try:
+        import sentence_transformers  # noqa: F401
+    except ImportError:
+        print("\nsentence-transformers is not installed: part 3 left out")
+        return
+    real = child("cached_loss", common + ["--rows", str(rows)])
+    print(
+        f"\nsentence-transformers at {rows} pairs: MultipleNegativesRankingLoss through toma (micro-batch "
+        f"{real['toma_micro_batch']}, {real['toma_retries']} retries) against CachedMultipleNegativesRankingLoss\n"
+    )
+    print("| | s per step | peak MiB |")
+    print("|---|---:|---:|")
+    for name, seconds in real["seconds"].items():
+        label = "MNRL through toma.accumulate" if name == "toma" else f"CachedMNRL, mini_batch_size={name}"
+        print(f"| {label} | {seconds:.3f} | {real['peak_mib'].get(name, '')} |")
+    print(
+        f"\ntoma / CachedMNRL at its best mini_batch_size ({real['best_cached']}): time {real['time_ratio']}x, "
+        f"peak {real['peak_ratio']}x"
+    )
+    if real["same_size_time_ratio"] is not None:
+        print(
+            f"toma / CachedMNRL at toma's size ({real['toma_micro_batch']}): time {real['same_size_time_ratio']}x, "
+            f"peak {real['same_size_peak_ratio']}x"
+        )
+    print(json.dumps(dict(part="cached_loss", **real)))
 
 
 if __name__ == "__main__":

@@ -69,9 +69,13 @@ def test_info_nce_with_the_encoder_called_twice_trains_the_full_batch_for_four_s
     steps_of(model, step, batches)
     for p, r in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p, r, rtol=RTOL, atol=ATOL)
-    assert step.stats.split_check.coupled and step.stats.micro_batch == 4
-    # the last step, its size remembered: each call in 8 micro-batches of 4 rows, without a graph, then with one
-    assert model.calls[-34:] == [(4, True)] * 2 + [(4, False)] * 16 + [(4, True)] * 16, model.calls
+    assert step.stats.split_check.coupled and step.stats.micro_batch <= 4
+    # the last step, its size remembered: each call in micro-batches of the rows chosen (at most 4: the size that
+    # fits, or the fastest of its half and quarter), without a graph, then with one
+    rows = step.stats.split_check.speed.chosen
+    assert rows in (1, 2, 4), step.stats.split_check.speed
+    count = 2 * 32 // rows
+    assert model.calls[-2 * count :] == [(rows, False)] * count + [(rows, True)] * count, model.calls
 
 
 class Clip(nn.Module):
@@ -114,7 +118,7 @@ def test_a_clip_like_model_with_two_inputs_a_dict_output_and_a_temperature_train
     steps_of(model, step, batches)
     for p, r in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p, r, rtol=RTOL, atol=ATOL)
-    assert step.stats.split_check.coupled and step.stats.micro_batch == 6
+    assert step.stats.split_check.coupled and 6 <= step.stats.micro_batch <= 12  # chunks within the 7 rows that fit
 
 
 class Features(nn.Module):
@@ -542,6 +546,43 @@ def test_where_every_micro_batch_has_one_width_an_output_as_wide_by_chance_is_no
     same_grads(model, reference)
     assert model.shapes.count((4, 16)) >= 12  # 3 micro-batches a call, 2 calls, 2 passes (the split check ran whole)
     assert (1, 17) in model.shapes  # the probe
+
+
+class Timed(Encoder):
+    """An encoder whose forward takes `seconds(rows)` more (a sleep): per-row cost that grows or falls with the rows."""
+
+    def __init__(self, seconds) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def forward(self, x):
+        if not torch.is_grad_enabled():
+            __import__("time").sleep(self.seconds(len(x)))
+        return super().forward(x)
+
+
+@pytest.mark.parametrize(
+    "seconds, fastest",
+    [(lambda rows: 0.0004 * rows * rows, 4), (lambda rows: 0.01, 16)],
+    ids=["smaller-is-faster", "larger-is-faster"],
+)
+def test_the_micro_batch_rows_are_chosen_by_speed_and_every_choice_trains_the_full_batch(seconds, fastest):
+    """Any micro-batch rows give gradient caching the same gradients: the first calls time the size that fits (16), its
+    half and its quarter, and the fastest per row is kept (a smaller one only where clearly faster)."""
+    batches = [data(seed=s) for s in range(5)]
+    reference, model = Encoder(), Timed(seconds)
+    # a loss function of its own per case: what a call site learned (its split check, its rows) is kept per function
+    loss = (lambda q, d: info_nce(model, q, d)) if fastest == 4 else (lambda q, d: info_nce(model, q, d) * 1.0)
+    step = toma.accumulate(model=model, initial_micro_batch=16, cache_type=NoBatchsizeCache)(loss)
+    for queries, documents in batches:
+        reference.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
+        info_nce(reference, queries, documents).backward()
+        step(queries, documents)
+        same_grads(model, reference)
+    speed = step.stats.split_check.speed
+    assert speed.candidates == [16, 8, 4] and speed.chosen == fastest, speed.seconds_per_row
+    assert model.calls[-1] == (fastest, True) and f"micro-batches of {fastest} rows, the fastest" in str(step.stats)
 
 
 DDP_CODE = """

@@ -74,7 +74,9 @@ class AccumulationStats:
         retries = f"{self.oom_retries} out-of-memory {'retry' if self.oom_retries == 1 else 'retries'}"
         parts = [size, f"{retries} over {self.calls} {'call' if self.calls == 1 else 'calls'}"]
         if self.split_check.coupled:
-            parts.append("the loss couples rows: gradient caching")
+            chosen = self.split_check.speed.chosen
+            fastest = f" in micro-batches of {chosen} rows, the fastest" if chosen is not None else ""
+            parts.append(f"the loss couples rows: gradient caching{fastest}")
         if self.levers:
             parts.append(f"memory levers: {', '.join(self.levers)}")
         return f"toma: {'; '.join(parts)}"

@@ -26,6 +26,7 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
+from toma.accumulation.chunk_speed import ChunkSpeed
 from toma.core.oom import should_reduce_batch_size
 
 __all__ = ["CoupledRows", "SplitCheck", "check_split_once", "tolerance"]
@@ -48,9 +49,10 @@ class SplitCheck:
     found). A check whose parts all gave the same loss (a loss that is constant at the start, as DPO's while the
     policy is its reference) says nothing, and the next split checks again, up to `INCONCLUSIVE` times. `coupled`:
     the loss was found coupling rows and trains by gradient caching (`toma.accumulation.gradient_cache`) from then
-    on; `rows_checked`: the model was found treating rows independently there."""
+    on; `rows_checked`: the model was found treating rows independently there; `speed`: the micro-batch rows
+    gradient caching settled on (`toma.accumulation.chunk_speed`)."""
 
-    __slots__ = ("done", "difference", "inconclusive", "coupled", "rows_checked")
+    __slots__ = ("done", "difference", "inconclusive", "coupled", "rows_checked", "speed")
 
     def __init__(self) -> None:
         self.done = False
@@ -58,6 +60,7 @@ class SplitCheck:
         self.inconclusive = 0
         self.coupled = False
         self.rows_checked = False
+        self.speed = ChunkSpeed()  # gradient caching's micro-batch rows, chosen by time per row
 
     def __repr__(self) -> str:
         state = "not yet" if not self.done else "skipped" if self.difference is None else f"{self.difference:.2g}"

@@ -24,6 +24,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Proto
 import torch
 
 from toma.accumulation.backward import _autocast_enabled, _autocast_off, enabled_autocast
+from toma.accumulation.chunk_speed import now, synchronized
 from toma.accumulation.coupling import CoupledRows, SplitCheck, tolerance
 from toma.accumulation.diagnostics import loss_error
 from toma.accumulation.misuse import MisuseWatch
@@ -229,6 +230,9 @@ class GradientCache:
         self.calls: List[_Call] = []
         self.inside = False  # within one of the model's micro-batches: a nested call runs as it is
         self.after_loss: Optional[RandomState] = None
+        # the first pass timed while the call site's micro-batch rows are still being chosen (`ChunkSpeed`)
+        self.timing = torch.is_grad_enabled() and coupling.speed.timing and not tokens
+        self.first_pass_seconds, self.first_pass_rows = 0.0, 0
         self.original: Callable[..., Any] = model.forward  # the model's own forward, which the passes call
 
     @contextlib.contextmanager
@@ -268,6 +272,8 @@ class GradientCache:
                 with self._intercepted():  # its backward too: a loss's backward hook may call the model (`Cached*`)
                     loss = self._cached_loss(func, arguments, factor, backward, sync, watch)
                 self.replay(sync.scope, sync.micro_batch_done if sync.each_micro_batch else None)
+            if self.timing:
+                self.coupling.speed.record(self.size, self.first_pass_seconds, self.first_pass_rows)
         finally:
             self.forget()
         loss = loss.detach()
@@ -333,6 +339,7 @@ class GradientCache:
         if self.check_rows and not self.calls:
             self._check_rows(original, call)
         outputs = []
+        started = now() if self.timing else 0.0
         self.inside = True
         try:
             for start, stop, width in call.chunks:
@@ -343,6 +350,10 @@ class GradientCache:
                 if call.sorted:  # its inputs passed through, as the call's own (while the micro-batch's are alive)
                     output = _passed_through(output, (chunk_args, chunk_kwargs), (args, kwargs))
                 outputs.append(output)
+            if self.timing:
+                synchronized([tensor for output in outputs[-1:] for tensor in _tensors(output)])
+                self.first_pass_seconds += now() - started
+                self.first_pass_rows += batch.size
             if call.width is not None:
                 outputs = self._padded_back(original, call, outputs)
         finally:

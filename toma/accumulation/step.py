@@ -413,6 +413,8 @@ class AccumulateStep(Step):
             # (sorted, trimmed), never more than the budget allows, down to one row at the smallest budget
             _, start, stop, _ = self.tokens[0].micro_batches(size)[0]
             rows, by_width = max(1, stop - start), False
+        if not by_width and torch.is_grad_enabled():  # any rows give the same gradients: the fastest that fit
+            rows = self.coupling.speed.rows(rows)
         cache = GradientCache(called_module(self.model), rows, self.random_on, self.coupling, self.label(), by_width)
         try:
             loss = cache.train(self.func, arguments, factor, backward, self.sync, self.watch)
