@@ -4,8 +4,8 @@ Under gradient caching (`toma.accumulation.gradient_cache`) the loss is computed
 micro-batch rows give the same gradients: the size that fits is only a ceiling. The largest size is not always the
 fastest (on a CPU smaller micro-batches stay in cache; near full memory a GPU's allocator retries), so the first
 training calls of a call site after it chose gradient caching try the size, its half and its quarter, one per call,
-timing each call's first pass (forward passes without a graph, the same work at every size) per row; a smaller one is
-kept where it is more than 10% faster per row, never above the size that fits. Three calls of timing, then nothing: the hot path reads one attribute.
+timing each call's first pass (forward passes without a graph, the same work at every size) per row; the smallest
+within 5% of the fastest per row is kept (as fast, and it leaves memory to the rest), never above the size that fits. Three calls of timing, then nothing: the hot path reads one attribute.
 """
 
 import logging
@@ -19,7 +19,7 @@ __all__ = ["ChunkSpeed", "synchronized", "now"]
 log = logging.getLogger("toma")
 
 _FRACTIONS = (1, 2, 4)  # the size, its half, its quarter
-_CLEARLY = 0.1  # how much faster per row a smaller micro-batch must be to be chosen
+_WITHIN = 0.05  # how much slower per row than the fastest the micro-batches chosen may be (for less memory)
 
 
 class ChunkSpeed:
@@ -57,13 +57,10 @@ class ChunkSpeed:
         self.seconds_per_row[rows] = seconds / timed_rows
         if len(self.seconds_per_row) < len(self.candidates):
             return
-        # the largest, unless a smaller one is clearly faster (timing noise never makes the micro-batches smaller)
+        # the smallest within a few percent of the fastest: as fast, and it leaves the most memory to the rest
         times = self.seconds_per_row
-        chosen = self.candidates[0]
-        for rows in self.candidates[1:]:
-            if times[rows] < (1 - _CLEARLY) * times[chosen]:
-                chosen = rows
-        self.chosen = chosen
+        fastest = min(times.values())
+        self.chosen = min(rows for rows in self.candidates if times[rows] <= (1 + _WITHIN) * fastest)
         log.info(
             "toma: gradient caching runs the model's calls in micro-batches of %d rows, the fastest per row of %s",
             self.chosen,

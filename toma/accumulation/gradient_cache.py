@@ -480,6 +480,8 @@ class GradientCache:
         # only the calls the loss backpropagated to (not one made under no_grad, nor one whose outputs it ignored)
         calls = [(call, [None if leaf is None else leaf.grad for leaf in call.leaves]) for call in self.calls]
         calls = [(call, grads) for call, grads in calls if any(grad is not None for grad in grads)]
+        for call in self.calls:  # the outputs themselves are no longer needed, only their gradients: free them
+            call.leaves = []
         total, index = sum(len(call.chunks) for call, _ in calls), 0
         outside = enabled_autocast()  # each backward pass outside autocast, as `toma.accumulation.backward` runs them
         for call, grads in calls:
