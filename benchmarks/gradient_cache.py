@@ -192,7 +192,7 @@ def timing(headroom_mib: float, rows: int, steps: int) -> Dict[str, Any]:
         encoder.zero_grad(set_to_none=True)
         gc.collect()
 
-    for _ in range(5):  # toma finds its size (out-of-memory errors, growth) and its fastest rows, then settled calls
+    for _ in range(10):  # toma finds its size (out-of-memory errors, growth), times its rows (8 calls), then settles
         ours()
         settle()
     hands: Dict[int, Callable[[], None]] = {}
@@ -286,7 +286,7 @@ def cached_loss(headroom_mib: float, rows: int, steps: int) -> Dict[str, Any]:
         model.zero_grad(set_to_none=True)
         gc.collect()
 
-    for _ in range(5):  # its size, then its fastest rows (three timed calls)
+    for _ in range(10):  # its size, then its rows timed (8 calls)
         ours()
         settle()
     cached: Dict[int, Callable[[], None]] = {}

@@ -230,9 +230,8 @@ class GradientCache:
         self.calls: List[_Call] = []
         self.inside = False  # within one of the model's micro-batches: a nested call runs as it is
         self.after_loss: Optional[RandomState] = None
-        # the first pass timed while the call site's micro-batch rows are still being chosen (`ChunkSpeed`)
+        # the attempt timed while the call site's micro-batch rows are still being chosen (`ChunkSpeed`)
         self.timing = torch.is_grad_enabled() and coupling.speed.timing and not tokens
-        self.first_pass_seconds, self.first_pass_rows = 0.0, 0
         self.original: Callable[..., Any] = model.forward  # the model's own forward, which the passes call
 
     @contextlib.contextmanager
@@ -267,13 +266,16 @@ class GradientCache:
         """One attempt: the first pass with the loss (times `factor`, its share of a larger mean), its `backward` to
         the model's outputs, the second pass in `sync`'s scopes (under `watch`, as micro-batches are); without
         gradients the loss alone. The loss, detached."""
+        started = now() if self.timing else 0.0
         try:
             with watch:
                 with self._intercepted():  # its backward too: a loss's backward hook may call the model (`Cached*`)
                     loss = self._cached_loss(func, arguments, factor, backward, sync, watch)
+                rows = sum(call.batch.size for call in self.calls)
                 self.replay(sync.scope, sync.micro_batch_done if sync.each_micro_batch else None)
             if self.timing:
-                self.coupling.speed.record(self.size, self.first_pass_seconds, self.first_pass_rows)
+                synchronized([loss])
+                self.coupling.speed.record(self.size, now() - started, rows)
         finally:
             self.forget()
         loss = loss.detach()
@@ -339,7 +341,6 @@ class GradientCache:
         if self.check_rows and not self.calls:
             self._check_rows(original, call)
         outputs = []
-        started = now() if self.timing else 0.0
         self.inside = True
         try:
             for start, stop, width in call.chunks:
@@ -350,10 +351,6 @@ class GradientCache:
                 if call.sorted:  # its inputs passed through, as the call's own (while the micro-batch's are alive)
                     output = _passed_through(output, (chunk_args, chunk_kwargs), (args, kwargs))
                 outputs.append(output)
-            if self.timing:
-                synchronized([tensor for output in outputs[-1:] for tensor in _tensors(output)])
-                self.first_pass_seconds += now() - started
-                self.first_pass_rows += batch.size
             if call.width is not None:
                 outputs = self._padded_back(original, call, outputs)
         finally:
