@@ -377,8 +377,8 @@ def main() -> None:
     found = child("timing", common + ["--rows", str(rows)])
     print(
         f"\nAt {rows} pairs (plain cannot train it): toma's size {found['toma_micro_batch']} rows "
-        f"(found by {found['toma_retries']} out-of-memory retries), its micro-batches {found['toma_rows']} rows (the "
-        f"fastest of the size, its half and its quarter), the median of {steps} steps\n"
+        f"(found by {found['toma_retries']} out-of-memory retries), its micro-batches {found['toma_rows']} rows (chosen "
+        f"by time per row), the median of {steps} steps\n"
     )
     print("| | s per step | peak MiB |")
     print("|---|---:|---:|")

@@ -568,7 +568,7 @@ class Timed(Encoder):
 )
 def test_the_micro_batch_rows_are_chosen_by_speed_and_every_choice_trains_the_full_batch(seconds, fastest):
     """Any micro-batch rows give gradient caching the same gradients: the first calls time the size that fits (16), its
-    half, quarter and eighth (two rounds), and the smallest within 5% of the fastest per row is kept."""
+    half, quarter and eighth (two rounds), and the smallest within 2% of the fastest per row is kept."""
     batches = [data(seed=s) for s in range(9)]
     reference, model = Encoder(), Timed(seconds)
     # a loss function of its own per case: what a call site learned (its split check, its rows) is kept per function

@@ -5,7 +5,7 @@ micro-batch rows give the same gradients: the size that fits is only a ceiling. 
 fastest (on a CPU smaller micro-batches stay in cache; near full memory a GPU's allocator retries), so the first
 training calls of a call site after it chose gradient caching try the size, its half, quarter and eighth, one per
 call, in two interleaved rounds, timing each attempt (both passes, per row; a call is a training step all the same);
-the smallest within 5% of the fastest (each candidate's best round) is kept, as fast and leaving the most memory to
+the smallest within 2% of the fastest (each candidate's best round) is kept, as fast and leaving the most memory to
 the rest, never above the size that fits. Eight calls of timing, then nothing: the hot path reads one attribute.
 """
 
@@ -21,7 +21,7 @@ log = logging.getLogger("toma")
 
 _FRACTIONS = (1, 2, 4, 8)  # the size, its half, its quarter, its eighth
 _ROUNDS = 2  # timings per candidate, interleaved: each candidate's best counts
-_WITHIN = 0.05  # how much slower per row than the fastest the micro-batches chosen may be (for less memory)
+_WITHIN = 0.02  # how much slower per row than the fastest the micro-batches chosen may be (for less memory)
 
 
 class ChunkSpeed:
