@@ -22,6 +22,7 @@ from toma.core.caches import (
 from toma.core.oom import register_oom_predicate, release_memory, should_reduce_batch_size, unregister_oom_predicate
 from toma.core.size_file import remember_sizes
 from toma.forms import PackageModule, explicit, simple, toma
+from toma.generation.generate import generate
 from toma.memory.cpu import is_out_of_cpu_memory
 from toma.memory.cuda import gc_cuda, is_cuda_out_of_memory, is_cudnn_snafu
 from toma.offload.hosted_embedding import HostedEmbedding
@@ -56,6 +57,7 @@ __all__ = [
     "AccumulationMisuse",
     "CoupledRows",
     "Trainer",
+    "generate",
     "Callback",
     "StopTraining",
     "TrainingHistory",
