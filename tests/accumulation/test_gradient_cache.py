@@ -585,6 +585,21 @@ def test_the_micro_batch_rows_are_chosen_by_speed_and_every_choice_trains_the_fu
     assert model.calls[-1] == (fastest, True) and f"micro-batches of {fastest} rows, the fastest" in str(step.stats)
 
 
+def test_where_two_rows_do_not_fit_even_without_gradients_the_check_cuts_the_models_calls_and_caching_trains():
+    """The encoder refuses more than one row with or without gradients: the split check's whole (two rows) runs with
+    the model's calls cut into single rows, finds the coupling, and gradient caching trains the full batch's gradients
+    one row at a time (the model's rows cannot be compared: a warning says so)."""
+    queries, documents = data(n=8)
+    reference, model = Encoder(), Encoder(limit=1)
+    info_nce(reference, queries, documents).backward()
+    step = toma.accumulate(model=model, policy=Halving(), cache_type=NoBatchsizeCache)(
+        lambda q, d: info_nce(model, q, d)
+    )
+    step(queries, documents)
+    same_grads(model, reference)
+    assert step.stats.split_check.coupled
+
+
 DDP_CODE = """
 import json, os
 import torch, torch.distributed as dist, torch.nn as nn, torch.nn.functional as F

@@ -261,3 +261,71 @@ def test_under_a_real_cpu_cap_the_plain_trainer_fails_and_toma_trains_its_parame
     assert result["plain_encode"] and "can't allocate memory" in result["plain_encode"]
     assert result["encode_difference"] <= 1e-5, result["encode_difference"]
     print(f"\n{result['summary']}; plain: {result['plain']}")
+
+
+# --- found by sentence-transformers' own tests with toma inside (docs/development.md) ------------------------------
+
+
+def test_losses_chosen_per_data_set_each_keep_their_own_split_check_in_training_and_evaluation(tmp_path):
+    """A dict of losses (CosineSimilarityLoss for one data set, in-batch negatives for the other), the forward refusing
+    more than one row: the cosine batches' verdict (independent rows) must not cut the MNRL batches into rows, whose
+    loss is 0 (as sentence-transformers' test_trainer_call_model_init_multi_loss found); nor in evaluation."""
+    from datasets import DatasetDict
+
+    data = DatasetDict({"cosine": pairs(16, score=True, seed=3), "negatives": pairs(16, seed=4)})
+
+    def make_loss(model):
+        return {"cosine": losses.CosineSimilarityLoss(model), "negatives": losses.MultipleNegativesRankingLoss(model)}
+
+    overrides = dict(per_device_train_batch_size=4, per_device_eval_batch_size=4, max_steps=6)
+    plain = run(SentenceTransformerTrainer, make_loss, str(tmp_path / "plain"), data, **overrides)
+    toma = run(TomaSentenceTrainer, make_loss, str(tmp_path / "toma"), data, oom_rows=1, **overrides)
+    assert largest_difference(plain["model"], toma["model"]) <= TOLERANCE
+    checks = toma["trainer"]._toma_loss_checks
+    assert checks["negatives"][0].coupled and not checks["cosine"][0].coupled
+    for key in ("eval_cosine_loss", "eval_negatives_loss"):  # evaluated at the end of each run, in chunks of 1 row
+        assert toma["evaluated"][key] == pytest.approx(plain["evaluated"][key], rel=TOLERANCE), key
+
+
+def static_embedding_model():
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import StaticEmbedding
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from tiny_sentence_transformers import WORDS
+
+    tokenizer = Tokenizer(models.WordLevel({"[UNK]": 0, **{w: i + 1 for i, w in enumerate(WORDS)}}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    torch.manual_seed(0)
+    return SentenceTransformer(modules=[StaticEmbedding(tokenizer, embedding_dim=16)], device="cpu")
+
+
+def test_a_batch_that_cannot_be_cut_into_rows_runs_whole_as_the_plain_trainer_runs_it(tmp_path):
+    """A StaticEmbedding model's columns come as flattened token ids with their offsets (dim 0 is not rows): toma runs
+    the batch whole, as the plain trainer does (sentence-transformers' test_router_with_trainer found the refusal),
+    and an out-of-memory error in it says why toma could not help."""
+    from sentence_transformers import SentenceTransformerTrainer as Plain
+
+    from tiny_sentence_transformers import arguments
+
+    data = pairs(32)
+    trained = []
+    for cls in (Plain, TomaSentenceTrainer):
+        model = static_embedding_model()
+        trainer = cls(model=model, args=arguments(str(tmp_path / cls.__name__)), train_dataset=data,
+                      loss=losses.MultipleNegativesRankingLoss(model))  # fmt: skip
+        trainer.train()
+        trained.append(model)
+    assert largest_difference(*trained) == 0.0
+
+    model = static_embedding_model()
+
+    def refuse(module, args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    model[0].register_forward_pre_hook(refuse)
+    trainer = TomaSentenceTrainer(model=model, args=arguments(str(tmp_path / "oom")), train_dataset=data,
+                                  loss=losses.MultipleNegativesRankingLoss(model))  # fmt: skip
+    with pytest.raises(torch.OutOfMemoryError) as raised:
+        trainer.train()
+    assert any("cannot be cut into rows" in note for note in getattr(raised.value, "__notes__", []))

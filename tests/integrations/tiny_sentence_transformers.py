@@ -152,7 +152,7 @@ def run(
     )
     trainer.train()
     evaluated = trainer.evaluate()
-    return dict(model=model, eval_loss=evaluated["eval_loss"], trainer=trainer)
+    return dict(model=model, eval_loss=evaluated.get("eval_loss"), evaluated=evaluated, trainer=trainer)
 
 
 def largest_difference(a: torch.nn.Module, b: torch.nn.Module) -> float:

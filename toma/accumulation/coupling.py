@@ -131,11 +131,14 @@ def check_split_once(
     unit_weight: Callable[[Any, int, int, Arguments], Optional[float]],
     summed: bool,
     name: str,
+    cut_loss: Optional[Callable[[Arguments], Any]] = None,
 ) -> None:
     """Compare the loss of units `[start, stop)` of `piece` with its two halves' (`arguments_of(piece, a, b,
     width)`: a part's arguments where the micro-batches' are, on the model's device; `unit_weight(piece, a, b,
     arguments)`: what a part's loss averages over, None where it counts nothing; `summed`: the losses add up as
-    they are). Raises `CoupledRows` where they differ; marks `check` done either way."""
+    they are). Raises `CoupledRows` where they differ; marks `check` done either way. `cut_loss(arguments)`: the
+    loss of a part with the model's calls cut into single rows (gradient caching's first pass), for two units that
+    do not fit together even without gradients."""
     extended = stop - start < 2  # micro-batches of one unit: the check takes two, which may not fit
     if extended:
         stop = min(piece.unit_count, start + 2)
@@ -150,9 +153,12 @@ def check_split_once(
     except Exception as error:
         if not _cannot_check(error, extended):
             raise  # the attempt fails as any other (smaller is checked), or the user's error, untouched
-        check.done = True
-        _warn_unchecked(name, stop - start, piece.unit_name, error)
-        return
+        found = _with_calls_cut(error, extended, cut_loss, func, model, piece, parts, width, arguments_of, unit_weight)
+        if found is None:
+            check.done = True
+            _warn_unchecked(name, stop - start, piece.unit_name, error)
+            return
+        losses, weights = found
     whole, first, second = losses
     parts_sum = _parts_sum(first, second, weights, summed)
     if parts_sum is None:
@@ -180,6 +186,40 @@ def _part_losses(
         arguments = [arguments_of(piece, a, b, width) for a, b in parts]
         losses = [_loss(func, args) for args in arguments]
         weights = [unit_weight(piece, a, b, args) for (a, b), args in zip(parts[1:], arguments[1:])]
+    return losses, weights
+
+
+def _with_calls_cut(
+    error: Exception,
+    extended: bool,
+    cut_loss: Optional[Callable[[Arguments], Any]],
+    func: Callable[..., Any],
+    model: torch.nn.Module,
+    piece: Any,
+    parts: List[Tuple[int, int]],
+    width: Optional[int],
+    arguments_of: Callable[[Any, int, int, Optional[int]], Arguments],
+    unit_weight: Callable[[Any, int, int, Arguments], Optional[float]],
+) -> Optional[Tuple[List[float], List[Optional[float]]]]:
+    """Where two units do not fit together even without gradients: the whole's loss with the model's calls cut into
+    single rows (`cut_loss`), each half's as it is; None where that cannot run either (then the check warns)."""
+    if cut_loss is None or not extended or not should_reduce_batch_size(error):
+        return None
+    del error  # its traceback holds the failed pass's memory
+    try:
+        with torch.no_grad(), _EvalMode(model):
+            arguments = [arguments_of(piece, a, b, width) for a, b in parts]
+            whole = cut_loss(arguments[0])
+            if not isinstance(whole, torch.Tensor) or whole.numel() != 1:
+                return None
+            losses = [float(whole.detach().float().reshape(())), *(_loss(func, args) for args in arguments[1:])]
+            weights = [unit_weight(piece, a, b, args) for (a, b), args in zip(parts[1:], arguments[1:])]
+    except (_NoLoss, CoupledRows):
+        return None  # a loss that never calls the model: nothing to cut
+    except Exception as cut_error:
+        if should_reduce_batch_size(cut_error):
+            return None
+        raise
     return losses, weights
 
 

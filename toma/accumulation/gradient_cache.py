@@ -34,6 +34,7 @@ from toma.batching.micro_batch_cost import NEVER, MicroBatchCost
 from toma.batching.nested import map_tensors, rebuild_mapping, rebuild_sequence
 from toma.batching.splitting import ArgumentBatch
 from toma.batching.tokens import TokenBatch, restore_order
+from toma.core.oom import should_reduce_batch_size
 from toma.core.steps import BatchStep
 
 __all__ = [
@@ -426,6 +427,7 @@ class GradientCache:
                 f"rows: {', '.join(mixing[:4])}{', ...' if len(mixing) > 4 else ''}"
             )
         start, stop, width = call.chunks[0]
+        extended = stop - start < 2
         stop = min(call.batch.size, start + max(2, stop - start))  # micro-batches of one row: two, to compare
         if stop - start < 2:
             return  # one row in the call: nothing to compare it with
@@ -440,6 +442,17 @@ class GradientCache:
                 for first, last in ((start, stop), (start, middle), (middle, stop)):
                     chunk_args, chunk_kwargs = call.batch.arguments(first, last, width=width)
                     parts.append(original(*chunk_args, **chunk_kwargs))
+        except Exception as error:
+            if not (extended and should_reduce_batch_size(error)):
+                raise
+            # two rows do not fit together even without gradients: the forward cannot be compared with its halves
+            log.warning(
+                "toma: %s: could not check that the model treats rows independently (2 rows ran out of memory without "
+                "gradients); BatchNorm was checked by name, and gradient caching trains on as if it does",
+                self.label,
+            )
+            self.rows_compared = True
+            return
         finally:
             self.inside = False
             for module, training in modes:

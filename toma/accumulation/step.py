@@ -17,7 +17,7 @@ import torch
 from toma.accumulation.backward import backward_pass
 from toma.accumulation.coupling import CoupledRows, SplitCheck, check_split_once
 from toma.accumulation.diagnostics import hint_whole, loss_error, warn_once_about_batchnorm
-from toma.accumulation.gradient_cache import GradientCache, called_module
+from toma.accumulation.gradient_cache import GradientCache, called_module, with_calls_cut
 from toma.accumulation.gradients import GradientStash
 from toma.accumulation.levers_in_use import LeversInUse
 from toma.accumulation.misuse import AccumulationMisuse, MisuseWatch
@@ -367,6 +367,7 @@ class AccumulateStep(Step):
                 self._unit_weight,
                 not self.weighting.mean,
                 self.label(),
+                self._cut_loss if self._may_cache() else None,
             )
         except CoupledRows as refused:
             if getattr(refused, "other_reduction", False) or not self._may_cache():
@@ -384,6 +385,13 @@ class AccumulateStep(Step):
         finally:
             self.rollbacks.undo()
             self.rollbacks.begin()
+
+    def _cut_loss(self, arguments: Arguments) -> Any:
+        """The loss of a part with the model's calls cut into single rows, without gradients: the split check's whole
+        where two rows do not fit together (the model's rows not checked here: that takes two rows at once)."""
+        trusted = SplitCheck()
+        trusted.rows_checked = True
+        return with_calls_cut(called_module(self.model), 1, self.func, arguments, trusted, self.label())
 
     def _may_cache(self) -> bool:
         """Whether a loss that couples rows can train here by gradient caching: the model's calls can be cut (one

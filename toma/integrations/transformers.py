@@ -27,7 +27,8 @@ import dataclasses
 import functools
 import logging
 import re
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import transformers
@@ -35,13 +36,14 @@ from transformers.trainer_utils import unwrap_peft_model
 
 from toma.accumulation.accumulate import AccumulationStats, MicroBatchSizing, accumulate
 from toma.accumulation.coupling import CoupledRows, SplitCheck, check_split_once
-from toma.accumulation.gradient_cache import CutCalls
+from toma.accumulation.gradient_cache import CutCalls, with_calls_cut
 from toma.accumulation.options import AccumulationSettings, SettingAttribute, check_flag
 from toma.accumulation.sharded_models import is_fsdp2
 from toma.batching.logical import Piece, logical_batch_of
 from toma.batching.packed import PackedBatch, is_packed
 from toma.core.arguments import check_size
 from toma.core.caches import GlobalBatchsizeCache
+from toma.core.oom import should_reduce_batch_size
 from toma.core.policy import SizePolicy, check_policy
 from toma.core.runner import Runner
 from toma.integrations import grpo
@@ -165,6 +167,8 @@ class TomaTrainerMixin(_Trainer):
         self._toma_evaluation = Runner(ACCUMULATION, policy=given, cache=GlobalBatchsizeCache(), distributed=True)
         # whether the evaluation loss couples rows (then never averaged over chunks: `_toma_predict_cut`)
         self._toma_eval_coupling = SplitCheck()
+        # several losses (sentence-transformers' dict, chosen by a batch's dataset_name): each its own checks
+        self._toma_loss_checks: Dict[str, Tuple[SplitCheck, SplitCheck]] = {}
         super().__init__(*args, **kwargs)
         self._toma_trl = trl_trainer(self)
         self._toma_check_setup()
@@ -300,6 +304,38 @@ class TomaTrainerMixin(_Trainer):
             return torch.zeros((), device=self.args.device).requires_grad_()
         return self._toma_accumulate(compute, model, inputs, num_items_in_batch)
 
+    def _toma_checks_for(self, inputs: Any) -> None:
+        """Put in place the split checks (training's, evaluation's) of the loss this batch is computed with, where the
+        trainer has several: sentence-transformers' dict of losses, chosen per batch by its `dataset_name` (one
+        loss's verdict, independent rows, must not decide how another, in-batch negatives, is cut)."""
+        losses = getattr(self, "loss", None)
+        name = inputs.get("dataset_name") if isinstance(losses, dict) and isinstance(inputs, Mapping) else None
+        if not isinstance(name, str):
+            return
+        if name not in self._toma_loss_checks:
+            self._toma_loss_checks[name] = (SplitCheck(), SplitCheck())
+        self.toma_stats.split_check, self._toma_eval_coupling = self._toma_loss_checks[name]
+
+    def _toma_whole(
+        self,
+        compute: Callable[..., Any],
+        model: torch.nn.Module,
+        inputs: Any,
+        num_items_in_batch: Any,
+        reason: ValueError,
+    ) -> torch.Tensor:
+        """A batch toma cannot cut into rows runs whole, as the plain Trainer runs it (its loss returned with its graph,
+        for the Trainer's own backward pass); an out-of-memory error in it says why toma could not help."""
+        say_once(
+            f"{type(self).__name__}: a batch toma cannot cut into rows runs whole, as the plain Trainer runs it: {reason}"
+        )
+        try:
+            return compute(model, inputs, num_items_in_batch=num_items_in_batch)  # type: ignore[no-any-return]
+        except BaseException as error:
+            if should_reduce_batch_size(error):
+                error.add_note(f"toma: this batch ran whole, as it cannot be cut into rows ({reason})")
+            raise
+
     def _toma_accumulate(
         self, compute: Callable[..., Any], model: torch.nn.Module, inputs: Any, num_items_in_batch: Any
     ) -> torch.Tensor:
@@ -317,7 +353,13 @@ class TomaTrainerMixin(_Trainer):
             lengths = "attention_mask"
         elif columns:
             lengths = summed_lengths
-        batch = logical_batch_of((inputs,), {}, _PACKED if packed else None, groups, name="inputs")
+        self._toma_checks_for(inputs)
+        try:
+            batch = logical_batch_of((inputs,), {}, _PACKED if packed else None, groups, name="inputs")
+        except ValueError as reason:  # no rows to cut (a StaticEmbedding's flattened token ids with their offsets)
+            if groups not in (None, "rows"):
+                raise  # a batch the grouping asked for does not have: an error, not a batch to run whole
+            return self._toma_whole(compute, model, inputs, num_items_in_batch, reason)
         shares = dataclasses.replace(self._toma_shares(inputs, batch, num_items_in_batch), groups=groups)
         ranks = self.accelerator.num_processes > 1
         records = TrainerRecords(self, self._toma_record_rules, ranks=ranks)
@@ -379,6 +421,7 @@ class TomaTrainerMixin(_Trainer):
         batch's packed sequences) that fit; the chunks' losses averaged over their items (or rows), their logits
         and labels joined; what the steps record per call (TRL's metrics) made one value per batch."""
         predict = super().prediction_step
+        self._toma_checks_for(inputs)
         packed = is_packed(inputs)
         # DPO's pairs stay together here as in training
         groups = groups_for(packed, self.toma_groups, self._toma_known_groups)[0]
@@ -449,10 +492,17 @@ class TomaTrainerMixin(_Trainer):
 
         arguments_of = lambda piece, a, b, width: piece.arguments(a, b)  # noqa: E731
         name = f"{type(self).__name__}.prediction_step"
+
+        def cut_loss(arguments: Any) -> Any:  # two rows that do not fit together: the model's calls one row at a time
+            trusted = SplitCheck()
+            trusted.rows_checked = True
+            return with_calls_cut(chunks.model, 1, loss_of, arguments, trusted, name)
+
         try:
             check_split_once(
-                coupling, loss_of, chunks.model, split, start, stop, None, arguments_of, weight_of, summed, name
-            )
+                coupling, loss_of, chunks.model, split, start, stop, None, arguments_of, weight_of, summed, name,
+                cut_loss,
+            )  # fmt: skip
         except CoupledRows as found:
             coupling.coupled = coupling.done = True
             log.info(
