@@ -195,7 +195,8 @@ def test_a_row_that_does_not_fit_alone_re_raises_the_original_error_without_smal
     assert "smallest token budget" in notes and "activation checkpointing tried too" in notes
     rows = [r for r, _ in attempts]
     # once every micro-batch holds one row, one more attempt with activation checkpointing (issue 42), then it stops
-    assert rows[-2:] == [1, 1] and len(attempts) <= 6, "stops once one row fails with every lever"
+    # (the split check's two rows, failing, are tried once more with the model's calls cut into single rows)
+    assert rows[-2:] == [1, 1] and len(attempts) <= 7, "stops once one row fails with every lever"
 
 
 def test_fit_to_memory_learns_the_budget_and_the_second_call_starts_from_it():

@@ -93,14 +93,15 @@ def test_predictable_heaps_mmap_threshold_reaches_malloc(threshold, mapped):
         gc.collect()
         gc.disable()  # no garbage of the imports (freed mapped chunks) collected while the pieces are counted
         before = libc.mallinfo2().hblks
-        pieces = [torch.empty(100 * 1024, dtype=torch.uint8) for _ in range(10)]
+        # many pieces: a free chunk that the imports left in the heap serves a request above the threshold too
+        pieces = [torch.empty(100 * 1024, dtype=torch.uint8) for _ in range(60)]
         print(json.dumps(dict(mapped=libc.mallinfo2().hblks - before)))
         """
     )
     count = json.loads(out.stdout)["mapped"]
     if count is None:
         pytest.skip("glibc's mallinfo2 (2.33 and later) is not here")
-    assert (count >= 5) == mapped and (count > 0) == mapped, count  # glibc's count moves with other frees too
+    assert (count >= 30) == mapped and (count > 0) == mapped, count  # glibc's count moves with other frees too
 
 
 def test_available_memory_is_positive():
